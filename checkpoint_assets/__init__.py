@@ -1,0 +1,37 @@
+"""checkpoint-assets: resumable, sharded, row-wise batch jobs as Dagster assets.
+
+>>> import checkpoint_assets
+>>> checkpoint_assets.shard_partitions(4).get_partition_keys()
+['0-of-4', '1-of-4', '2-of-4', '3-of-4']
+"""
+
+from checkpoint_assets.engine.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InputChangedError,
+    InvalidIdsError,
+    JobMismatchError,
+    LockHeldError,
+    OutageError,
+    StorageError,
+    TooManyFailuresError,
+)
+from checkpoint_assets.integration.asset import CheckpointRunConfig, checkpointed_asset
+from checkpoint_assets.integration.io_manager import CheckpointIOManager
+from checkpoint_assets.integration.partitions import shard_partitions
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointIOManager",
+    "CheckpointRunConfig",
+    "CorruptCheckpointError",
+    "InputChangedError",
+    "InvalidIdsError",
+    "JobMismatchError",
+    "LockHeldError",
+    "OutageError",
+    "StorageError",
+    "TooManyFailuresError",
+    "checkpointed_asset",
+    "shard_partitions",
+]

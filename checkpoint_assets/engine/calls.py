@@ -1,0 +1,215 @@
+"""Calling the user's function on a batch: validation, retries, poison-row isolation, outages.
+
+A batch whose call raises is retried ``max_attempts`` times with a doubling delay. If it keeps
+failing it is split in halves, each tried once, recursively, until the rows that fail alone are
+found; those are stored as failures (``_error``, ``_attempts``) while their neighbours succeed.
+
+An outage (endpoint down, quota spent) makes every call fail. Splitting would then call once per
+row, so the caller counts consecutive failed calls: past ``outage_threshold`` (more than a single
+poison row can cause) the run stops with ``OutageError``, and the failures seen during that streak
+are not stored, since they say nothing about the rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+
+from checkpoint_assets.engine.checkpoint import ATTEMPTS, BOOKKEEPING, ERROR, INPUT_HASH
+
+BatchFn = Callable[[pl.DataFrame], Any]
+_MAX_ERROR_CHARS = 2000
+
+
+class CallFailed(Exception):
+    """The function raised, or returned something that is not a result for its batch."""
+
+
+def outage_threshold(max_attempts: int, batch_rows: int) -> int:
+    """Consecutive failed calls that mean an outage rather than poison rows.
+
+    Isolating one poison row in a batch of ``b`` rows fails at most ``max_attempts + log2(b)``
+    calls in a row; two adjacent poison rows one more. Twice the splitting depth leaves margin.
+    """
+    return max_attempts + 2 * math.ceil(math.log2(max(batch_rows, 2))) + 1
+
+
+@dataclass
+class Outcome:
+    """Rows produced by processing one batch: successes and failures, plus call counts."""
+
+    ok: list[pl.DataFrame] = field(default_factory=list)
+    failed: list[pl.DataFrame] = field(default_factory=list)
+    calls: int = 0
+    failed_calls: int = 0
+
+
+class Caller:
+    """Calls ``fn`` on batches, sync or async, with retries and splitting."""
+
+    def __init__(
+        self,
+        fn: BatchFn,
+        id_column: str,
+        *,
+        max_attempts: int = 3,
+        retry_delay_seconds: float = 1.0,
+        on_call: Callable[[bool], bool] | None = None,
+    ) -> None:
+        self.fn = fn
+        self.id_column = id_column
+        self.max_attempts = max(1, max_attempts)
+        self.retry_delay_seconds = retry_delay_seconds
+        # on_call(succeeded) -> keep going; lets the runner stop everything during an outage.
+        self.on_call = on_call or (lambda ok: True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        if inspect.iscoroutinefunction(fn):
+            self._start_loop()
+
+    # -- async support -------------------------------------------------------------------
+    def _start_loop(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        self._loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
+        self._loop_thread.start()
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._loop_thread is not None:
+                self._loop_thread.join(timeout=5)
+            self._loop.close()
+            self._loop = None
+
+    def _invoke(self, batch: pl.DataFrame) -> Any:
+        if self._loop is not None:
+            coro: Awaitable[Any] = self.fn(batch)
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
+        return self.fn(batch)
+
+    # -- one call ------------------------------------------------------------------------
+    def call_once(self, batch: pl.DataFrame) -> pl.DataFrame:
+        """Call the function and check its result; raise ``CallFailed`` on any problem."""
+        try:
+            raw = self._invoke(batch)
+        except Exception as e:
+            raise CallFailed(_describe(e)) from e
+        return self._check(raw, batch)
+
+    def _check(self, raw: Any, batch: pl.DataFrame) -> pl.DataFrame:
+        out = _as_frame(raw)
+        if out is None:
+            raise CallFailed(
+                f"the function returned {type(raw).__name__}; it must return a polars DataFrame "
+                f"with the id column {self.id_column!r} and the output columns"
+            )
+        if self.id_column not in out.columns:
+            raise CallFailed(
+                f"the function's result has no id column {self.id_column!r} "
+                f"(columns: {out.columns}); return the id with each result"
+            )
+        reserved = [c for c in out.columns if c in BOOKKEEPING]
+        if reserved:
+            raise CallFailed(f"the function's result uses reserved column names {reserved}")
+        ids = out.get_column(self.id_column)
+        if ids.n_unique() != out.height:
+            raise CallFailed("the function returned more than one result for some ids")
+        wanted = batch.get_column(self.id_column)
+        if ids.dtype != wanted.dtype:
+            try:
+                out = out.with_columns(pl.col(self.id_column).cast(wanted.dtype, strict=True))
+            except Exception as e:
+                raise CallFailed(f"the function returned ids of type {ids.dtype}: {e}") from e
+        unknown = out.join(batch.select(self.id_column), on=self.id_column, how="anti")
+        if unknown.height:
+            sample = unknown.get_column(self.id_column).head(5).to_list()
+            raise CallFailed(f"the function returned ids that were not in its batch: {sample}")
+        return out
+
+    # -- a batch, with retries and splitting ---------------------------------------------
+    def process(self, batch: pl.DataFrame) -> Outcome:
+        """Results for every row of ``batch`` (rows the function skipped count as failed)."""
+        outcome = Outcome()
+        self._attempt(batch, self.max_attempts, 0, outcome)
+        return outcome
+
+    def _attempt(self, batch: pl.DataFrame, attempts: int, before: int, outcome: Outcome) -> bool:
+        """Try ``batch`` up to ``attempts`` times, then split. False when the run must stop.
+
+        ``before`` counts the calls that already included these rows (for ``_attempts``).
+        """
+        error = ""
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.retry_delay_seconds * 2 ** (attempt - 1))
+            outcome.calls += 1
+            try:
+                out = self.call_once(batch)
+            except CallFailed as e:
+                outcome.failed_calls += 1
+                error = str(e)
+                if not self.on_call(False):
+                    return False
+                continue
+            if not self.on_call(True):
+                return False
+            used = before + attempt + 1
+            outcome.ok.append(_successes(out, batch, self.id_column, used))
+            missing = batch.join(out.select(self.id_column), on=self.id_column, how="anti")
+            if missing.height:
+                reason = "the function returned no result for this row"
+                outcome.failed.append(_failures(missing, self.id_column, reason, used))
+            return True
+        used = before + attempts
+        if batch.height == 1:
+            outcome.failed.append(_failures(batch, self.id_column, error, used))
+            return True
+        half = batch.height // 2
+        return self._attempt(batch.head(half), 1, used, outcome) and self._attempt(
+            batch.slice(half), 1, used, outcome
+        )
+
+
+def _as_frame(raw: Any) -> pl.DataFrame | None:
+    if isinstance(raw, pl.DataFrame):
+        return raw
+    if isinstance(raw, pl.LazyFrame):
+        return raw.collect()
+    if isinstance(raw, (pa.Table, pa.RecordBatch)):
+        frame = pl.from_arrow(raw)
+        return frame if isinstance(frame, pl.DataFrame) else None
+    if isinstance(raw, dict):
+        return pl.DataFrame(raw)
+    return None
+
+
+def _describe(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
+
+
+def _successes(out: pl.DataFrame, batch: pl.DataFrame, id_column: str, used: int) -> pl.DataFrame:
+    prior = batch.select(id_column, ATTEMPTS, INPUT_HASH)
+    return out.join(prior, on=id_column, how="left").with_columns(
+        pl.lit(None, pl.String).alias(ERROR),
+        (pl.col(ATTEMPTS) + used).cast(pl.Int32).alias(ATTEMPTS),
+    )
+
+
+def _failures(rows: pl.DataFrame, id_column: str, error: str, used: int) -> pl.DataFrame:
+    return rows.select(
+        id_column,
+        INPUT_HASH,
+        pl.lit(error, pl.String).alias(ERROR),
+        (pl.col(ATTEMPTS) + used).cast(pl.Int32).alias(ATTEMPTS),
+    )

@@ -1,0 +1,359 @@
+"""One checkpoint on storage: its files, how they are read, merged, compacted and finalized.
+
+Layout, for a checkpoint named ``<name>`` (SPEC section 2)::
+
+    <name>.parquet                     merged result of all finalized work
+    <name>.parquet.parts/part-<first>-<last>-<uuid>.parquet
+                                       unmerged rows of flushes <first>..<last>
+    <name>.parquet.meta.json           job and input fingerprints, scheme, schema
+    <name>.parquet.lock                the single writer's lease (see ``lock.py``)
+
+Every stored row carries the id, the output columns and five bookkeeping columns:
+``_error`` (null on success), ``_attempts``, ``_input_hash`` (see ``hashing.py``), ``_seq`` (the
+flush that wrote it) and, in the merged file, ``_current`` (false for rows that were absent from
+the input at the last finalize; kept, never lost, but not part of the result).
+
+Sequence numbers order everything. A flush takes the next number after the highest one on storage
+(the merged file's watermark or any part's ``<last>``), so the order survives restarts and never
+depends on clocks. The merged file records, inside its own Parquet metadata, the highest sequence
+it contains (the watermark): parts at or below it are already merged. That makes finalize crash-safe
+with a single atomic write: merge, write ``<name>.parquet`` (atomic), then delete the merged parts;
+a crash between the two leaves parts that readers skip and the next writer deletes.
+
+Compaction keeps the number of parts small while a run flushes: whenever eight consecutive parts of
+the same size class exist, they are merged into one part covering their range (size-tiered, as in a
+log-structured merge tree), so parts stay under 64 for any run up to 8**8 flushes and each row is
+rewritten only a logarithmic number of times. A part covered by a larger one (a crash after the
+compacted part was written but before its inputs were deleted) is skipped by readers.
+
+The winner among several stored rows of one id: the input hash of the id's newest row is the id's
+current input; among the rows with that hash a success beats a failure, then the newest wins. When
+the input never changes this is exactly "success beats failure, then newest".
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import posixpath
+import re
+
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import polars as pl
+
+from checkpoint_assets.engine.errors import CorruptCheckpointError
+from checkpoint_assets.engine.storage import FileInfo, Store
+
+log = logging.getLogger("checkpoint_assets")
+
+ERROR = "_error"
+ATTEMPTS = "_attempts"
+INPUT_HASH = "_input_hash"
+SEQ = "_seq"
+CURRENT = "_current"
+BOOKKEEPING = (ERROR, ATTEMPTS, INPUT_HASH, SEQ, CURRENT)
+
+FORMAT_VERSION = 1
+COMPACT_FANOUT = 8
+_WATERMARK_KEY = "checkpoint_assets.watermark"
+_PART = re.compile(r"^part-(\d+)-(\d+)-[0-9a-f]+\.parquet$")
+
+
+@dataclass
+class Meta:
+    """The content of ``<name>.parquet.meta.json``."""
+
+    job_fingerprint: str
+    job: dict[str, Any]
+    id_column: str
+    id_dtype: str
+    output_schema: dict[str, str] | None = None
+    scheme: dict[str, Any] | None = None
+    base_seq: int = 0
+    input_fingerprint: str | None = None
+    rows: dict[str, int] = field(default_factory=dict)
+    finalized_at: float | None = None
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=2, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Meta:
+        try:
+            raw = json.loads(data)
+            return cls(**raw)
+        except (ValueError, TypeError) as e:
+            raise CorruptCheckpointError(
+                f"Checkpoint metadata {where} is unreadable ({e}). If it was edited by hand, "
+                "restore it; otherwise start over with `resume: false` or a new checkpoint_tag."
+            ) from e
+
+
+@dataclass(frozen=True)
+class Part:
+    """An unmerged part file covering flushes ``first``..``last``."""
+
+    path: str
+    first: int
+    last: int
+    size: int
+
+    @property
+    def span(self) -> int:
+        return self.last - self.first + 1
+
+    @property
+    def level(self) -> int:
+        return int(math.log(self.span, COMPACT_FANOUT) + 1e-9)
+
+
+@dataclass
+class Stored:
+    """Everything a checkpoint holds, resolved to one winning row per id."""
+
+    rows: pl.DataFrame
+    watermark: int
+    next_seq: int
+    parts: list[Part]
+
+
+def _empty_rows() -> pl.DataFrame:
+    return pl.DataFrame(
+        schema={ERROR: pl.String, ATTEMPTS: pl.Int32, INPUT_HASH: pl.UInt64, SEQ: pl.Int64}
+    )
+
+
+def pick_winners(rows: pl.DataFrame, id_column: str) -> pl.DataFrame:
+    """One row per id by the rule in the module docstring; ``_seq`` becomes the id's newest."""
+    if rows.height == 0 or rows.get_column(id_column).n_unique() == rows.height:
+        return rows
+    by_id = pl.col(id_column)
+    return (
+        rows.sort(SEQ)
+        .with_columns(
+            pl.col(INPUT_HASH).last().over(by_id).alias("__hash"),
+            pl.col(SEQ).last().over(by_id).alias("__newest"),
+        )
+        .filter(pl.col(INPUT_HASH) == pl.col("__hash"))
+        .sort([pl.col(ERROR).is_null(), pl.col(SEQ)])
+        .unique(subset=[id_column], keep="last", maintain_order=True)
+        .with_columns(pl.col("__newest").alias(SEQ))
+        .drop("__hash", "__newest")
+    )
+
+
+class Checkpoint:
+    """The files of one checkpoint under a store. Readers need no lock; writers hold one."""
+
+    def __init__(self, store: Store, name: str) -> None:
+        self.store = store
+        self.name = name
+        self.merged_path = store.path(f"{name}.parquet")
+        self.parts_dir = store.path(f"{name}.parquet.parts")
+        self.meta_path = store.path(f"{name}.parquet.meta.json")
+        self.lock_path = store.path(f"{name}.parquet.lock")
+        # Parts this process wrote, kept to compact them without reading them back.
+        self._recent: dict[str, pl.DataFrame] = {}
+
+    @property
+    def url(self) -> str:
+        return self.store.display(self.merged_path)
+
+    # -- meta ----------------------------------------------------------------------------
+    def read_meta(self) -> Meta | None:
+        data = self.store.get_or_none(self.meta_path)
+        return None if data is None else Meta.from_json(data, self.store.display(self.meta_path))
+
+    def write_meta(self, meta: Meta) -> None:
+        self.store.put(self.meta_path, meta.to_json())
+
+    # -- reading -------------------------------------------------------------------------
+    def list_parts(self) -> tuple[list[Part], list[Part]]:
+        """(live parts in sequence order, redundant parts that may be deleted)."""
+        parts: list[Part] = []
+        for info in self.store.list(self.parts_dir):
+            match = _PART.match(info.name)
+            if match:  # temporary files of an interrupted local write are not parts
+                parts.append(Part(info.path, int(match[1]), int(match[2]), info.size))
+        parts.sort(key=lambda p: (p.first, -p.last))
+        live: list[Part] = []
+        redundant: list[Part] = []
+        for part in parts:
+            if live and part.last <= live[-1].last:
+                redundant.append(part)  # covered by a compacted part written before a crash
+            else:
+                live.append(part)
+        return live, redundant
+
+    def _read_parquet(self, path: str, data: bytes | None = None) -> pl.DataFrame:
+        raw = self.store.get(path) if data is None else data
+        try:
+            return pl.read_parquet(io.BytesIO(raw))
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"Checkpoint file {self.store.display(path)} is unreadable ({e}). Move it aside "
+                "to keep its rows for inspection, then run again: the rows it held are computed "
+                "again. `checkpoint-assets verify` lists every problem of a checkpoint."
+            ) from e
+
+    def read_merged(self) -> tuple[pl.DataFrame | None, int]:
+        """The merged file's rows and watermark (``None, 0`` when there is none)."""
+        raw = self.store.get_or_none(self.merged_path)
+        if raw is None:
+            return None, 0
+        rows = self._read_parquet(self.merged_path, raw)
+        meta = pl.read_parquet_metadata(raw)
+        return rows, int(meta.get(_WATERMARK_KEY, "0"))
+
+    def load(self, id_column: str, base_seq: int = 0) -> Stored:
+        """Read the merged file and every live part, resolved to one row per id."""
+        merged, watermark = self.read_merged()
+        parts, _ = self.list_parts()
+        parts = [p for p in parts if p.last > watermark]
+        frames: list[pl.DataFrame] = []
+        if merged is not None and watermark >= base_seq:
+            self._check_unique(merged, id_column, self.merged_path)
+            frames.append(merged.filter(pl.col(SEQ) >= base_seq))
+        for part in parts:
+            if part.last < base_seq:
+                continue
+            frame = self._recent.get(part.path)
+            if frame is None:
+                frame = self._read_parquet(part.path)
+                self._check_unique(frame, id_column, part.path)
+            frames.append(frame.filter(pl.col(SEQ) >= base_seq))
+        highest = max([watermark, *(p.last for p in parts)])
+        rows = _concat(frames, id_column) if frames else _empty_rows()
+        return Stored(pick_winners(rows, id_column), watermark, highest + 1, parts)
+
+    def _check_unique(self, rows: pl.DataFrame, id_column: str, path: str) -> None:
+        if id_column not in rows.columns:
+            raise CorruptCheckpointError(
+                f"Checkpoint file {self.store.display(path)} has no id column {id_column!r} "
+                f"(it has {rows.columns}). Two different jobs probably share this checkpoint: "
+                "give this asset its own checkpoint_tag, or start over with `resume: false`."
+            )
+        ids = rows.get_column(id_column)
+        if ids.n_unique() != rows.height:
+            dupes = ids.filter(ids.is_duplicated()).unique().head(5).to_list()
+            raise CorruptCheckpointError(
+                f"Checkpoint file {self.store.display(path)} holds duplicate ids {dupes}. A "
+                "checkpoint written by this package never does; two jobs probably share this "
+                "checkpoint. Give each job its own checkpoint_tag, or start over with "
+                "`resume: false`."
+            )
+
+    # -- writing -------------------------------------------------------------------------
+    def write_part(self, rows: pl.DataFrame, first: int, last: int | None = None) -> Part:
+        """Write ``rows`` (``_seq`` already set) as the part covering ``first``..``last``."""
+        last = first if last is None else last
+        name = f"part-{first:012d}-{last:012d}-{uuid.uuid4().hex[:12]}.parquet"
+        path = posixpath.join(self.parts_dir, name)
+        data = _to_parquet(rows)
+        self.store.put(path, data)
+        self._recent[path] = rows
+        return Part(path, first, last, len(data))
+
+    def compact(self, parts: list[Part], id_column: str) -> list[Part]:
+        """Merge the newest run of ``COMPACT_FANOUT`` same-level parts while one exists.
+
+        Returns the live parts afterwards. Safe to interrupt at any point (see module doc).
+        """
+        parts = list(parts)
+        while len(parts) >= COMPACT_FANOUT:
+            tail = parts[-COMPACT_FANOUT:]
+            if len({p.level for p in tail}) != 1:
+                break
+            frames = [self._recent.pop(p.path, None) for p in tail]
+            rows = _concat(
+                [f if f is not None else self._read_parquet(p.path) for f, p in zip(frames, tail)],
+                id_column,
+            )
+            merged = self.write_part(pick_winners(rows, id_column), tail[0].first, tail[-1].last)
+            self._recent.pop(merged.path, None)  # larger parts are read back when needed
+            self.store.delete(p.path for p in tail)
+            parts[-COMPACT_FANOUT:] = [merged]
+        return parts
+
+    def finalize(
+        self, id_column: str, current_ids: pl.Series | None, base_seq: int = 0
+    ) -> pl.DataFrame:
+        """Merge every part into ``<name>.parquet`` and delete them; returns the stored rows.
+
+        ``current_ids`` (the ids of this run's input) marks which rows form the result; rows
+        outside it stay stored with ``_current`` false. ``None`` keeps the previous marks.
+        """
+        stored = self.load(id_column, base_seq)
+        rows = stored.rows
+        if current_ids is not None:
+            rows = rows.with_columns(pl.col(id_column).is_in(current_ids.implode()).alias(CURRENT))
+        elif CURRENT in rows.columns:
+            rows = rows.with_columns(pl.col(CURRENT).fill_null(True))
+        else:
+            rows = rows.with_columns(pl.lit(True).alias(CURRENT))
+        watermark = stored.next_seq - 1
+        if stored.parts or stored.watermark < base_seq or current_ids is not None:
+            data = _to_parquet(rows, {_WATERMARK_KEY: str(watermark)})
+            self.store.put(self.merged_path, data)
+        self.cleanup(watermark)
+        self._recent.clear()
+        return rows
+
+    def cleanup(self, watermark: int | None = None) -> None:
+        """Delete parts that are merged or covered by larger parts."""
+        if watermark is None:
+            _, watermark = self.read_merged()
+        live, redundant = self.list_parts()
+        self.store.delete([p.path for p in live if p.last <= watermark] + [p.path for p in redundant])
+
+    # -- result --------------------------------------------------------------------------
+    def read_result(self, id_column: str, output_columns: Sequence[str] | None) -> pl.DataFrame:
+        """The result a downstream asset sees: id, output columns and ``_error``."""
+        meta = self.read_meta()
+        base_seq = meta.base_seq if meta else 0
+        rows = self.load(id_column, base_seq).rows
+        if CURRENT in rows.columns:
+            rows = rows.filter(pl.col(CURRENT).fill_null(True))
+        keep = [id_column, *(output_columns or _outputs(rows, id_column)), ERROR]
+        return rows.select([c for c in keep if c in rows.columns])
+
+    def files(self) -> Iterable[FileInfo]:
+        """Every file of this checkpoint (for status and size reports)."""
+        folder = posixpath.dirname(self.merged_path)
+        base = posixpath.basename(self.merged_path)
+        for info in self.store.list(folder):
+            if info.name.startswith(base):
+                yield info
+        yield from self.store.list(self.parts_dir)
+
+
+def _outputs(rows: pl.DataFrame, id_column: str) -> list[str]:
+    return [c for c in rows.columns if c != id_column and c not in BOOKKEEPING]
+
+
+def _concat(frames: list[pl.DataFrame], id_column: str) -> pl.DataFrame:
+    if len(frames) == 1:
+        return frames[0]
+    try:
+        return pl.concat(frames, how="diagonal_relaxed")
+    except Exception as e:
+        raise CorruptCheckpointError(
+            f"Checkpoint files disagree on their columns or types ({e}). Two different jobs "
+            "probably share this checkpoint: give each its own checkpoint_tag, or start over "
+            "with `resume: false`."
+        ) from e
+
+
+def _to_parquet(rows: pl.DataFrame, metadata: dict[str, str] | None = None) -> bytes:
+    buffer = io.BytesIO()
+    rows.write_parquet(buffer, compression="zstd", compression_level=1, metadata=metadata)
+    return buffer.getvalue()
+
+

@@ -1,0 +1,93 @@
+"""Stable, vectorised hashes: shard assignment, per-row input hashes, fingerprints.
+
+Everything here is specified by bytes, not by a library's internal hash, so the same data gives
+the same values on every machine, version and process (``tests/test_hashing.py`` pins them):
+
+- The *text* of a value is its UTF-8 string; integers in decimal (``42`` → ``b"42"``), other
+  scalars as polars casts them to ``String``, nested values as polars' JSON encoding.
+- ``XXH3-64`` (seed 0) of that text, computed by the ``polars-hash`` plugin, is a value's hash.
+- The shard of an id is ``xxh3_64(text(id)) % n``. It depends on the id alone: not on the row's
+  position, the input's length, or ``limit``. Reproduce it with the ``xxhash`` package:
+  ``xxhash.xxh3_64_intdigest(str(id).encode()) % n``.
+- A row's input hash folds the hashes of the id and each input column, in order, with
+  ``h = (h ^ x) * 0x9E3779B97F4A7C15 (mod 2**64)``; a null folds in ``0x6E756C6C`` ("null")
+  instead of a value's hash. It is stored with each result and detects changed inputs per row.
+- A partition's input fingerprint is BLAKE3 over the row count and the sum and xor of its row
+  hashes (order-independent, so re-ordering the input is not a change).
+- A job fingerprint is BLAKE3 over a canonical JSON of the settings that change results.
+
+Row hashes use XXH3 rather than BLAKE3 per row: a 64-bit hash of either has the same chance of
+missing a change (2**-64), and XXH3 runs about 40 times faster here, which matters at 10**8 rows.
+BLAKE3 stays where a digest is kept and compared as a whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import blake3
+import numpy as np
+import polars as pl
+import polars_hash as plh
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_NULL = np.uint64(0x6E756C6C)
+_SEED = np.uint64(0xC4EC)  # "checkpoint": the fold's starting value
+
+
+def value_text(column: str, dtype: pl.DataType) -> pl.Expr:
+    """The canonical text of a column's values (see the module docstring)."""
+    if dtype == pl.String:
+        return pl.col(column)
+    if dtype.is_numeric() or dtype in (pl.Boolean, pl.Date, pl.Datetime, pl.Time, pl.Duration):
+        return pl.col(column).cast(pl.String)
+    if dtype in (pl.Binary,):
+        return pl.col(column).bin.encode("hex")
+    if dtype == pl.Categorical or isinstance(dtype, pl.Enum):
+        return pl.col(column).cast(pl.String)
+    return pl.struct(pl.col(column).alias("v")).struct.json_encode()
+
+
+def xxh3(df: pl.DataFrame, column: str) -> np.ndarray:
+    """XXH3-64 of a column's canonical text, as uint64 (nulls become 0 and must be masked)."""
+    expr = plh.col("__text").nchash.xxh3_64()  # type: ignore[attr-defined]
+    out = df.select(value_text(column, df.schema[column]).alias("__text")).select(expr)
+    return out.to_series().fill_null(0).to_numpy().astype(np.uint64, copy=False)
+
+
+def shard_of(ids: pl.Series, n: int) -> np.ndarray:
+    """The shard (0..n-1) of each id: ``xxh3_64(text(id)) % n``."""
+    if n < 1:
+        raise ValueError(f"shard count must be at least 1, got {n}")
+    hashes = xxh3(ids.to_frame("id"), "id")
+    return (hashes % np.uint64(n)).astype(np.int64)
+
+
+def row_hashes(df: pl.DataFrame, columns: Sequence[str]) -> np.ndarray:
+    """The input hash of each row over ``columns`` (id first, then the input columns)."""
+    h = np.full(df.height, _SEED, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for column in columns:
+            x = xxh3(df, column)
+            nulls = df.get_column(column).is_null().to_numpy()
+            if nulls.any():
+                x = np.where(nulls, _NULL, x)
+            h = (h ^ x) * _GOLDEN
+    return h
+
+
+def fingerprint(hashes: np.ndarray) -> str:
+    """BLAKE3 fingerprint of a partition's row hashes, independent of row order."""
+    with np.errstate(over="ignore"):
+        total = np.sum(hashes, dtype=np.uint64) if hashes.size else np.uint64(0)
+    xor = np.bitwise_xor.reduce(hashes) if hashes.size else np.uint64(0)
+    summary = np.array([hashes.size, total, xor], dtype=np.uint64).tobytes()
+    return blake3.blake3(summary).hexdigest()[:32]
+
+
+def job_fingerprint(settings: dict[str, Any]) -> str:
+    """BLAKE3 of the canonical JSON of the result-changing settings."""
+    text = json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str)
+    return blake3.blake3(text.encode()).hexdigest()[:32]

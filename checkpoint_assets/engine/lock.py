@@ -1,0 +1,175 @@
+"""One writer per checkpoint: a lease in ``<name>.parquet.lock``.
+
+The lock file is created with a conditional create (``O_EXCL``-like link locally, ``If-None-Match``
+on S3), never check-then-write. It names its holder (run id, host, pid, since) and carries a lease
+that a heartbeat thread renews. A second writer fails at once with the holder named, unless the
+holder is dead: a pid gone on this host, a lease that expired, or a run the caller knows finished
+(``is_run_finished``, which the Dagster layer answers from the instance). A dead holder's lock is
+taken over with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+
+from checkpoint_assets.engine.errors import LockHeldError
+from checkpoint_assets.engine.storage import Store
+
+log = logging.getLogger("checkpoint_assets")
+
+DEFAULT_LEASE_SECONDS = 300.0
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a lock, as written in the lock file."""
+
+    token: str
+    run_id: str | None
+    host: str
+    pid: int
+    since: float
+    expires: float
+
+    def describe(self) -> str:
+        since = datetime.fromtimestamp(self.since, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        run = f"run {self.run_id}, " if self.run_id else ""
+        return f"{run}host {self.host}, pid {self.pid}, since {since}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Lease:
+    """The lock of one checkpoint, held from ``acquire()`` to ``release()``."""
+
+    def __init__(
+        self,
+        store: Store,
+        path: str,
+        *,
+        run_id: str | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        is_run_finished: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.store = store
+        self.path = path
+        self.run_id = run_id
+        self.lease_seconds = lease_seconds
+        self.is_run_finished = is_run_finished
+        self.holder: Holder | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _new_holder(self, since: float | None = None) -> Holder:
+        now = time.time()
+        return Holder(
+            token=self.holder.token if self.holder else uuid.uuid4().hex,
+            run_id=self.run_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            since=since if since is not None else now,
+            expires=now + self.lease_seconds,
+        )
+
+    def read(self) -> Holder | None:
+        data = self.store.get_or_none(self.path)
+        if data is None:
+            return None
+        try:
+            return Holder(**json.loads(data))
+        except (ValueError, TypeError):
+            # A lock file we cannot parse was written by something else; treat as expired.
+            return Holder("?", None, "?", -1, 0.0, 0.0)
+
+    def _dead_reason(self, holder: Holder) -> str | None:
+        if holder.expires < time.time():
+            return "its lease expired"
+        if holder.host == socket.gethostname() and not _pid_alive(holder.pid):
+            return f"process {holder.pid} is gone"
+        if holder.run_id and self.is_run_finished and self.is_run_finished(holder.run_id):
+            return f"its run {holder.run_id} has finished"
+        return None
+
+    def acquire(self) -> None:
+        """Take the lock or raise ``LockHeldError`` naming the live holder."""
+        for _ in range(3):
+            mine = self._new_holder()
+            if self.store.put_if_absent(self.path, _encode(mine)):
+                self.holder = mine
+                self._start_heartbeat()
+                return
+            current = self.read()
+            if current is None:
+                continue  # released between our attempt and the read: try again
+            reason = self._dead_reason(current)
+            if reason is None:
+                raise LockHeldError(
+                    f"Checkpoint {self.store.display(self.path)} is being written by another "
+                    f"writer ({current.describe()}). Wait for it to finish, or terminate that "
+                    "run; a lock of a dead holder is taken over automatically."
+                )
+            log.warning(
+                "Taking over the checkpoint lock %s from %s: %s.",
+                self.store.display(self.path),
+                current.describe(),
+                reason,
+            )
+            self.store.delete([self.path])
+        raise LockHeldError(
+            f"Could not take the lock {self.store.display(self.path)}: other writers keep "
+            "racing for it. Make sure one run writes each checkpoint."
+        )
+
+    def renew(self) -> None:
+        """Extend the lease (called by the heartbeat and after each flush)."""
+        if self.holder is None:
+            return
+        self.holder = self._new_holder(since=self.holder.since)
+        self.store.put(self.path, _encode(self.holder))
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.holder is None:
+            return
+        current = self.read()
+        if current is not None and current.token == self.holder.token:
+            self.store.delete([self.path])
+        self.holder = None
+
+    def _start_heartbeat(self) -> None:
+        self._stop.clear()
+        interval = max(self.lease_seconds / 3.0, 0.05)
+
+        def beat() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.renew()
+                except Exception as e:  # a failed renewal must not kill the run
+                    log.warning("Could not renew the checkpoint lock: %s", e)
+
+        self._thread = threading.Thread(target=beat, name="checkpoint-lease", daemon=True)
+        self._thread.start()
+
+
+def _encode(holder: Holder) -> bytes:
+    return json.dumps(asdict(holder)).encode()

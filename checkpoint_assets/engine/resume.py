@@ -1,0 +1,123 @@
+"""Resume: compare the input with what a checkpoint holds and decide what is left to do.
+
+Everything is by id, never by position, and vectorised: the stored ids are a polars column, joined
+against the input's, so 10**8 finished ids need no Python objects per row.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import polars as pl
+
+from checkpoint_assets.engine.checkpoint import ATTEMPTS, ERROR, INPUT_HASH
+from checkpoint_assets.engine.errors import InputChangedError, InvalidIdsError
+
+log = logging.getLogger("checkpoint_assets")
+
+OnInputChange = Literal["fail", "recompute"]
+
+
+def validate_ids(df: pl.DataFrame, id_column: str) -> None:
+    """Refuse ids that cannot identify rows, before any call of the user's function."""
+    if id_column not in df.columns:
+        raise InvalidIdsError(
+            f"The id column {id_column!r} is not in the input (columns: {df.columns}). "
+            "Set id_column to a column that identifies each row."
+        )
+    ids = df.get_column(id_column)
+    if not (ids.dtype.is_integer() or ids.dtype == pl.String):
+        raise InvalidIdsError(
+            f"The id column {id_column!r} has type {ids.dtype}; ids must be integers or "
+            f"strings. Sample values: {ids.head(5).to_list()}. Cast it, or derive a stable "
+            "string id, in the source asset."
+        )
+    nulls = ids.null_count()
+    if nulls:
+        positions = df.with_row_index("__row").filter(pl.col(id_column).is_null())["__row"]
+        raise InvalidIdsError(
+            f"The id column {id_column!r} has {nulls} null value(s), at input rows "
+            f"{positions.head(5).to_list()}. Every row needs an id: fill or drop them in the "
+            "source asset."
+        )
+    if ids.n_unique() != ids.len():
+        dupes = ids.filter(ids.is_duplicated()).unique(maintain_order=True)
+        raise InvalidIdsError(
+            f"The id column {id_column!r} has {dupes.len()} duplicated value(s), e.g. "
+            f"{dupes.head(5).to_list()}. Ids must be unique: results are stored and resumed "
+            "by id. Deduplicate the source asset, or use a unique id column."
+        )
+
+
+@dataclass
+class Plan:
+    """What a run does: the rows to compute and what it takes from the checkpoint."""
+
+    todo: pl.DataFrame  # input rows to compute, with ``_input_hash`` and prior ``_attempts``
+    resumed: int  # finished rows taken from the checkpoint
+    kept_failed: int  # stored failures kept as they are (retry_failed off)
+    changed: int  # finished rows whose input changed (recomputed)
+    dropped: int  # stored rows whose id is no longer in the input
+    total: int
+
+
+def plan(
+    inputs: pl.DataFrame,
+    stored: pl.DataFrame,
+    id_column: str,
+    *,
+    resume: bool,
+    retry_failed: bool,
+    on_input_change: OnInputChange,
+) -> Plan:
+    """Split ``inputs`` (with ``_input_hash``) into rows to compute and rows already done."""
+    total = inputs.height
+    if not resume or stored.height == 0:
+        todo = inputs.with_columns(pl.lit(0, pl.Int32).alias(ATTEMPTS))
+        return Plan(todo, 0, 0, 0, _count_dropped(inputs, stored, id_column), total)
+
+    prior = stored.select(
+        id_column,
+        pl.col(INPUT_HASH).alias("__stored_hash"),
+        pl.col(ERROR).is_null().alias("__ok"),
+        pl.col(ATTEMPTS).alias("__attempts"),
+    )
+    joined = inputs.join(prior, on=id_column, how="left")
+    found = pl.col("__ok").is_not_null()
+    same = pl.col("__stored_hash") == pl.col(INPUT_HASH)
+    changed = joined.filter(found & ~same)
+    if changed.height and on_input_change == "fail":
+        sample = changed.get_column(id_column).head(5).to_list()
+        raise InputChangedError(
+            "Checkpoint input fingerprint does not match current data. "
+            f"{changed.height} of {total} finished rows changed their input columns since their "
+            f"results were stored (ids {sample}...). Results are never joined to different "
+            "inputs: run with `on_input_change: recompute` to recompute just the changed rows, "
+            "`resume: false` to recompute everything, or a new `checkpoint_tag`."
+        )
+    done = found & same & pl.col("__ok")
+    failed = found & same & ~pl.col("__ok")
+    resumed = joined.filter(done).height
+    kept_failed = 0 if retry_failed else joined.filter(failed).height
+    if retry_failed:
+        keep_out = done
+    else:
+        keep_out = done | failed
+    todo = (
+        joined.filter(~keep_out.fill_null(False))
+        .with_columns(
+            pl.when(same).then(pl.col("__attempts")).otherwise(0).fill_null(0).cast(pl.Int32)
+            .alias(ATTEMPTS)
+        )
+        .drop("__stored_hash", "__ok", "__attempts")
+    )
+    dropped = _count_dropped(inputs, stored, id_column)
+    return Plan(todo, resumed, kept_failed, changed.height, dropped, total)
+
+
+def _count_dropped(inputs: pl.DataFrame, stored: pl.DataFrame, id_column: str) -> int:
+    if stored.height == 0:
+        return 0
+    return stored.join(inputs.select(id_column), on=id_column, how="anti").height

@@ -1,0 +1,1 @@
+"""The Dagster side: IO manager, asset decorator, shard partitions, sensor, global resume."""

@@ -1,0 +1,226 @@
+"""``CheckpointIOManager``: where checkpoints live, and how assets read them.
+
+The method-calling chain, for a checkpointed asset::
+
+    asset body ──> io_manager.checkpoint(asset_key, tag, partition) ──> engine.run()
+    Dagster    ──> handle_output(context, result)     nothing to write: the checkpoint is it
+    downstream ──> load_input(context)                every requested shard's result, as one
+                                                      polars DataFrame (LazyFrame if annotated)
+
+and for any other asset (it is a good default IO manager too)::
+
+    handle_output(context, obj)   polars DataFrame / LazyFrame or pyarrow Table -> Parquet
+    load_input(context)           Parquet -> polars (all requested partitions concatenated)
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import dagster as dg
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import Field, PrivateAttr
+
+from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.errors import CheckpointError
+from checkpoint_assets.engine.storage import Store, open_store
+
+# Definition metadata keys that mark a checkpointed asset.
+ID_COLUMN_KEY = "checkpoint_assets/id_column"
+DEFAULT_TAG = "default"
+UNPARTITIONED = "all"
+
+
+def resolve_env(value: Any) -> Any:
+    """Resolve ``{"env": "VAR"}`` values (at any depth) from the environment."""
+    if isinstance(value, Mapping):
+        if set(value) == {"env"}:
+            name = value["env"]
+            if name not in os.environ:
+                raise CheckpointError(
+                    f"storage_options refers to the environment variable {name!r}, which is "
+                    "not set in the process that runs the asset."
+                )
+            return os.environ[name]
+        return {k: resolve_env(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolve_env(v) for v in value]
+    return value
+
+
+class CheckpointIOManager(dg.ConfigurableIOManager):
+    """Stores checkpoints (and ordinary polars/pyarrow outputs) as Parquet under ``base_dir``.
+
+    Example::
+
+        defs = dg.Definitions(
+            assets=[tickets, ticket_routing],
+            resources={"io_manager": CheckpointIOManager(base_dir="s3://bucket/checkpoints")},
+        )
+    """
+
+    base_dir: str | None = Field(
+        default=None,
+        description=(
+            "Where checkpoints and outputs are stored: a local path or any fsspec URI "
+            "(s3://bucket/prefix). Default: a 'checkpoints' folder under $DAGSTER_HOME."
+        ),
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Options for the fsspec filesystem (for s3fs: key, secret, endpoint_url, "
+            'client_kwargs...). Any value may be {"env": "VAR"} to read it from the environment.'
+        ),
+    )
+    _default_dir: str | None = PrivateAttr(default=None)
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        if self.base_dir is None and not os.environ.get("DAGSTER_HOME") and context.instance:
+            self._default_dir = os.path.join(context.instance.storage_directory(), "checkpoints")
+
+    # -- storage -------------------------------------------------------------------------
+    def root(self) -> str:
+        if self.base_dir:
+            return self.base_dir
+        home = os.environ.get("DAGSTER_HOME")
+        if home:
+            return os.path.join(home, "checkpoints")
+        if self._default_dir:
+            return self._default_dir
+        return os.path.abspath(".checkpoints")
+
+    def store(self) -> Store:
+        return open_store(self.root(), resolve_env(self.storage_options))
+
+    def checkpoint(
+        self, asset_key: dg.AssetKey, tag: str | None, partition: str | None, store: Store | None = None
+    ) -> Checkpoint:
+        """The checkpoint of one asset partition under one tag."""
+        name = posixpath.join(*asset_key.path, tag or DEFAULT_TAG, partition or UNPARTITIONED)
+        return Checkpoint(store or self.store(), name)
+
+    # -- IOManager -----------------------------------------------------------------------
+    def handle_output(self, context: dg.OutputContext, obj: Any) -> None:
+        if ID_COLUMN_KEY in (context.definition_metadata or {}):
+            return  # the asset body wrote and finalized its checkpoint
+        if obj is None:
+            return
+        table = _to_arrow(obj)
+        if table is None:
+            raise CheckpointError(
+                f"CheckpointIOManager stores polars and pyarrow tables as Parquet; asset "
+                f"{context.asset_key.to_user_string()} returned {type(obj).__name__}. Return a "
+                "polars DataFrame, or give this asset another io_manager_key."
+            )
+        store = self.store()
+        path = self._output_path(store, context.asset_key, _partition_of(context))
+        buffer = io.BytesIO()
+        pq.write_table(table, buffer, compression="zstd")
+        store.put(path, buffer.getvalue())
+        context.add_output_metadata(
+            {"path": store.display(path), "rows": table.num_rows, "columns": table.num_columns}
+        )
+
+    def load_input(self, context: dg.InputContext) -> pl.DataFrame | pl.LazyFrame:
+        upstream = context.upstream_output
+        metadata = (upstream.definition_metadata if upstream else None) or {}
+        keys: Sequence[str | None] = (
+            list(context.asset_partition_keys) if context.has_asset_partitions else [None]
+        )
+        store = self.store()
+        if ID_COLUMN_KEY in metadata:
+            id_column = str(metadata[ID_COLUMN_KEY])
+            frames = [self._load_checkpoint(context, store, id_column, k) for k in keys]
+        else:
+            frames = [self._load_output(context, store, k) for k in keys]
+        frame = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
+        if _wants_lazy(context):
+            return frame.lazy()
+        return frame
+
+    # -- helpers -------------------------------------------------------------------------
+    def _output_path(self, store: Store, asset_key: dg.AssetKey, partition: str | None) -> str:
+        if partition is None:
+            return store.path(*asset_key.path[:-1], f"{asset_key.path[-1]}.parquet")
+        return store.path(*asset_key.path, f"{partition}.parquet")
+
+    def _load_output(self, context: dg.InputContext, store: Store, partition: str | None) -> pl.DataFrame:
+        path = self._output_path(store, context.asset_key, partition)
+        try:
+            data = store.get(path)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"No stored output for {context.asset_key.to_user_string()}"
+                f"{f' partition {partition}' if partition else ''} at {store.display(path)}. "
+                "Materialize it first (with the same io_manager base_dir)."
+            ) from None
+        return pl.read_parquet(io.BytesIO(data))
+
+    def _load_checkpoint(
+        self, context: dg.InputContext, store: Store, id_column: str, partition: str | None
+    ) -> pl.DataFrame:
+        tag = _latest_tag(context, partition)
+        checkpoint = self.checkpoint(context.asset_key, tag, partition, store)
+        meta = checkpoint.read_meta()
+        if meta is None:
+            raise CheckpointError(
+                f"No checkpoint for {context.asset_key.to_user_string()}"
+                f"{f' partition {partition}' if partition else ''} at {checkpoint.url}. "
+                "Materialize it first; a run with `checkpointing: false` stores nothing to load."
+            )
+        outputs = list(meta.output_schema or {})
+        return checkpoint.read_result(id_column, outputs)
+
+
+def _partition_of(context: dg.OutputContext) -> str | None:
+    if not context.has_asset_partitions:
+        return None
+    keys = context.asset_partition_keys
+    if len(keys) != 1:
+        raise CheckpointError(
+            f"CheckpointIOManager stores one partition per output; asset "
+            f"{context.asset_key.to_user_string()} produced {len(keys)} at once."
+        )
+    return keys[0]
+
+
+def _latest_tag(context: dg.InputContext, partition: str | None) -> str | None:
+    """The checkpoint tag of the latest materialization of this partition, if recorded."""
+    try:
+        instance = context.instance
+    except Exception:
+        return None
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(
+            asset_key=context.asset_key, asset_partitions=[partition] if partition else None
+        ),
+        limit=1,
+    ).records
+    if not records or records[0].asset_materialization is None:
+        return None
+    value = records[0].asset_materialization.metadata.get("checkpoint_tag")
+    return str(value.value) if value is not None else None
+
+
+def _wants_lazy(context: dg.InputContext) -> bool:
+    try:
+        return context.dagster_type.typing_type is pl.LazyFrame
+    except Exception:
+        return False
+
+
+def _to_arrow(obj: Any) -> pa.Table | None:
+    if isinstance(obj, pl.LazyFrame):
+        obj = obj.collect()
+    if isinstance(obj, pl.DataFrame):
+        return obj.to_arrow()
+    if isinstance(obj, pa.Table):
+        return obj
+    return None
