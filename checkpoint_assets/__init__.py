@@ -17,6 +17,7 @@ from checkpoint_assets.engine.errors import (
     TooManyFailuresError,
 )
 from checkpoint_assets.integration.asset import CheckpointRunConfig, checkpointed_asset
+from checkpoint_assets.integration.global_resume import global_resume_asset
 from checkpoint_assets.integration.io_manager import CheckpointIOManager
 from checkpoint_assets.integration.partitions import shard_partitions
 
@@ -33,5 +34,6 @@ __all__ = [
     "StorageError",
     "TooManyFailuresError",
     "checkpointed_asset",
+    "global_resume_asset",
     "shard_partitions",
 ]

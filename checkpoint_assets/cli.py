@@ -1,8 +1,256 @@
-"""The ``checkpoint-assets`` console script (placeholder until the operator CLI lands)."""
+"""``checkpoint-assets``: look at and look after checkpoints, without Dagster running.
+
+    checkpoint-assets status  BASE_DIR          one row per checkpoint
+    checkpoint-assets inspect BASE_DIR NAME     meta, schema, counts and sample rows
+    checkpoint-assets verify  BASE_DIR [NAME]   check invariants; exit 1 on any problem
+    checkpoint-assets compact BASE_DIR [NAME]   merge unmerged parts (takes the lock)
+
+``BASE_DIR`` is the IO manager's ``base_dir`` (a local path or an fsspec URI); ``NAME`` is a
+checkpoint as ``status`` lists it (``ticket_routing/default/3-of-8``). Storage options are given
+as ``-o key=value`` (values may be JSON) or come from the environment, as for the IO manager.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
 
-def main(argv: list[str] | None = None) -> int:
-    print("checkpoint-assets: operator commands (status, inspect, verify, compact) come next.")
+import polars as pl
+
+from checkpoint_assets.engine.checkpoint import CURRENT, ERROR, Checkpoint
+from checkpoint_assets.engine.errors import CheckpointError
+from checkpoint_assets.engine.lock import Lease
+from checkpoint_assets.engine.reconcile import checkpoint_names
+from checkpoint_assets.engine.storage import Store, open_store
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        store = open_store(args.base_dir, _options(args.option))
+        return int(args.command(store, args))
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="checkpoint-assets",
+        description="Inspect, verify and compact checkpoints of checkpointed Dagster assets.",
+    )
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    def command(name: str, fn: Any, help: str, name_arg: str | None) -> None:
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("base_dir", metavar="BASE_DIR", help="the IO manager's base_dir")
+        if name_arg == "required":
+            p.add_argument("name", metavar="NAME", help="checkpoint, as `status` lists it")
+        elif name_arg == "optional":
+            p.add_argument("name", metavar="NAME", nargs="?", help="one checkpoint (default: all)")
+        p.add_argument(
+            "-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+            help="a storage option for the filesystem (repeatable; VALUE may be JSON)",
+        )
+        p.set_defaults(command=fn)
+
+    command("status", status, "One row per checkpoint: rows, parts, size, last write, lock.", None)
+    command("inspect", inspect, "Meta, schema, counts and sample rows of one checkpoint.",
+            "required")
+    command("verify", verify, "Check every invariant; exit status 1 when a problem is found.",
+            "optional")
+    command("compact", compact, "Merge unmerged parts into the merged file.", "optional")
+    return parser
+
+
+def _options(pairs: Sequence[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise CheckpointError(f"storage option {pair!r} must look like key=value")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
+
+
+def _names(store: Store, args: argparse.Namespace) -> list[str]:
+    if getattr(args, "name", None):
+        return [args.name]
+    names = checkpoint_names(store, "")
+    if not names:
+        print(f"No checkpoints under {store.url}.", file=sys.stderr)
+    return names
+
+
+def _when(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def _split(name: str) -> tuple[str, str, str]:
+    parts = name.split("/")
+    if len(parts) < 3:
+        return name, "-", "-"
+    return "/".join(parts[:-2]), parts[-2], parts[-1]
+
+
+# -- commands ---------------------------------------------------------------------------------
+def status(store: Store, args: argparse.Namespace) -> int:
+    rows = []
+    for name in _names(store, args):
+        checkpoint = Checkpoint(store, name)
+        meta = checkpoint.read_meta()
+        files = list(checkpoint.files())
+        parts, _ = checkpoint.list_parts()
+        holder = Lease(store, checkpoint.lock_path).read()
+        asset, tag, partition = _split(name)
+        counts = meta.rows if meta else {}
+        rows.append(
+            {
+                "asset": asset,
+                "tag": tag,
+                "partition": partition,
+                "rows ok": counts.get("ok", "-"),
+                "rows failed": counts.get("failed", "-"),
+                "parts": len(parts),
+                "size": _size(sum(f.size for f in files)),
+                "last write": _when(max((f.mtime or 0 for f in files), default=0)),
+                "lock": holder.describe() if holder else "-",
+            }
+        )
+    if rows:
+        _print_table(rows)
     return 0
+
+
+def inspect(store: Store, args: argparse.Namespace) -> int:
+    checkpoint = Checkpoint(store, args.name)
+    meta = checkpoint.read_meta()
+    if meta is None:
+        raise CheckpointError(f"No checkpoint {args.name!r} under {store.url} (no meta file).")
+    stored = checkpoint.load(meta.id_column, meta.base_seq)
+    rows = stored.rows
+    current = rows.filter(pl.col(CURRENT).fill_null(True)) if CURRENT in rows.columns else rows
+    print(f"checkpoint   {checkpoint.url}")
+    print(f"job          {meta.job_fingerprint}  {json.dumps(meta.job, sort_keys=True)}")
+    print(f"scheme       {json.dumps(meta.scheme)}")
+    print(f"id column    {meta.id_column} ({meta.id_dtype})")
+    print(f"outputs      {json.dumps(meta.output_schema)}")
+    print(f"input        {meta.input_fingerprint or '-'}")
+    print(f"finalized    {_when(meta.finalized_at)}")
+    print(f"parts        {len(stored.parts)} unmerged (watermark {stored.watermark})")
+    failed = current.filter(pl.col(ERROR).is_not_null()) if ERROR in current.columns else current
+    print(
+        f"rows         {rows.height:,} stored, {current.height:,} in the result, "
+        f"{failed.height:,} failed"
+    )
+    if failed.height:
+        errors = failed.group_by(ERROR).len().sort("len", descending=True).head(5)
+        print("top errors:")
+        for error, count in errors.iter_rows():
+            print(f"  {count:>8,}  {str(error)[:160]}")
+    with pl.Config(tbl_rows=5, tbl_width_chars=120, fmt_str_lengths=40):
+        print(current.head(5))
+    return 0
+
+
+def verify(store: Store, args: argparse.Namespace) -> int:
+    problems = 0
+    names = _names(store, args)
+    for i, name in enumerate(names, 1):
+        checkpoint = Checkpoint(store, name)
+        found = _problems(checkpoint)
+        problems += len(found)
+        state = "ok" if not found else f"{len(found)} problem(s)"
+        print(f"[{i}/{len(names)}] {name}: {state}", file=sys.stderr)
+        for problem in found:
+            print(f"{name}: {problem}")
+    return 1 if problems else 0
+
+
+def _problems(checkpoint: Checkpoint) -> list[str]:
+    try:
+        meta = checkpoint.read_meta()
+    except CheckpointError as e:
+        return [str(e)]
+    if meta is None:
+        return ["no meta file"]
+    found = []
+    merged_rows = None
+    try:
+        merged_rows, _ = checkpoint.read_merged()
+    except CheckpointError as e:
+        found.append(str(e))
+    parts, _ = checkpoint.list_parts()
+    frames = [merged_rows] if merged_rows is not None else []
+    for part in parts:
+        try:
+            frames.append(checkpoint._read_parquet(part.path))
+        except CheckpointError as e:
+            found.append(str(e))
+    for frame in frames:
+        if meta.id_column not in frame.columns:
+            found.append(f"a file has no id column {meta.id_column!r}")
+        elif frame.get_column(meta.id_column).n_unique() != frame.height:
+            found.append("a file holds duplicate ids")
+        missing = [c for c in (meta.output_schema or {}) if c not in frame.columns]
+        ok = frame.filter(pl.col(ERROR).is_null()).height if ERROR in frame.columns else 0
+        if missing and ok:
+            found.append(f"a file lacks the output columns {missing} named in the meta")
+    if not found:
+        try:
+            checkpoint.load(meta.id_column, meta.base_seq)
+        except CheckpointError as e:
+            found.append(str(e))
+    return found
+
+
+def compact(store: Store, args: argparse.Namespace) -> int:
+    names = _names(store, args)
+    for i, name in enumerate(names, 1):
+        checkpoint = Checkpoint(store, name)
+        meta = checkpoint.read_meta()
+        if meta is None:
+            print(f"[{i}/{len(names)}] {name}: no meta file, skipped", file=sys.stderr)
+            continue
+        parts, _ = checkpoint.list_parts()
+        lease = Lease(store, checkpoint.lock_path)
+        lease.acquire()
+        try:
+            checkpoint.finalize(meta.id_column, None, meta.base_seq)
+        finally:
+            lease.release()
+        print(f"[{i}/{len(names)}] {name}: merged {len(parts)} part(s)", file=sys.stderr)
+    return 0
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    columns = list(rows[0])
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(str(r[c]).ljust(widths[c]) for c in columns))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

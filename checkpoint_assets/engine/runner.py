@@ -38,6 +38,7 @@ from checkpoint_assets.engine.checkpoint import (
     Checkpoint,
     Meta,
     Part,
+    pick_winners,
 )
 from checkpoint_assets.engine.errors import (
     CorruptCheckpointError,
@@ -84,6 +85,7 @@ class RunStats:
     rows_reused: int = 0
     rows_dropped: int = 0
     rows_changed: int = 0
+    rows_imported: int = 0
     calls: int = 0
     failed_calls: int = 0
     flushes: int = 0
@@ -130,11 +132,14 @@ def run(
     is_run_finished: Any = None,
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None,
     label: str = "",
+    imported: pl.DataFrame | None = None,
 ) -> tuple[pl.DataFrame, RunStats]:
     """Run ``fn`` over ``inputs`` (already ``prepare()``d) with resume and checkpointing.
 
     Returns the result (id, outputs, ``_error``; one row per input id) and the run's stats.
     With ``checkpointing`` off, ``checkpoint`` is ignored and nothing is read or written.
+    ``imported``: finished rows from other checkpoints of the same job (global resume); those
+    whose id and input hash match a row of ``inputs`` are copied into this checkpoint and skipped.
     """
     session = Session(
         fn,
@@ -148,6 +153,7 @@ def run(
         logger=logger or log,
         label=label,
     )
+    session.imported = imported
     return session.execute()
 
 
@@ -201,6 +207,7 @@ class Session:
         self._streak_lock = threading.Lock()
         self._outage_at = outage_threshold(settings.max_attempts, settings.checkpoint_interval)
         self._last_error = ""
+        self.imported: pl.DataFrame | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def execute(self) -> tuple[pl.DataFrame, RunStats]:
@@ -266,6 +273,8 @@ class Session:
                 self.checkpoint.write_meta(self.meta)
             if self.meta.output_schema:
                 self.output_columns = list(self.meta.output_schema)
+            if self.imported is not None and self.s.resume:
+                stored = self._import(stored, self.imported)
         p = plan(
             self.inputs,
             stored,
@@ -280,6 +289,39 @@ class Session:
             todo = self._dedupe(todo)
         self.todo_rows = p.todo.height
         return todo
+
+    def _import(self, stored: pl.DataFrame, imported: pl.DataFrame) -> pl.DataFrame:
+        """Copy matching finished rows of other checkpoints into this one (one part)."""
+        assert self.checkpoint is not None
+        if self.id not in imported.columns or imported.height == 0:
+            return stored
+        imported = imported.with_columns(pl.col(self.id).cast(self.inputs.schema[self.id]))
+        wanted = imported.join(
+            self.inputs.select(self.id, INPUT_HASH), on=[self.id, INPUT_HASH], how="semi"
+        )
+        if stored.height:
+            done = stored.filter(pl.col(ERROR).is_null()).select(self.id, INPUT_HASH)
+            wanted = wanted.join(done, on=[self.id, INPUT_HASH], how="anti")
+        if wanted.height == 0:
+            return stored
+        self._learn_schema(wanted)
+        seq = self.next_seq
+        rows = wanted.with_columns(
+            pl.lit(None, pl.String).alias(ERROR),
+            pl.col(ATTEMPTS).fill_null(0).cast(pl.Int32),
+            pl.lit(seq, pl.Int64).alias(SEQ),
+        )
+        part = self.checkpoint.write_part(rows, seq)
+        self.next_seq += 1
+        self.parts = self.checkpoint.compact([*self.parts, part], self.id)
+        self.stats.rows_imported = rows.height
+        self.log.info(
+            "%s: global resume took %d finished row(s) from other checkpoints.",
+            self.label or "checkpoint",
+            rows.height,
+        )
+        merged = pl.concat([stored, rows], how="diagonal_relaxed") if stored.height else rows
+        return pick_winners(merged, self.id)
 
     def _check_job(self, meta: Meta, fingerprint: str, id_dtype: str) -> None:
         if meta.id_column != self.id or (

@@ -6,6 +6,7 @@ No ``from __future__ import annotations`` here: Dagster reads the body's annotat
 
 import inspect
 import enum
+import io
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -14,14 +15,17 @@ import polars as pl
 import pyarrow as pa
 from pydantic import Field
 
-from checkpoint_assets.engine import runner
+from checkpoint_assets.engine import hashing, runner
 from checkpoint_assets.engine.errors import CheckpointError
+from checkpoint_assets.engine.reconcile import JOB
 from checkpoint_assets.engine.runner import RunStats, Settings
+from checkpoint_assets.engine.storage import ObjectStore, Store
 from checkpoint_assets.integration.io_manager import (
     DEFAULT_TAG,
     ID_COLUMN_KEY,
     CheckpointIOManager,
 )
+from checkpoint_assets.integration.global_resume import global_resume_key
 from checkpoint_assets.integration.partitions import parse_shard
 
 SourceSpec = str | dg.AssetKey | dg.AssetsDefinition | Sequence[str]
@@ -214,7 +218,7 @@ def _run_partition(
     """Run one partition's checkpoint and return its result and stats."""
     input_columns = base.input_columns or tuple(c for c in source.columns if c != base.id_column)
     store = io_manager.store()
-    if min_flush_seconds is None and store.__class__.__name__ == "ObjectStore":
+    if min_flush_seconds is None and isinstance(store, ObjectStore):
         min_flush = DEFAULT_MIN_FLUSH_SECONDS_OBJECT_STORE
     else:
         min_flush = base.min_flush_seconds
@@ -236,9 +240,7 @@ def _run_partition(
     )
     shard = parse_shard(partition) if partition else None
     if base.id_column in source.columns and shard is not None:
-        from checkpoint_assets.engine.hashing import shard_of
-
-        mask = shard_of(source.get_column(base.id_column), shard.count) == shard.index
+        mask = hashing.shard_of(source.get_column(base.id_column), shard.count) == shard.index
         source = source.filter(pl.Series(mask))
     if config.limit is not None:
         source = source.head(config.limit)
@@ -265,6 +267,9 @@ def _run_partition(
         return record is not None and record.is_finished
 
     label = context.asset_key.to_user_string() + (f" {partition}" if partition else "")
+    imported = None
+    if config.global_resume and config.resume:
+        imported = _global_rows(io_manager, store, context.asset_key, job)
     return runner.run(
         fn,
         inputs,
@@ -276,7 +281,28 @@ def _run_partition(
         is_run_finished=is_run_finished,
         logger=context.log,  # type: ignore[arg-type]
         label=label,
+        imported=imported,
     )
+
+
+def _global_rows(
+    io_manager: CheckpointIOManager, store: Store, asset_key: dg.AssetKey, job: dict[str, Any]
+) -> pl.DataFrame:
+    """The rows of this job in the asset's global resume table."""
+    key = global_resume_key(asset_key)
+    path = io_manager.output_path(store, key, None)
+    try:
+        data = store.get(path)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"`global_resume: true` needs the table of {key.to_user_string()} at "
+            f"{store.display(path)}, which does not exist. Add global_resume_asset("
+            f"{asset_key.path[-1]}) to your Definitions and materialize it first."
+        ) from None
+    table = pl.read_parquet(io.BytesIO(data))
+    if table.height == 0:
+        return table
+    return table.filter(pl.col(JOB) == hashing.job_fingerprint(job)).drop(JOB)
 
 
 def _metadata(runs: Sequence[RunStats], config: CheckpointRunConfig) -> dict[str, Any]:
@@ -304,6 +330,7 @@ def _metadata(runs: Sequence[RunStats], config: CheckpointRunConfig) -> dict[str
             requests[k] = requests.get(k, 0) + v
     out["storage_requests"] = requests
     out["calls"] = sum(r.calls for r in runs)
+    out["rows_imported"] = sum(r.rows_imported for r in runs)
     return out
 
 

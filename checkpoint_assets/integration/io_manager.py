@@ -120,7 +120,7 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
                 "polars DataFrame, or give this asset another io_manager_key."
             )
         store = self.store()
-        path = self._output_path(store, context.asset_key, _partition_of(context))
+        path = self.output_path(store, context.asset_key, _partition_of(context))
         buffer = io.BytesIO()
         pq.write_table(table, buffer, compression="zstd")
         store.put(path, buffer.getvalue())
@@ -146,13 +146,14 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
         return frame
 
     # -- helpers -------------------------------------------------------------------------
-    def _output_path(self, store: Store, asset_key: dg.AssetKey, partition: str | None) -> str:
+    def output_path(self, store: Store, asset_key: dg.AssetKey, partition: str | None) -> str:
+        """Where an ordinary (not checkpointed) output of an asset partition is stored."""
         if partition is None:
             return store.path(*asset_key.path[:-1], f"{asset_key.path[-1]}.parquet")
         return store.path(*asset_key.path, f"{partition}.parquet")
 
     def _load_output(self, context: dg.InputContext, store: Store, partition: str | None) -> pl.DataFrame:
-        path = self._output_path(store, context.asset_key, partition)
+        path = self.output_path(store, context.asset_key, partition)
         try:
             data = store.get(path)
         except FileNotFoundError:

@@ -1,0 +1,96 @@
+"""``global_resume_asset``: reconcile finished rows across every shard scheme of an asset.
+
+The built asset reads storage directly and depends on the checkpointed asset for lineage only,
+so it can be materialized before any shard of a new scheme exists. A shard run with
+``global_resume: true`` then takes the finished rows for its ids (same id, same input hash, same
+job) from its table into its own checkpoint and skips them.
+"""
+
+
+import posixpath
+from typing import Any
+
+import dagster as dg
+import polars as pl
+from pydantic import Field
+
+from checkpoint_assets.engine.reconcile import finished_rows
+from checkpoint_assets.integration.io_manager import (
+    DEFAULT_TAG,
+    ID_COLUMN_KEY,
+    CheckpointIOManager,
+)
+
+GLOBAL_RESUME_OF_KEY = "checkpoint_assets/global_resume_of"
+
+
+class GlobalResumeConfig(dg.Config):
+    """Which checkpoints to reconcile."""
+
+    checkpoint_tag: str | None = Field(
+        default=None, description="Reconcile the checkpoints of this tag (default: 'default')."
+    )
+
+
+def global_resume_key(asset_key: dg.AssetKey) -> dg.AssetKey:
+    """The key of the global resume asset of ``asset_key``: ``<asset>_global_resume``."""
+    return dg.AssetKey([*asset_key.path[:-1], f"{asset_key.path[-1]}_global_resume"])
+
+
+def global_resume_asset(
+    asset: dg.AssetsDefinition,
+    *,
+    io_manager_key: str = "io_manager",
+    group_name: str | None = None,
+) -> dg.AssetsDefinition:
+    """An unpartitioned asset holding the finished rows of every checkpoint of ``asset``.
+
+    Example: after changing ``shard_partitions(8)`` to ``shard_partitions(16)``, materialize
+    ``ticket_routing_global_resume``, then backfill ``ticket_routing`` with run config
+    ``{"global_resume": true}``: nothing finished is computed again.
+    """
+    key = asset.key
+    metadata = asset.metadata_by_key.get(key, {})
+    if ID_COLUMN_KEY not in metadata:
+        raise TypeError(
+            f"global_resume_asset needs an asset built with @checkpointed_asset; "
+            f"{key.to_user_string()} is not one."
+        )
+    id_column = str(metadata[ID_COLUMN_KEY])
+
+    @dg.asset(
+        key=global_resume_key(key),
+        deps=[key],
+        io_manager_key=io_manager_key,
+        group_name=group_name or asset.group_names_by_key.get(key),
+        metadata={GLOBAL_RESUME_OF_KEY: key.to_user_string()},
+        description=(
+            f"Finished rows of every checkpoint of {key.to_user_string()}, of every shard "
+            "scheme on storage, for runs with `global_resume: true`."
+        ),
+        kinds={"polars"},
+    )
+    def _global_resume(
+        context: dg.AssetExecutionContext, config: GlobalResumeConfig
+    ) -> pl.DataFrame:
+        io_manager = getattr(context.resources, io_manager_key)
+        assert isinstance(io_manager, CheckpointIOManager)
+        store = io_manager.store()
+        folder = posixpath.join(*key.path, config.checkpoint_tag or DEFAULT_TAG)
+        table, found = finished_rows(store, folder, id_column)
+        details: dict[str, Any] = {
+            "checkpoints": len(found.checkpoints),
+            "schemes": sorted(set(found.schemes)),
+            "rows_read": found.rows_read,
+            "rows_finished": table.height,
+        }
+        context.add_output_metadata(details)
+        context.log.info(
+            "Reconciled %d finished rows from %d checkpoints (%s).",
+            table.height,
+            len(found.checkpoints),
+            ", ".join(sorted(set(found.schemes))) or "none found",
+        )
+        return table
+
+    return _global_resume
