@@ -212,28 +212,48 @@ class Checkpoint:
         meta = pl.read_parquet_metadata(raw)
         return rows, int(meta.get(_WATERMARK_KEY, "0"))
 
-    def load(self, id_column: str, base_seq: int = 0) -> Stored:
-        """Read the merged file and every live part, resolved to one row per id."""
+    def load(
+        self, id_column: str, base_seq: int = 0, outputs: Sequence[str] | None = None
+    ) -> Stored:
+        """Read the merged file and every live part, resolved to one row per id.
+
+        ``outputs``, the job's output columns when known, must be in every file with successes.
+        """
         merged, watermark = self.read_merged()
         parts, _ = self.list_parts()
         parts = [p for p in parts if p.last > watermark]
         frames: list[pl.DataFrame] = []
-        if merged is not None and watermark >= base_seq:
-            self._check_unique(merged, id_column, self.merged_path)
-            frames.append(merged.filter(pl.col(SEQ) >= base_seq))
+        use_merged = merged is not None and watermark >= base_seq
+        if merged is not None and use_merged:
+            self._check_unique(merged, id_column, self.merged_path, outputs)
+            frames.append(_since(merged, base_seq))
         for part in parts:
             if part.last < base_seq:
                 continue
             frame = self._recent.get(part.path)
             if frame is None:
                 frame = self._read_parquet(part.path)
-                self._check_unique(frame, id_column, part.path)
-            frames.append(frame.filter(pl.col(SEQ) >= base_seq))
+                self._check_unique(frame, id_column, part.path, outputs)
+            frames.append(_since(frame, base_seq))
         highest = max([watermark, *(p.last for p in parts)])
-        rows = _concat(frames, id_column) if frames else _empty_rows()
-        return Stored(pick_winners(rows, id_column), watermark, highest + 1, parts)
+        # Nothing stored yet (an empty shard, an outage on the first call) still has an id column.
+        empty = _empty_rows().with_columns(pl.lit(None).alias(id_column))
+        rows = _concat(frames, id_column) if frames else empty
+        if len(frames) > 1 or not use_merged:
+            rows = pick_winners(rows, id_column)  # the merged file alone was checked just above
+        return Stored(rows, watermark, highest + 1, parts)
 
-    def _check_unique(self, rows: pl.DataFrame, id_column: str, path: str) -> None:
+    def _check_unique(
+        self, rows: pl.DataFrame, id_column: str, path: str, outputs: Sequence[str] | None = None
+    ) -> None:
+        missing = [c for c in outputs or () if c not in rows.columns]
+        if missing and ERROR in rows.columns and rows.get_column(ERROR).is_null().any():
+            raise CorruptCheckpointError(
+                f"Checkpoint file {self.store.display(path)} holds results without the output "
+                f"columns {missing} (it has {rows.columns}). Two different jobs probably share "
+                "this checkpoint: give each its own checkpoint_tag, or start over with "
+                "`resume: false`."
+            )
         if id_column not in rows.columns:
             raise CorruptCheckpointError(
                 f"Checkpoint file {self.store.display(path)} has no id column {id_column!r} "
@@ -283,23 +303,37 @@ class Checkpoint:
         return parts
 
     def finalize(
-        self, id_column: str, current_ids: pl.Series | None, base_seq: int = 0
+        self,
+        id_column: str,
+        current_ids: pl.Series | None,
+        base_seq: int = 0,
+        known: Stored | None = None,
     ) -> pl.DataFrame:
         """Merge every part into ``<name>.parquet`` and delete them; returns the stored rows.
 
         ``current_ids`` (the ids of this run's input) marks which rows form the result; rows
         outside it stay stored with ``_current`` false. ``None`` keeps the previous marks.
+        ``known`` is what ``load`` returned to a writer that has written nothing since: it spares
+        reading everything again. A checkpoint whose rows and marks are unchanged (a resume with
+        nothing left to do) is not rewritten.
         """
-        stored = self.load(id_column, base_seq)
+        stored = known if known is not None else self.load(id_column, base_seq)
         rows = stored.rows
+        changed = bool(stored.parts) or stored.watermark < base_seq
         if current_ids is not None:
-            rows = rows.with_columns(pl.col(id_column).is_in(current_ids.implode()).alias(CURRENT))
+            before = rows
+            rows = rows.with_columns(_marks(rows.get_column(id_column), current_ids))
+            changed = changed or CURRENT not in before.columns or not before[CURRENT].equals(rows[CURRENT])
+            if current_ids.is_sorted() and not rows.get_column(id_column).is_sorted():
+                # Store rows in the input's order, so that resumes match ids by a sorted merge.
+                rows = rows.sort(id_column)
+                changed = True
         elif CURRENT in rows.columns:
             rows = rows.with_columns(pl.col(CURRENT).fill_null(True))
         else:
             rows = rows.with_columns(pl.lit(True).alias(CURRENT))
         watermark = stored.next_seq - 1
-        if stored.parts or stored.watermark < base_seq or current_ids is not None:
+        if changed:
             data = _to_parquet(rows, {_WATERMARK_KEY: str(watermark)})
             self.store.put(self.merged_path, data)
         self.cleanup(watermark)
@@ -332,6 +366,22 @@ class Checkpoint:
             if info.name.startswith(base):
                 yield info
         yield from self.store.list(self.parts_dir)
+
+
+def _since(rows: pl.DataFrame, base_seq: int) -> pl.DataFrame:
+    """Rows of flushes ``base_seq`` and later (every row when the generation began at 0)."""
+    return rows if base_seq <= 0 else rows.filter(pl.col(SEQ) >= base_seq)
+
+
+def _marks(ids: pl.Series, current_ids: pl.Series) -> pl.Expr:
+    """``_current`` for each stored id: is it in this run's input?
+
+    An expression, not a Series: a new Series of one chunk beside columns read in many would make
+    the next ``select`` copy every column into one chunk.
+    """
+    if ids.equals(current_ids):  # stored in the input's order: every row is current
+        return pl.lit(True).alias(CURRENT)
+    return pl.col(ids.name).is_in(current_ids.implode()).alias(CURRENT)
 
 
 def _outputs(rows: pl.DataFrame, id_column: str) -> list[str]:

@@ -32,12 +32,14 @@ from checkpoint_assets.engine.calls import BatchFn, Caller, Outcome, outage_thre
 from checkpoint_assets.engine.checkpoint import (
     ATTEMPTS,
     BOOKKEEPING,
+    CURRENT,
     ERROR,
     INPUT_HASH,
     SEQ,
     Checkpoint,
     Meta,
     Part,
+    Stored,
     pick_winners,
 )
 from checkpoint_assets.engine.errors import (
@@ -200,14 +202,18 @@ class Session:
         self.started = time.monotonic()
         self.last_progress = self.started
         self.done_rows = 0
+        self.failed_rows = 0  # rows this run stored as failed (for progress lines)
         self.todo_rows = 0
         self.output_columns: list[str] | None = None
         self.copies: pl.DataFrame | None = None
-        self._streak = 0
-        self._streak_lock = threading.Lock()
         self._outage_at = outage_threshold(settings.max_attempts, settings.checkpoint_interval)
         self._last_error = ""
         self.imported: pl.DataFrame | None = None
+        # What open() loaded, reused by finalize while this run has written nothing.
+        self.known: Stored | None = None
+        # Parts are written by one background thread, at most one flush in flight (see flush).
+        self.writer: cf.ThreadPoolExecutor | None = None
+        self.writing: cf.Future[None] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def execute(self) -> tuple[pl.DataFrame, RunStats]:
@@ -234,6 +240,8 @@ class Session:
                     raise
             return self.close(stopped)
         finally:
+            if self.writer is not None:
+                self.writer.shutdown(wait=True)  # never release the lock with a write in flight
             if self.lease is not None:
                 self.lease.release()
             if self.checkpoint is not None:
@@ -249,18 +257,25 @@ class Session:
             if self.meta is not None:
                 self._check_job(self.meta, fingerprint, id_dtype)
             base = self.meta.base_seq if self.meta else 0
-            loaded = self.checkpoint.load(self.id, base)
+            same_job = self.meta is not None and self.meta.job_fingerprint == fingerprint
+            outputs = self.meta.output_schema if self.meta is not None and same_job else None
+            loaded = self.checkpoint.load(self.id, base, list(outputs) if outputs else None)
             self.next_seq = loaded.next_seq
             self.parts = [p for p in loaded.parts]
             stored = loaded.rows
-            if self.meta is not None and self.meta.job_fingerprint != fingerprint:
-                # resume: false on a checkpoint of another job: start a new generation.
+            fresh = not self.s.resume or (
+                self.meta is not None and self.meta.job_fingerprint != fingerprint
+            )
+            if self.meta is not None and fresh:
+                # resume: false ignores what is stored (which may even be another job's, with
+                # other output columns): start a new generation.
                 self.base_seq = self.next_seq
                 stored = stored.clear()
             else:
                 self.base_seq = base
+                self.known = loaded
             self._check_stored_columns(stored)
-            if self.meta is None or self.meta.job_fingerprint != fingerprint:
+            if self.meta is None or fresh:
                 self.meta = Meta(
                     job_fingerprint=fingerprint,
                     job=self.job,
@@ -313,6 +328,7 @@ class Session:
         )
         part = self.checkpoint.write_part(rows, seq)
         self.next_seq += 1
+        self.known = None
         self.parts = self.checkpoint.compact([*self.parts, part], self.id)
         self.stats.rows_imported = rows.height
         self.log.info(
@@ -399,18 +415,23 @@ class Session:
             self.id,
             max_attempts=self.s.max_attempts,
             retry_delay_seconds=self.s.retry_delay_seconds,
-            on_call=self._on_call,
+            outage_after=self._outage_at,
         )
         try:
             for outcome in self._outcomes(caller, todo):
-                self._absorb(outcome)
-                if self._streak >= self._outage_at:
+                if caller.outage:
+                    # Failures seen during an outage say nothing about the rows; results of
+                    # calls that succeeded before it (batches still in flight) are kept.
                     self.suspect.clear()
-                    return self._last_error
+                    outcome.failed.clear()
+                self._absorb(outcome)
                 self._maybe_flush()
                 self._maybe_progress()
         finally:
             caller.close()
+        if caller.outage:
+            self.suspect.clear()
+            return caller.last_error or "every call failed"
         self._commit(self.suspect)
         self.suspect = []
         return None
@@ -421,7 +442,7 @@ class Session:
         if self.s.max_concurrency <= 1:
             for batch in batches:
                 yield caller.process(batch)
-                if self._streak >= self._outage_at:
+                if caller.outage:
                     return
             return
         pool = cf.ThreadPoolExecutor(self.s.max_concurrency, thread_name_prefix="checkpoint")
@@ -431,8 +452,8 @@ class Session:
                 while len(pending) >= self.s.max_concurrency:
                     done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
                     yield from (f.result() for f in done)
-                if self._streak >= self._outage_at:
-                    return
+                if caller.outage:
+                    break  # an outage: submit nothing more, collect the batches in flight
                 pending.add(pool.submit(caller.process, batch))
             while pending:
                 done, pending = cf.wait(
@@ -443,11 +464,6 @@ class Session:
                     self._maybe_flush()
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-
-    def _on_call(self, ok: bool) -> bool:
-        with self._streak_lock:
-            self._streak = 0 if ok else self._streak + 1
-            return self._streak < self._outage_at
 
     def _absorb(self, outcome: Outcome) -> None:
         self.stats.calls += outcome.calls
@@ -491,6 +507,7 @@ class Session:
         self.stats.rows_computed += computed
         self.stats.rows_reused += rows.height - computed
         self.done_rows += rows.height
+        self.failed_rows += int(rows.get_column(ERROR).is_not_null().sum())
         self.buffer.append(rows)
         self.buffered_rows += rows.height
 
@@ -511,9 +528,17 @@ class Session:
             self.flush()
 
     def flush(self) -> None:
-        """Write the buffered rows as one part (with checkpointing), then compact."""
+        """Hand the buffered rows to the background writer as one part (with checkpointing).
+
+        The writer writes the part, then compacts, while the function works on the next batch.
+        At most one flush is in flight: a flush first waits for the previous one (and raises its
+        error), so a hard kill loses at most the buffer plus that flush. ``close`` waits for the
+        last one before finalizing: a run never succeeds before its rows are durable.
+        """
         if not self.buffer:
             return
+        if self.checkpoint is not None:
+            self.wait_for_writes()
         rows = pl.concat(self.buffer, how="diagonal_relaxed")
         self.buffer, self.buffered_rows = [], 0
         self.last_flush = time.monotonic()
@@ -521,14 +546,30 @@ class Session:
             self.kept.append(rows)
             return
         seq = self.next_seq
-        part = self.checkpoint.write_part(rows.with_columns(pl.lit(seq, pl.Int64).alias(SEQ)), seq)
         self.next_seq += 1
         self.stats.flushes += 1
+        self.known = None
+        if self.writer is None:
+            self.writer = cf.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        rows = rows.with_columns(pl.lit(seq, pl.Int64).alias(SEQ))
+        self.writing = self.writer.submit(self._write, rows, seq)
+
+    def _write(self, rows: pl.DataFrame, seq: int) -> None:
+        """The writer thread's job: one part, then compaction."""
+        assert self.checkpoint is not None
+        part = self.checkpoint.write_part(rows, seq)
         self.parts = self.checkpoint.compact([*self.parts, part], self.id)
+
+    def wait_for_writes(self) -> None:
+        """Block until the flush in flight is durable; raise its error if it failed."""
+        writing, self.writing = self.writing, None
+        if writing is not None:
+            writing.result()
 
     def _flush_quietly(self) -> None:
         try:
             self.flush()
+            self.wait_for_writes()
         except Exception as e:  # the original exception matters more
             self.log.error("Could not flush the last results before stopping: %s", e)
 
@@ -553,16 +594,18 @@ class Session:
         )
 
     def _failed_so_far(self) -> int:
-        return sum(f.get_column(ERROR).is_not_null().sum() for f in self.buffer)
+        return self.failed_rows
 
     # -- the end -------------------------------------------------------------------------
     def close(self, stopped: str | None) -> tuple[pl.DataFrame, RunStats]:
         self.flush()
+        self.wait_for_writes()
         self.stats.seconds = time.monotonic() - self.started
         current = self.inputs.get_column(self.id)
         if self.checkpoint is not None:
-            rows = self.checkpoint.finalize(self.id, current, self.base_seq)
-            rows = rows.filter(pl.col("_current"))
+            rows = self.checkpoint.finalize(self.id, current, self.base_seq, known=self.known)
+            if not rows.get_column(CURRENT).all():
+                rows = rows.filter(pl.col(CURRENT))
         else:
             rows = (
                 pl.concat(self.kept, how="diagonal_relaxed") if self.kept else pl.DataFrame()

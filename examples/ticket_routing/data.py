@@ -13,19 +13,20 @@
 Texts are assembled from per-department templates (subject, main sentence, detail sentences)
 plus department-neutral "generic" sentences.  Placeholders such as ``{product}``, ``{order}`` or
 ``{amount}`` are filled from vocabularies and integer ranges.  Within one ticket a placeholder
-always gets the same value (the order number in the subject matches the one in the body).
+always has the same value (the order number in the subject matches the one in the body).
 
-How it stays fast: no per-row Python code.  Every template is pre-split at import time into
-``literal, slot, literal, slot, ...``.  Per row we only draw integers with numpy (template indices
-and one 64-bit "value seed"); slot values are derived from the value seed with a splitmix64
-mix, and the strings are built by polars with gathers from small literal/vocabulary series and
-one ``concat_str`` per text column.
+Speed: there is no per-row Python code.  Every template is pre-split at import time into
+``literal, slot, literal, slot, ...``.  Per row, numpy draws integers only (template indices and
+one 64-bit "value seed" from which every placeholder value is derived by multiply-shift hashing);
+polars then renders strings with gathers from small literal/vocabulary series and one
+``concat_str`` per text column.  Work is done block by block to keep memory and caches small.
 
-How it stays deterministic: randomness comes from raw 64-bit outputs of the PCG64 bit generator
-(``np.random.default_rng([seed, block]).bit_generator.random_raw``), whose stream is stable across
-numpy versions and platforms, turned into bounded integers with integer arithmetic only.  Rows are
-generated in fixed blocks of ``BLOCK_SIZE`` seeded by ``(seed, block_index)`` and the result is
-sliced, so row ``i`` never depends on ``n``: ``generate_tickets(10)[:5]`` equals
+Determinism: randomness comes from the raw 64-bit output of the PCG64 bit generator
+(``np.random.default_rng([seed, block]).bit_generator.random_raw``), turned into choices with
+integer arithmetic only: no floats, no ``Generator`` distribution methods (whose algorithms numpy
+reserves the right to change), no hashing of Python objects, no set iteration.  Rows are
+generated in fixed blocks of ``BLOCK_SIZE`` seeded by ``(seed, block_index)`` and the last block
+is cut, so row ``i`` never depends on ``n``: ``generate_tickets(10)[:5]`` equals
 ``generate_tickets(100)[:5]``.
 """
 
@@ -39,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 import polars as pl
 
-__all__ = ["BLOCK_SIZE", "DEPARTMENTS", "TIERS", "generate_tickets"]
+__all__ = ["BLOCK_SIZE", "DEPARTMENTS", "SCHEMA", "TIERS", "generate_tickets"]
 
 DEPARTMENTS: Final[tuple[str, ...]] = (
     "billing",
@@ -50,8 +51,15 @@ DEPARTMENTS: Final[tuple[str, ...]] = (
     "other",
 )
 TIERS: Final[tuple[str, ...]] = ("free", "pro", "enterprise")
+SCHEMA: Final[dict[str, type[pl.DataType]]] = {
+    "ticket_id": pl.Int64,
+    "subject": pl.String,
+    "body": pl.String,
+    "customer_tier": pl.String,
+    "true_department": pl.String,
+}
 
-#: Rows per independently seeded block; part of the output contract (changing it changes data).
+#: Rows per independently seeded block.  Part of the output contract: changing it changes data.
 BLOCK_SIZE: Final[int] = 65_536
 
 _U64 = npt.NDArray[np.uint64]
@@ -59,7 +67,7 @@ _I64 = npt.NDArray[np.int64]
 
 # Relative frequency of each department, and P(tier | department).
 _DEPT_WEIGHTS: Final[tuple[int, ...]] = (24, 28, 18, 13, 9, 8)
-_TIER_WEIGHTS: Final[dict[str, tuple[int, int, int]]] = {
+_TIER_WEIGHTS: Final[dict[str, tuple[int, ...]]] = {
     "billing": (45, 40, 15),
     "technical": (48, 34, 18),
     "account": (60, 30, 10),
@@ -71,10 +79,39 @@ _TIER_WEIGHTS: Final[dict[str, tuple[int, int, int]]] = {
 _SENTENCE_WEIGHTS: Final[tuple[int, ...]] = (20, 35, 30, 15)
 
 # --------------------------------------------------------------------------------------------
-# Placeholder vocabularies and ranges
+# Placeholder values
 # --------------------------------------------------------------------------------------------
 
-_VOCAB: Final[dict[str, tuple[str, ...]]] = {
+_MONTHS: Final[tuple[str, ...]] = (
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+)
+
+_NAMES: Final[tuple[str, ...]] = (
+    "Priya",
+    "Marco",
+    "Aisha",
+    "Tom",
+    "Lena",
+    "Kenji",
+    "Sofia",
+    "Daniel",
+    "Fatima",
+)
+_DATES: Final[tuple[str, ...]] = tuple(f"{m} {d}" for m in _MONTHS for d in range(1, 29))
+
+#: Placeholders filled from a word list.  Within a ticket each placeholder name has one value.
+_WORDS: Final[dict[str, tuple[str, ...]]] = {
     "product": (
         "Acme Cloud Drive",
         "Acme Sync",
@@ -130,20 +167,6 @@ _VOCAB: Final[dict[str, tuple[str, ...]]] = {
         "Shopify",
         "QuickBooks",
     ),
-    "month": (
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ),
     "city": (
         "Austin",
         "Leeds",
@@ -158,29 +181,30 @@ _VOCAB: Final[dict[str, tuple[str, ...]]] = {
     ),
     "http": ("500", "502", "503", "504", "403", "401", "429"),
     "version": ("4.2.1", "4.3.0", "4.3.2", "5.0.0", "5.0.2", "5.1.0"),
-    "name": ("Priya", "Marco", "Aisha", "Tom", "Lena", "Kenji", "Sofia", "Daniel", "Fatima"),
+    "name": _NAMES,
+    "signer": _NAMES,  # a second, independent name (sign-off)
+    "month": _MONTHS,
+    "date": _DATES,
+    "date2": _DATES,  # a second, independent date
+    # Money in dollars and cents, $4.99 .. $499.99.
+    "amount": tuple(f"{c // 100}.{c % 100:02d}" for c in range(499, 50_000)),
 }
-# Integer placeholders: inclusive (low, high).
-_INT_RANGES: Final[dict[str, tuple[int, int]]] = {
+#: Placeholders filled with an integer from an inclusive range.
+_RANGES: Final[dict[str, tuple[int, int]]] = {
     "order": (1_000_000, 9_999_999),
     "invoice": (10_000, 99_999),
     "errnum": (1000, 9999),
     "seats": (5, 400),
     "days": (2, 21),
-    "day": (1, 28),
     "last4": (1000, 9999),
     "tracking": (100_000_000, 999_999_999),
     "count": (2, 12),
     "year": (2015, 2024),
-}
-# Money placeholders in cents: inclusive (low, high); rendered as ``<dollars>.<cents>``.
-_MONEY_RANGES: Final[dict[str, tuple[int, int]]] = {
-    "amount": (499, 49_999),
-    "quote": (150_000, 9_000_000),
+    "quote": (1500, 90_000),
 }
 
 # --------------------------------------------------------------------------------------------
-# Templates
+# Templates (``{name}`` is a placeholder from _WORDS or _RANGES)
 # --------------------------------------------------------------------------------------------
 
 _SUBJECTS: Final[dict[str, tuple[str, ...]]] = {
@@ -204,7 +228,7 @@ _SUBJECTS: Final[dict[str, tuple[str, ...]]] = {
         "Outage: {product} not loading",
         "Webhook deliveries failing since version {version}",
         "Sync stuck for {count} hours",
-        "Bug: {feature} shows wrong data",
+        "Bug: wrong numbers in {feature}",
         "Timeout errors in {product}",
         "Cannot install {product} {version}",
         "{integration} integration broken",
@@ -256,12 +280,20 @@ _SUBJECTS: Final[dict[str, tuple[str, ...]]] = {
     ),
 }
 
+#: Vague subjects any department can use (about a quarter of all tickets).
+_GENERIC_SUBJECTS: Final[tuple[str, ...]] = (
+    "Quick question",
+    "Need help",
+    "Issue with {product}",
+    "Following up on my previous message",
+)
+
 _MAIN: Final[dict[str, tuple[str, ...]]] = {
     "billing": (
-        "I was charged ${amount} twice on {month} {day} for the same {plan} subscription.",
+        "I was charged ${amount} twice on {date} for the same {plan} subscription.",
         "Invoice INV-{invoice} shows ${amount}, but our {plan} plan should cost less than that.",
         "My payment with the card ending in {last4} was declined even though the card is valid.",
-        "I cancelled {product} on {month} {day} but was still charged ${amount} this month.",
+        "I cancelled {product} on {date} but was still charged ${amount} this month.",
         "Could you please issue a refund of ${amount} for the unused part of my subscription?",
         "I need a copy of the receipt for invoice INV-{invoice} for our accounting team.",
         "After downgrading to the {plan} plan we were billed ${amount}, "
@@ -269,6 +301,7 @@ _MAIN: Final[dict[str, tuple[str, ...]]] = {
         "Our company VAT number is missing from invoice INV-{invoice}.",
         "The billing page says my payment of ${amount} is still pending after {days} days.",
         "Please switch our billing from monthly to annual and tell me the new price.",
+        "Your pricing page lists the {plan} plan for less than what we pay every month.",
     ),
     "technical": (
         "Every time I open {feature} in {product} on {platform}, the app crashes.",
@@ -278,7 +311,7 @@ _MAIN: Final[dict[str, tuple[str, ...]]] = {
         "{product} is completely down for our team and only shows a blank page.",
         "The {integration} integration stopped importing records after yesterday's update.",
         "Webhook deliveries are failing with a timeout after {count} seconds.",
-        "The installer for {product} {version} stops with error E{errnum} on {platform}.",
+        "The installer for {product} {version} stops with error E{errnum}.",
         "Pages in {product} take more than {count} seconds to load, which makes it unusable.",
         "The numbers in {feature} come from the wrong date range; this looks like a bug.",
         "We are seeing a full outage of {product} across all of our offices.",
@@ -291,7 +324,7 @@ _MAIN: Final[dict[str, tuple[str, ...]]] = {
         "I need to change the email address on my account because I moved to a new company.",
         "I lost the phone I used for two-factor authentication and can't get 2FA codes anymore.",
         "Please delete my account and all associated personal data.",
-        "Could you transfer account ownership from {name} to me? {name} has left the team.",
+        "Could you transfer account ownership from {name} to me, since {name} has left the team?",
         "I want to merge my two accounts into one profile.",
         "The verification code you send by SMS expires before it arrives.",
         "I'd like to add {name} as an admin user on our workspace.",
@@ -300,7 +333,7 @@ _MAIN: Final[dict[str, tuple[str, ...]]] = {
     "shipping": (
         "My order #{order} for the {hwproduct} was supposed to arrive {days} days ago "
         "and still hasn't shown up.",
-        "{carrier} marked the package as delivered on {month} {day}, "
+        "{carrier} marked the package as delivered on {date}, "
         "but nothing arrived at my address in {city}.",
         "The {hwproduct} in order #{order} arrived damaged; the box was crushed.",
         "The tracking number 1Z{tracking} has not updated in {days} days.",
@@ -309,6 +342,7 @@ _MAIN: Final[dict[str, tuple[str, ...]]] = {
         "Can you change the delivery address for order #{order} to our new office in {city}?",
         "The courier came while our office was closed and the package is now at a {carrier} depot.",
         "Order #{order} is stuck in customs and {carrier} is asking for an import fee.",
+        "I was charged ${amount} for express delivery, but it came by regular mail.",
     ),
     "sales": (
         "We are evaluating {product} for a team of {seats} people and would like a quote.",
@@ -327,12 +361,13 @@ _MAIN: Final[dict[str, tuple[str, ...]]] = {
         "It would be great if {feature} could be customised; consider this a feature request.",
         "I'm a journalist writing a story about productivity tools and would love to ask "
         "a few questions.",
-        "I applied for a job on your careers page on {month} {day} and wanted to follow up.",
+        "I applied for a job on your careers page on {date} and wanted to follow up.",
         "Thanks to {name} from your team for the excellent help last week.",
         "The colour contrast in {feature} is hard to read for people with low vision.",
         "Are you planning to open an office in {city}?",
         "We would like to invite someone from your company to speak at our meetup in {city}.",
         "Do you have any stickers or swag for our community event?",
+        "Your team fixed my login problem within minutes, thank you!",
     ),
 }
 
@@ -359,15 +394,15 @@ _DETAILS: Final[dict[str, tuple[str, ...]]] = {
     "account": (
         "I've checked the spam folder already.",
         "My username is the same as my work email.",
-        "I last logged in successfully on {month} {day}.",
+        "I last logged in successfully on {date2}.",
         "I'm using {platform}.",
         "Our admin {name} is on leave, so I can't ask them.",
         "I've had this profile since {year}.",
     ),
     "shipping": (
-        "I ordered it on {month} {day}.",
+        "I ordered it on {date2}.",
         "The shipment was sent with {carrier}.",
-        "It's a gift, so we need it before {month} {day}.",
+        "It's a gift, so we need it before {date2}.",
         "I can send photos of the damaged box.",
         "Nobody in the building received a parcel that day.",
         "The order confirmation number is #{order}.",
@@ -393,112 +428,98 @@ _GENERIC: Final[tuple[str, ...]] = (
     "I've contacted you {count} times already about this.",
     "I'm a bit frustrated, to be honest.",
     "This is urgent, our whole team is blocked.",
-    "We need this resolved ASAP.",
-    "Could you get back to me by {month} {day}?",
+    "We need this resolved this week.",
+    "Could you get back to me by {date2}?",
     "Please let me know as soon as possible.",
     "No rush, whenever you get a chance.",
     "Any help would be appreciated.",
     "Thanks in advance.",
-    "Best regards, {name}.",
+    "Best regards, {signer}.",
 )
 
 # --------------------------------------------------------------------------------------------
 # Compiled tables (built once at import)
 # --------------------------------------------------------------------------------------------
 
-_KIND_VOCAB: Final[int] = 0
-_KIND_INT: Final[int] = 1
-_KIND_MONEY: Final[int] = 2
-
 _PLACEHOLDER_RE: Final[re.Pattern[str]] = re.compile(r"\{([a-z0-9_]+)\}")
 
 
 @dataclass(frozen=True)
 class _SlotTypes:
-    """Parallel arrays describing every placeholder type (indexed by slot type id)."""
+    """Per placeholder type (index = slot type id; id 0 is "no placeholder")."""
 
     names: tuple[str, ...]
-    kind: npt.NDArray[np.int64]
+    is_int: npt.NDArray[np.bool_]  # rendered by casting the value, not by a vocabulary gather
     vocab_offset: npt.NDArray[np.uint64]
     low: npt.NDArray[np.uint64]
-    span: npt.NDArray[np.uint64]  # number of distinct values (vocab length or range size)
-    vocab: pl.Series  # all vocabulary words, then ".00"..".99" cents, then "" (empty)
-    cents_offset: int
-    empty_index: int
+    span: npt.NDArray[np.uint64]  # number of distinct values
+    mult: npt.NDArray[np.uint64]  # odd multiplier deriving this type's value from the row seed
+    vocab: pl.Series  # "" followed by every word list
+
+
+def _odd_constant(i: int) -> int:
+    """A fixed, well-mixed odd 64-bit constant (splitmix64 of ``i``)."""
+    z = (i * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (z ^ (z >> 31)) | 1
 
 
 def _build_slot_types() -> _SlotTypes:
-    names: list[str] = []
-    kind: list[int] = []
-    offset: list[int] = []
-    low: list[int] = []
-    span: list[int] = []
-    words: list[str] = []
-    for name, values in _VOCAB.items():
+    names = [""]
+    is_int = [False]
+    offset = [0]
+    low = [0]
+    span = [1]
+    words = [""]
+    for name, values in _WORDS.items():
         names.append(name)
-        kind.append(_KIND_VOCAB)
+        is_int.append(False)
         offset.append(len(words))
         low.append(0)
         span.append(len(values))
         words.extend(values)
-    for name, (lo, hi) in _INT_RANGES.items():
-        names += [name]
-        kind.append(_KIND_INT)
-        offset.append(0)
-        low.append(lo)
-        span.append(hi - lo + 1)
-    for name, (lo, hi) in _MONEY_RANGES.items():
-        names += [name]
-        kind.append(_KIND_MONEY)
+    for name, (lo, hi) in _RANGES.items():
+        names.append(name)
+        is_int.append(True)
         offset.append(0)
         low.append(lo)
         span.append(hi - lo + 1)
     assert max(span) < 2**32
-    cents_offset = len(words)
-    words.extend(f".{c:02d}" for c in range(100))
-    empty_index = len(words)
-    words.append("")
     return _SlotTypes(
         names=tuple(names),
-        kind=np.array(kind, dtype=np.int64),
+        is_int=np.array(is_int, dtype=np.bool_),
         vocab_offset=np.array(offset, dtype=np.uint64),
         low=np.array(low, dtype=np.uint64),
         span=np.array(span, dtype=np.uint64),
+        mult=np.array([_odd_constant(i) for i in range(len(names))], dtype=np.uint64),
         vocab=pl.Series("vocab", words, dtype=pl.String),
-        cents_offset=cents_offset,
-        empty_index=empty_index,
     )
 
 
 _SLOTS: Final[_SlotTypes] = _build_slot_types()
-_SLOT_ID: Final[dict[str, int]] = {name: i for i, name in enumerate(_SLOTS.names)}
+_SLOT_ID: Final[dict[str, int]] = {name: i for i, name in enumerate(_SLOTS.names) if name}
 
 
 @dataclass(frozen=True)
 class _Pool:
-    """A contiguous run of templates inside the piece table, one run per department."""
+    """Templates of one kind: a contiguous run in the piece table per department."""
 
     offset: npt.NDArray[np.uint64]  # per department
     count: npt.NDArray[np.uint64]  # per department
+    max_slots: int
 
 
 @dataclass(frozen=True)
 class _PieceTable:
-    """All templates split into ``lit0 slot1 lit1 slot2 lit2 ...`` (missing slots are -1)."""
+    """All templates split into ``lit0 slot1 lit1 slot2 lit2 ...`` (missing slots are 0)."""
 
-    literals: tuple[pl.Series, ...]  # n_slots + 1 series, each of length n_pieces
-    slots: npt.NDArray[np.int64]  # shape (n_slots, n_pieces)
+    literals: tuple[pl.Series, ...]  # max_slots + 1 series, each with one entry per piece
+    slots: npt.NDArray[np.int64]  # shape (max_slots, n_pieces)
     subject: _Pool
     main: _Pool
-    extra: _Pool  # department details followed by generic sentences (leading space included)
+    extra: _Pool  # department details then generic sentences, with a leading space
     empty: int  # index of the empty piece (unused sentence positions)
-
-
-def _split_template(template: str) -> tuple[list[str], list[int]]:
-    parts = _PLACEHOLDER_RE.split(template)
-    literals = parts[0::2]
-    slots = [_SLOT_ID[name] for name in parts[1::2]]
-    return literals, slots
 
 
 def _build_piece_table() -> _PieceTable:
@@ -507,28 +528,35 @@ def _build_piece_table() -> _PieceTable:
     def add_pool(groups: list[list[str]], prefix: str = "") -> _Pool:
         offsets: list[int] = []
         counts: list[int] = []
+        first = len(pieces)
         for group in groups:
             offsets.append(len(pieces))
             counts.append(len(group))
-            pieces.extend(_split_template(prefix + t) for t in group)
-        return _Pool(np.array(offsets, dtype=np.uint64), np.array(counts, dtype=np.uint64))
+            for template in group:
+                parts = _PLACEHOLDER_RE.split(prefix + template)
+                pieces.append((parts[0::2], [_SLOT_ID[name] for name in parts[1::2]]))
+        return _Pool(
+            offset=np.array(offsets, dtype=np.uint64),
+            count=np.array(counts, dtype=np.uint64),
+            max_slots=max(len(slots) for _, slots in pieces[first:]),
+        )
 
-    subject = add_pool([list(_SUBJECTS[d]) for d in DEPARTMENTS])
+    subject = add_pool([list(_SUBJECTS[d]) + list(_GENERIC_SUBJECTS) for d in DEPARTMENTS])
     main = add_pool([list(_MAIN[d]) for d in DEPARTMENTS])
     extra = add_pool([list(_DETAILS[d]) + list(_GENERIC) for d in DEPARTMENTS], prefix=" ")
     empty = len(pieces)
     pieces.append(([""], []))
 
-    n_slots = max(len(s) for _, s in pieces)
+    n_slots = max(subject.max_slots, main.max_slots, extra.max_slots)
     literals = [[""] * len(pieces) for _ in range(n_slots + 1)]
-    slots = np.full((n_slots, len(pieces)), -1, dtype=np.int64)
+    slots = np.zeros((n_slots, len(pieces)), dtype=np.int64)
     for p, (lits, slot_ids) in enumerate(pieces):
         for j, lit in enumerate(lits):
             literals[j][p] = lit
         slots[: len(slot_ids), p] = slot_ids
     return _PieceTable(
         literals=tuple(
-            pl.Series(f"lit{j}", col, dtype=pl.String) for j, col in enumerate(literals)
+            pl.Series(f"lit{j}", lits, dtype=pl.String) for j, lits in enumerate(literals)
         ),
         slots=slots,
         subject=subject,
@@ -557,68 +585,77 @@ _TIER_CDF: Final[npt.NDArray[np.uint64]] = np.stack(
     [_cdf32(_TIER_WEIGHTS[d]) for d in DEPARTMENTS]
 )  # shape (n_departments, n_tiers)
 _SENTENCE_CDF: Final[npt.NDArray[np.uint64]] = _cdf32(_SENTENCE_WEIGHTS)
+_DEPARTMENT_SERIES: Final[pl.Series] = pl.Series("department", DEPARTMENTS, dtype=pl.String)
+_TIER_SERIES: Final[pl.Series] = pl.Series("tier", TIERS, dtype=pl.String)
 
 # --------------------------------------------------------------------------------------------
-# Integer helpers (uint64 arithmetic wraps silently for arrays; that is intended)
+# Block generation
 # --------------------------------------------------------------------------------------------
 
-_M32: Final = np.uint64(0xFFFF_FFFF)
 _S32: Final = np.uint64(32)
-_GOLDEN: Final = np.uint64(0x9E37_79B9_7F4A_7C15)
-
-
-def _high(r: _U64) -> _U64:
-    return r >> _S32
-
-
-def _low(r: _U64) -> _U64:
-    return r & _M32
-
-
-def _bounded(r32: _U64, k: _U64 | np.uint64) -> _U64:
-    """Map 32-bit uniform values to ``[0, k)`` (multiply-shift; ``k < 2**32``)."""
-    return (r32 * k) >> _S32
-
-
-def _splitmix64(x: _U64) -> _U64:
-    z = x + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58_476D_1CE4_E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D0_49BB_1331_11EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def _bucket(r32: _U64, cdf: npt.NDArray[np.uint64]) -> _I64:
-    """Index of the first cdf threshold strictly above ``r32`` (weighted choice)."""
-    return np.searchsorted(cdf, r32, side="right").astype(np.int64)
-
-
-# --------------------------------------------------------------------------------------------
-# Random draws (numpy, per block)
-# --------------------------------------------------------------------------------------------
-
 _N_DRAWS: Final[int] = 8  # rows of raw 64-bit draws per block; fixed for stability
 
 
-@dataclass(frozen=True)
-class _Draws:
-    """Integer decisions for a run of rows (all arrays have the same length)."""
-
-    dept: _I64
-    tier: _I64
-    subject: _I64  # piece index
-    sentences: tuple[_I64, _I64, _I64, _I64]  # piece indices (empty piece when unused)
-    base: _U64  # per-row value seed for placeholders
+def _high(r: _U64) -> _U64:
+    """Top 32 bits of uniform 64-bit values (uniform on ``[0, 2**32)``)."""
+    return r >> _S32
 
 
-def _draw_block(seed: int, block: int) -> _Draws:
+def _bounded(r32: _U64, k: _U64) -> _U64:
+    """Map 32-bit uniform values to ``[0, k)`` by multiply-shift (``k < 2**32``)."""
+    return (r32 * k) >> _S32
+
+
+def _bucket(r32: _U64, cdf: npt.NDArray[np.uint64]) -> _I64:
+    """Weighted choice: index of the first cdf threshold strictly above ``r32``."""
+    return np.searchsorted(cdf, r32, side="right").astype(np.int64)
+
+
+class _Renderer:
+    """Collects integer columns (numpy) and the polars expressions that render text from them."""
+
+    def __init__(self, base: _U64) -> None:
+        self.base = base
+        self.columns: dict[str, npt.NDArray[np.generic]] = {}
+
+    def col(self, values: npt.NDArray[np.generic]) -> pl.Expr:
+        name = f"c{len(self.columns)}"
+        self.columns[name] = values
+        return pl.col(name)
+
+    def piece(self, piece: _I64, max_slots: int) -> list[pl.Expr]:
+        """Expressions whose row-wise concatenation renders template ``piece[row]``."""
+        t = _PIECES
+        s = _SLOTS
+        idx = self.col(piece.astype(np.uint32))
+        parts: list[pl.Expr] = [pl.lit(t.literals[0]).gather(idx)]
+        for j in range(max_slots):
+            st = t.slots[j][piece]
+            # The value depends on the row seed and the slot *type* only, so a placeholder that
+            # occurs twice in a ticket (subject and body) gets the same value.
+            r = _high(self.base * s.mult[st])
+            value = s.low[st] + _bounded(r, s.span[st])
+            is_int = s.is_int[st]
+            word_idx = np.where(is_int, np.uint64(0), s.vocab_offset[st] + value)
+            word = pl.lit(s.vocab).gather(self.col(word_idx.astype(np.uint32)))
+            if is_int.any():
+                number = self.col(value.astype(np.int64)).cast(pl.String)
+                word = pl.when(self.col(is_int)).then(number).otherwise(word)
+            parts.append(word)
+            parts.append(pl.lit(t.literals[j + 1]).gather(idx))
+        return parts
+
+
+def _block(seed: int, block: int, rows: int) -> pl.DataFrame:
+    """The first ``rows`` rows of block ``block`` (rows do not depend on ``rows``)."""
     raw = np.random.default_rng([seed, block]).bit_generator.random_raw((_N_DRAWS, BLOCK_SIZE))
-    raw = np.asarray(raw, dtype=np.uint64)
-    dept = _bucket(_high(raw[0]), _DEPT_CDF)
-    tier_u = _low(raw[0])
-    tier = (tier_u[:, None] >= _TIER_CDF[dept]).sum(axis=1).astype(np.int64)
-    n_sent = _bucket(_high(raw[1]), _SENTENCE_CDF) + 1
-
+    raw = np.asarray(raw, dtype=np.uint64)[:, :rows]
     p = _PIECES
+
+    dept = _bucket(_high(raw[0]), _DEPT_CDF)
+    tier_u = raw[0] & np.uint64(0xFFFF_FFFF)
+    tier = (tier_u[:, None] >= _TIER_CDF[dept]).sum(axis=1)
+    n_sent = _bucket(_high(raw[1]), _SENTENCE_CDF) + 1
     subject = (p.subject.offset[dept] + _bounded(_high(raw[2]), p.subject.count[dept])).astype(
         np.int64
     )
@@ -640,128 +677,48 @@ def _draw_block(seed: int, block: int) -> _Draws:
         np.where(n_sent == 3, hi, three[1]),
         three[2],
     )
-    empty = np.int64(p.empty)
     extras = [
-        np.where(n_sent >= k, (p.extra.offset[dept] + idx).astype(np.int64), empty)
+        np.where(n_sent >= k, (p.extra.offset[dept] + idx).astype(np.int64), np.int64(p.empty))
         for k, idx in zip((2, 3, 4), picks, strict=True)
     ]
-    return _Draws(
-        dept=dept,
-        tier=tier,
-        subject=subject,
-        sentences=(main, extras[0], extras[1], extras[2]),
-        base=raw[7],
+
+    render = _Renderer(raw[7])
+    subject_parts = render.piece(subject, p.subject.max_slots)
+    body_parts = render.piece(main, p.main.max_slots)
+    for extra in extras:
+        body_parts += render.piece(extra, p.extra.max_slots)
+    tier_idx = render.col(tier.astype(np.uint32))
+    dept_idx = render.col(dept.astype(np.uint32))
+    first_id = block * BLOCK_SIZE + 1
+    return pl.DataFrame(render.columns).select(
+        pl.int_range(first_id, first_id + rows, dtype=pl.Int64).alias("ticket_id"),
+        pl.concat_str(subject_parts).alias("subject"),
+        pl.concat_str(body_parts).alias("body"),
+        pl.lit(_TIER_SERIES).gather(tier_idx).alias("customer_tier"),
+        pl.lit(_DEPARTMENT_SERIES).gather(dept_idx).alias("true_department"),
     )
-
-
-def _draw(n: int, seed: int) -> _Draws:
-    n_blocks = -(-n // BLOCK_SIZE)
-    blocks = [_draw_block(seed, b) for b in range(n_blocks)]
-
-    def cat(arrays: list[npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
-        return np.concatenate(arrays)[:n]
-
-    return _Draws(
-        dept=cat([b.dept for b in blocks]),
-        tier=cat([b.tier for b in blocks]),
-        subject=cat([b.subject for b in blocks]),
-        sentences=(
-            cat([b.sentences[0] for b in blocks]),
-            cat([b.sentences[1] for b in blocks]),
-            cat([b.sentences[2] for b in blocks]),
-            cat([b.sentences[3] for b in blocks]),
-        ),
-        base=np.concatenate([b.base for b in blocks])[:n],
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# String assembly (polars)
-# --------------------------------------------------------------------------------------------
-
-
-class _Assembler:
-    """Collects integer columns (numpy) and the polars expressions that render text from them."""
-
-    def __init__(self, base: _U64) -> None:
-        self.base = base
-        self.columns: dict[str, npt.NDArray[np.generic]] = {}
-
-    def _col(self, values: npt.NDArray[np.generic]) -> pl.Expr:
-        name = f"c{len(self.columns)}"
-        self.columns[name] = values
-        return pl.col(name)
-
-    def piece(self, piece: _I64) -> list[pl.Expr]:
-        """Expressions whose row-wise concatenation renders ``piece`` (template index per row)."""
-        t = _PIECES
-        s = _SLOTS
-        idx = self._col(piece.astype(np.uint32))
-        parts: list[pl.Expr] = [pl.lit(t.literals[0]).gather(idx)]
-        empty = np.uint64(s.empty_index)
-        for j in range(t.slots.shape[0]):
-            slot = t.slots[j][piece]
-            used = slot >= 0
-            if used.any():
-                st = np.where(used, slot, 0)
-                kind = np.where(used, s.kind[st], -1)
-                # Keyed by slot type only, so a placeholder has one value per row.
-                key = (st.astype(np.uint64) + np.uint64(1)) * _GOLDEN
-                r = _high(_splitmix64(self.base ^ key))
-                value = s.low[st] + _bounded(r, s.span[st])
-                word = np.where(kind == _KIND_VOCAB, s.vocab_offset[st] + value, empty)
-                parts.append(pl.lit(s.vocab).gather(self._col(word.astype(np.uint32))))
-                is_num = (kind == _KIND_INT) | (kind == _KIND_MONEY)
-                if is_num.any():
-                    is_money = kind == _KIND_MONEY
-                    whole = np.where(is_money, value // np.uint64(100), value).astype(np.int64)
-                    number = self._col(whole).cast(pl.String)
-                    parts.append(pl.when(self._col(is_num)).then(number).otherwise(pl.lit("")))
-                    if is_money.any():
-                        cents = np.uint64(s.cents_offset) + value % np.uint64(100)
-                        cents = np.where(is_money, cents, empty)
-                        parts.append(pl.lit(s.vocab).gather(self._col(cents.astype(np.uint32))))
-            parts.append(pl.lit(t.literals[j + 1]).gather(idx))
-        return parts
 
 
 def generate_tickets(n: int = 100_000, seed: int = 7) -> pl.DataFrame:
-    """Generate ``n`` deterministic, realistic support tickets.
+    """Generate ``n`` deterministic, realistic customer-support tickets.
 
     Args:
-        n: number of rows (``ticket_id`` runs ``1..n``).
-        seed: non-negative seed; same ``(n, seed)`` gives byte-identical output everywhere, and
-            row ``i`` is the same for every ``n > i``.
+        n: number of rows; ``ticket_id`` runs ``1..n``.
+        seed: non-negative seed.  The same ``(n, seed)`` gives byte-identical output on every
+            machine, and row ``i`` is the same for every ``n > i``.
 
     Returns:
         DataFrame with columns ``ticket_id`` (Int64), ``subject``, ``body``, ``customer_tier``
-        and ``true_department`` (all String).
+        and ``true_department`` (String), see :data:`SCHEMA`; one memory chunk per
+        ``BLOCK_SIZE`` rows (call ``.rechunk()`` if a single chunk is needed).
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
-    schema = {
-        "ticket_id": pl.Int64,
-        "subject": pl.String,
-        "body": pl.String,
-        "customer_tier": pl.String,
-        "true_department": pl.String,
-    }
     if n == 0:
-        return pl.DataFrame(schema=schema)
-
-    d = _draw(n, seed)
-    asm = _Assembler(d.base)
-    subject = asm.piece(d.subject)
-    body = [part for sentence in d.sentences for part in asm.piece(sentence)]
-    tier = asm._col(d.tier.astype(np.uint32))
-    dept = asm._col(d.dept.astype(np.uint32))
-    frame = pl.DataFrame(asm.columns)
-    return frame.select(
-        pl.int_range(1, n + 1, dtype=pl.Int64).alias("ticket_id"),
-        pl.concat_str(subject).alias("subject"),
-        pl.concat_str(body).alias("body"),
-        pl.lit(pl.Series(TIERS, dtype=pl.String)).gather(tier).alias("customer_tier"),
-        pl.lit(pl.Series(DEPARTMENTS, dtype=pl.String)).gather(dept).alias("true_department"),
-    )
+        return pl.DataFrame(schema=SCHEMA)
+    blocks = [
+        _block(seed, b, min(BLOCK_SIZE, n - b * BLOCK_SIZE)) for b in range(-(-n // BLOCK_SIZE))
+    ]
+    return pl.concat(blocks, rechunk=False)

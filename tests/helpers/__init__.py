@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: job builders and child-process scripts."""

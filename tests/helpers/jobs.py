@@ -1,0 +1,149 @@
+"""A checkpointed asset wired for tests: its input can be changed between runs and its calls
+are recorded, so a test can say exactly which rows a run computed.
+
+The source asset lives in an in-memory IO manager, so every file under ``base_dir`` was written
+by the checkpoint itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import dagster as dg
+import polars as pl
+
+from checkpoint_assets import CheckpointIOManager, checkpointed_asset
+from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.storage import Store, open_store
+
+Storage = tuple[str, dict[str, Any]]
+ASSET = "routed"
+
+
+def tickets(n: int, *, start: int = 0) -> pl.DataFrame:
+    """``n`` input rows with integer ids ``start..start+n-1``."""
+    ids = list(range(start, start + n))
+    return pl.DataFrame(
+        {"ticket_id": ids, "subject": [f"s{i % 7}" for i in ids], "body": [f"b{i}" for i in ids]}
+    )
+
+
+def route(batch: pl.DataFrame) -> pl.DataFrame:
+    """The default function: an output derived from the input, so a changed input shows."""
+    return batch.select("ticket_id", route=pl.col("body").str.to_uppercase())
+
+
+@dataclass
+class Job:
+    """One checkpointed asset, its source and the instance and storage its runs use."""
+
+    storage: Storage
+    data: dict[str, pl.DataFrame]
+    source: dg.AssetsDefinition
+    asset: dg.AssetsDefinition
+    calls: list[list[Any]]
+    instance: dg.DagsterInstance
+    extra: list[dg.AssetsDefinition] = field(default_factory=list)
+
+    @property
+    def io_manager(self) -> CheckpointIOManager:
+        base_dir, options = self.storage
+        return CheckpointIOManager(base_dir=base_dir, storage_options=options)
+
+    def set_input(self, df: pl.DataFrame) -> None:
+        self.data["df"] = df
+
+    def resources(self) -> dict[str, Any]:
+        return {"io_manager": self.io_manager, "source_io": dg.InMemoryIOManager()}  # type: ignore[no-untyped-call]
+
+    def materialize(
+        self,
+        partition_key: str | None = None,
+        *,
+        raise_on_error: bool = True,
+        **config: Any,
+    ) -> dg.ExecuteInProcessResult:
+        """Materialize the source and the checkpointed asset; ``config`` is its run config."""
+        run_config = {"ops": {ASSET: {"config": config}}} if config else None
+        return dg.materialize(
+            [self.source, self.asset],
+            instance=self.instance,
+            resources=self.resources(),
+            partition_key=partition_key,
+            run_config=run_config,
+            raise_on_error=raise_on_error,
+        )
+
+    def load_downstream(self, downstream: dg.AssetsDefinition) -> Any:
+        """Materialize ``downstream`` (which reads the asset) and return what it received."""
+        result = dg.materialize(
+            [self.source, self.asset, downstream],
+            selection=[downstream],
+            instance=self.instance,
+            resources=self.resources(),
+        )
+        return result.output_for_node(downstream.key.path[-1])
+
+    def computed_ids(self) -> list[Any]:
+        """Every id the function was called with, in call order, over all runs so far."""
+        return [i for call in self.calls for i in call]
+
+    def store(self) -> Store:
+        base_dir, options = self.storage
+        return open_store(base_dir, options)
+
+    def checkpoint(self, partition: str | None = None, tag: str | None = None) -> Checkpoint:
+        return self.io_manager.checkpoint(dg.AssetKey(ASSET), tag, partition, self.store())
+
+    def files(self) -> dict[str, bytes]:
+        """Every file under ``base_dir`` and its content."""
+        store = self.store()
+        return {f.path: store.get(f.path) for f in store.list_recursive(store.root)}
+
+
+def build_job(
+    storage: Storage,
+    df: pl.DataFrame,
+    *,
+    fn: Callable[[pl.DataFrame], pl.DataFrame] = route,
+    instance: dg.DagsterInstance | None = None,
+    **asset_kwargs: Any,
+) -> Job:
+    """A job over ``df`` whose function ``fn`` is recorded call by call."""
+    data = {"df": df}
+    calls: list[list[Any]] = []
+
+    @dg.asset(name="tickets", io_manager_key="source_io")
+    def source() -> pl.DataFrame:
+        return data["df"]
+
+    kwargs: dict[str, Any] = {"checkpoint_interval": 4, "retry_delay_seconds": 0.0}
+    kwargs.update(asset_kwargs)
+
+    @checkpointed_asset(source="tickets", id_column="ticket_id", name=ASSET, **kwargs)
+    def asset(batch: pl.DataFrame) -> pl.DataFrame:
+        calls.append(batch.get_column("ticket_id").to_list())
+        return fn(batch)
+
+    return Job(
+        storage=storage,
+        data=data,
+        source=source,
+        asset=asset,
+        calls=calls,
+        instance=instance or dg.DagsterInstance.ephemeral(),
+    )
+
+
+def stats(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
+    """The checkpointed asset's materialization metadata as plain values."""
+    materializations = result.asset_materializations_for_node(ASSET)
+    assert len(materializations) == 1
+    return {k: v.value for k, v in materializations[0].metadata.items()}
+
+
+def run_logs(result: dg.ExecuteInProcessResult, instance: dg.DagsterInstance) -> list[str]:
+    """The user-facing log messages of a run (``context.log`` lines)."""
+    return [e.user_message for e in instance.all_logs(result.run_id) if e.user_message]

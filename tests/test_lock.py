@@ -1,0 +1,183 @@
+"""One writer per checkpoint (SPEC section 4): a live holder is named, a dead one replaced."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import polars as pl
+import pytest
+from helpers.jobs import Storage, build_job, tickets
+
+from checkpoint_assets import LockHeldError, OutageError
+from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+
+HELPERS = Path(__file__).parent / "helpers"
+SETTINGS = Settings(id_column="ticket_id", input_columns=("body",), retry_delay_seconds=0.0)
+
+
+def _checkpoint(storage: Storage) -> Checkpoint:
+    base_dir, options = storage
+    return Checkpoint(open_store(base_dir, options), "routed")
+
+
+def _run(checkpoint: Checkpoint, calls: list[int]) -> pl.DataFrame:
+    def fn(batch: pl.DataFrame) -> pl.DataFrame:
+        calls.append(batch.height)
+        return batch.select("ticket_id", route=pl.col("body"))
+
+    result, _ = run(fn, prepare(tickets(10), SETTINGS), checkpoint, SETTINGS, job={"v": 1})
+    return result
+
+
+def _write_lock(checkpoint: Checkpoint, **holder: object) -> None:
+    now = time.time()
+    fields = {
+        "token": uuid.uuid4().hex,
+        "run_id": "run-of-someone-else",
+        "host": socket.gethostname(),
+        "pid": 1,
+        "since": now - 60,
+        "expires": now + 3600,
+    }
+    fields.update(holder)
+    checkpoint.store.put(checkpoint.lock_path, json.dumps(fields).encode())
+
+
+@pytest.fixture
+def held_lock(storage: Storage) -> Iterator[tuple[Checkpoint, subprocess.Popen[str]]]:
+    """The checkpoint's lock, held by a live child process as run ``holder-run-7``."""
+    checkpoint = _checkpoint(storage)
+    base_dir, options = storage
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            str(HELPERS / "hold_lock.py"),
+            base_dir,
+            json.dumps(options),
+            f"{checkpoint.name}.parquet.lock",
+            "holder-run-7",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "held"
+        yield checkpoint, child
+    finally:
+        if child.stdin is not None:
+            child.stdin.close()
+        child.wait(timeout=30)
+
+
+def test_second_writer_is_refused_naming_the_holder(
+    held_lock: tuple[Checkpoint, subprocess.Popen[str]],
+) -> None:
+    checkpoint, child = held_lock
+    calls: list[int] = []
+
+    with pytest.raises(LockHeldError) as raised:
+        _run(checkpoint, calls)
+
+    message = str(raised.value)
+    assert "run holder-run-7" in message
+    assert f"host {socket.gethostname()}" in message
+    assert f"pid {child.pid}" in message
+    assert "since " in message and " UTC" in message
+    assert calls == []
+    assert checkpoint.list_parts() == ([], [])
+
+
+def test_the_writer_runs_once_the_holder_has_released(
+    held_lock: tuple[Checkpoint, subprocess.Popen[str]],
+) -> None:
+    checkpoint, child = held_lock
+    assert child.stdin is not None
+    child.stdin.close()
+    child.wait(timeout=30)
+    calls: list[int] = []
+
+    assert _run(checkpoint, calls).height == 10
+    assert calls
+
+
+def test_lock_of_a_dead_process_is_taken_over_with_a_warning(
+    storage: Storage, caplog: pytest.LogCaptureFixture
+) -> None:
+    checkpoint = _checkpoint(storage)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    _write_lock(checkpoint, pid=gone.pid)
+
+    with caplog.at_level(logging.WARNING, logger="checkpoint_assets"):
+        result = _run(checkpoint, [])
+
+    assert result.height == 10
+    assert any(
+        "Taking over" in r.message and f"process {gone.pid} is gone" in r.message
+        for r in caplog.records
+    )
+    assert checkpoint.store.get_or_none(checkpoint.lock_path) is None
+
+
+def test_lock_with_an_expired_lease_is_taken_over_with_a_warning(
+    storage: Storage, caplog: pytest.LogCaptureFixture
+) -> None:
+    checkpoint = _checkpoint(storage)
+    _write_lock(checkpoint, host="another-host", expires=time.time() - 5)
+
+    with caplog.at_level(logging.WARNING, logger="checkpoint_assets"):
+        result = _run(checkpoint, [])
+
+    assert result.height == 10
+    assert any("lease expired" in r.message for r in caplog.records)
+
+
+def test_live_lease_on_another_host_is_respected(storage: Storage) -> None:
+    checkpoint = _checkpoint(storage)
+    _write_lock(checkpoint, host="another-host", pid=4242)
+    calls: list[int] = []
+
+    with pytest.raises(LockHeldError, match="host another-host, pid 4242"):
+        _run(checkpoint, calls)
+
+    assert calls == []
+
+
+def test_lock_of_a_finished_dagster_run_is_taken_over(storage: Storage) -> None:
+    job = build_job(storage, tickets(10))
+    finished = job.materialize(limit=4)
+    checkpoint = job.checkpoint()
+    _write_lock(checkpoint, host="another-host", pid=4242, run_id=finished.run_id)
+
+    result = job.materialize()
+
+    assert result.success
+    assert sorted(job.computed_ids()) == list(range(10))
+
+
+def test_lock_is_released_after_success_and_after_failure(storage: Storage) -> None:
+    checkpoint = _checkpoint(storage)
+    _run(checkpoint, [])
+    assert checkpoint.store.get_or_none(checkpoint.lock_path) is None
+
+    def endpoint_down(batch: pl.DataFrame) -> pl.DataFrame:
+        raise ConnectionError("the endpoint is down")
+
+    fresh = _checkpoint_named(checkpoint, "down")
+    with pytest.raises(OutageError, match="endpoint is down"):
+        run(endpoint_down, prepare(tickets(10), SETTINGS), fresh, SETTINGS, job={"v": 1})
+    assert fresh.store.get_or_none(fresh.lock_path) is None
+
+
+def _checkpoint_named(like: Checkpoint, name: str) -> Checkpoint:
+    return Checkpoint(like.store, name)
