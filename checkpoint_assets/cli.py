@@ -56,16 +56,25 @@ def _parser() -> argparse.ArgumentParser:
         elif name_arg == "optional":
             p.add_argument("name", metavar="NAME", nargs="?", help="one checkpoint (default: all)")
         p.add_argument(
-            "-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+            "-o",
+            "--option",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
             help="a storage option for the filesystem (repeatable; VALUE may be JSON)",
         )
         p.set_defaults(command=fn)
 
     command("status", status, "One row per checkpoint: rows, parts, size, last write, lock.", None)
-    command("inspect", inspect, "Meta, schema, counts and sample rows of one checkpoint.",
-            "required")
-    command("verify", verify, "Check every invariant; exit status 1 when a problem is found.",
-            "optional")
+    command(
+        "inspect", inspect, "Meta, schema, counts and sample rows of one checkpoint.", "required"
+    )
+    command(
+        "verify",
+        verify,
+        "Check every invariant; exit status 1 when a problem is found.",
+        "optional",
+    )
     command("compact", compact, "Merge unmerged parts into the merged file.", "optional")
     return parser
 

@@ -6,7 +6,6 @@ so it can be materialized before any shard of a new scheme exists. A shard run w
 job) from its table into its own checkpoint and skips them.
 """
 
-
 import posixpath
 from typing import Any
 
