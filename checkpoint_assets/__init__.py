@@ -17,9 +17,11 @@ from checkpoint_assets.engine.errors import (
     TooManyFailuresError,
 )
 from checkpoint_assets.integration.asset import CheckpointRunConfig, checkpointed_asset
+from checkpoint_assets.integration.checks import checkpoint_checks
 from checkpoint_assets.integration.global_resume import global_resume_asset
 from checkpoint_assets.integration.io_manager import CheckpointIOManager
 from checkpoint_assets.integration.partitions import shard_partitions
+from checkpoint_assets.integration.sensor import failed_partitions_sensor
 
 __all__ = [
     "CheckpointError",
@@ -33,7 +35,9 @@ __all__ = [
     "OutageError",
     "StorageError",
     "TooManyFailuresError",
+    "checkpoint_checks",
     "checkpointed_asset",
+    "failed_partitions_sensor",
     "global_resume_asset",
     "shard_partitions",
 ]

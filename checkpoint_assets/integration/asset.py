@@ -16,7 +16,7 @@ import pyarrow as pa
 from pydantic import Field
 
 from checkpoint_assets.engine import hashing, runner
-from checkpoint_assets.engine.errors import CheckpointError
+from checkpoint_assets.engine.errors import CheckpointError, TooManyFailuresError
 from checkpoint_assets.engine.reconcile import JOB
 from checkpoint_assets.engine.runner import RunStats, Settings
 from checkpoint_assets.engine.storage import ObjectStore, Store
@@ -32,6 +32,9 @@ SourceSpec = str | dg.AssetKey | dg.AssetsDefinition | Sequence[str]
 # Object stores charge per request: flushes there wait at least this long since the previous one.
 DEFAULT_MIN_FLUSH_SECONDS_OBJECT_STORE = 5.0
 JOB_FORMAT = 1
+# Definition metadata read by the sensor and the asset checks.
+SOURCE_KEY = "checkpoint_assets/source"
+RETRY_FAILED_KEY = "checkpoint_assets/retry_failed"
 
 
 class InputChange(enum.Enum):
@@ -155,7 +158,8 @@ def checkpointed_asset(
         definition_metadata = {
             **(metadata or {}),
             ID_COLUMN_KEY: id_column,
-            "checkpoint_assets/source": source_key.to_user_string(),
+            SOURCE_KEY: source_key.to_user_string(),
+            RETRY_FAILED_KEY: retry_failed,
         }
 
         def body(
@@ -174,13 +178,21 @@ def checkpointed_asset(
             table = _to_polars(source)
             frames: list[pl.DataFrame] = []
             stats: list[RunStats] = []
+            too_many: list[TooManyFailuresError] = []
             for key in keys:
-                frame, one = _run_partition(
-                    context, config, fn, base, io_manager, table, key, code_version,
-                    min_flush_seconds,
-                )
+                try:
+                    frame, one = _run_partition(
+                        context, config, fn, base, io_manager, table, key, code_version,
+                        min_flush_seconds,
+                    )
+                except TooManyFailuresError as e:
+                    # A ranged run still finishes its other shards, so their retries are free.
+                    too_many.append(e)
+                    continue
                 frames.append(frame)
                 stats.append(one)
+            if too_many:
+                raise TooManyFailuresError(" ".join(str(e) for e in too_many))
             context.add_output_metadata(_metadata(stats, config))
             return frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
 

@@ -53,6 +53,15 @@ def _wait_for_backfill(
         time.sleep(0.5)
 
 
+def _stored_summary() -> pl.DataFrame | None:
+    """The routing_summary table the last step stored (tickets per department and priority)."""
+    base = os.environ.get("CHECKPOINT_BASE_DIR") or os.path.join(
+        os.environ["DAGSTER_HOME"], "checkpoints"
+    )
+    path = os.path.join(base, "routing_summary.parquet")
+    return pl.read_parquet(path) if os.path.exists(path) else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for shards")
@@ -98,12 +107,18 @@ def main() -> int:
         f"now, {totals.get('rows_resumed', 0):,} resumed from checkpoints, "
         f"{totals.get('rows_failed', 0):,} failed."
     )
+    summary = _stored_summary()
+    if summary is not None:
+        with pl.Config(tbl_rows=30, tbl_hide_dataframe_shape=True):
+            print(summary.pivot("priority", index="department", values="tickets").fill_null(0))
     if failed:
         print(
             "Failed shards are retried by `failed_partitions_sensor` under `dagster dev`, or "
             "by running this demo again (it resumes)."
         )
-    print("Open the UI with:  DAGSTER_HOME=$PWD/dagster_home .venv/bin/dagster dev")
+    print(
+        "Open the UI with:  DAGSTER_HOME=$PWD/dagster_home .venv/bin/dagster dev -w workspace.yaml"
+    )
     return 1 if failed else 0
 
 

@@ -1,0 +1,444 @@
+"""``failed_partitions_sensor``: retry failed partitions of an asset, with a budget and backoff.
+
+Each tick, in order::
+
+    _failures()      which partitions are failed now, and by which run:
+                       - Dagster's partition status says FAILED (the latest attempt failed);
+                       - a failed run of a backfill with a ``backfill_policy`` covers the partition
+                         with ``dagster/asset_partition_range_start``/``_end`` tags and nothing
+                         materialized it since;
+                       - while the asset's ``retry_failed`` is on: its latest materialization
+                         reports ``rows_failed > 0`` (tolerated by ``max_failed_fraction``).
+    _decide()        per partition, against the budget in the cursor: request a retry once the
+                     backoff since the failure has passed, wait, or give up; a partition that
+                     succeeded since gets its budget back.
+
+A failure is identified by the run that failed, so a tick that runs before the requested retry has
+started does not count it twice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import dagster as dg
+
+from checkpoint_assets.integration.asset import RETRY_FAILED_KEY
+
+RANGE_START_TAG = "dagster/asset_partition_range_start"
+RANGE_END_TAG = "dagster/asset_partition_range_end"
+RETRY_OF_TAG = "checkpoint_assets/retry_of"
+RETRY_ATTEMPT_TAG = "checkpoint_assets/retry_attempt"
+# The cursor's name for the one "partition" of an unpartitioned asset.
+WHOLE_ASSET = "__all__"
+# Failed runs read per tick when looking for ranged backfill runs of the asset.
+RECENT_FAILED_RUNS = 100
+_PAGE = 1000
+_CURSOR_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The latest failure of one partition: the run that failed, when, and why it counts."""
+
+    run_id: str
+    at: float
+    why: str
+
+
+@dataclass
+class Budget:
+    """Retries spent on one partition since it last succeeded."""
+
+    attempts: int = 0
+    retried_run: str | None = None  # the failed run the last retry was requested for
+    gave_up: bool = False
+
+
+@dataclass
+class SensorState:
+    """What the sensor remembers between ticks (its JSON cursor)."""
+
+    after: int = 0  # last materialization event read (storage id)
+    partial: dict[str, Failure] = field(default_factory=dict)  # latest had rows_failed > 0
+    budgets: dict[str, Budget] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "v": _CURSOR_VERSION,
+                "after": self.after,
+                "partial": {k: [f.run_id, f.at] for k, f in sorted(self.partial.items())},
+                "budgets": {
+                    k: [b.attempts, b.retried_run, b.gave_up]
+                    for k, b in sorted(self.budgets.items())
+                },
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str | None) -> SensorState:
+        if not text:
+            return cls()
+        data = json.loads(text)
+        if data.get("v") != _CURSOR_VERSION:
+            return cls()
+        return cls(
+            after=int(data["after"]),
+            partial={
+                k: Failure(str(run), float(at), "rows failed")
+                for k, (run, at) in data["partial"].items()
+            },
+            budgets={
+                k: Budget(int(n), run, bool(gave)) for k, (n, run, gave) in data["budgets"].items()
+            },
+        )
+
+
+def retry_due(failed_at: float, attempts: int, backoff_seconds: float) -> float:
+    """When a partition that failed at ``failed_at`` may get its retry number ``attempts + 1``.
+
+    The wait doubles with each retry: ``backoff_seconds``, then twice that, then four times.
+
+    >>> retry_due(100.0, 0, 60.0), retry_due(100.0, 2, 60.0), retry_due(100.0, 5, 0.0)
+    (160.0, 340.0, 100.0)
+    """
+    return failed_at + backoff_seconds * 2.0**attempts
+
+
+def failed_partitions_sensor(
+    asset: dg.AssetsDefinition,
+    max_retries: int = 3,
+    backoff_seconds: float = 60.0,
+    minimum_interval_seconds: int = 30,
+    name: str | None = None,
+    default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
+) -> dg.SensorDefinition:
+    """A sensor that requests one run per failed partition of ``asset``, up to ``max_retries``.
+
+    A partition counts as failed when its latest run failed (including ranged backfill runs, whose
+    runs carry partition-range tags instead of ``dagster/partition``), or, while the asset's
+    ``retry_failed`` is on, when it materialized with ``rows_failed > 0``, so the failed rows get
+    computed again. Retry ``n`` is requested at least ``backoff_seconds * 2**(n-1)`` after the
+    failure (``backoff_seconds=0``: at the next tick). The budget lives in the sensor's cursor;
+    a partition that succeeds gets it back. When a partition has used it up the sensor stops
+    asking for it and names it in its skip reason and log: fix the cause, then materialize it by
+    hand (or reset the sensor's cursor).
+
+    Example::
+
+        defs = dg.Definitions(
+            assets=[tickets, ticket_routing],
+            sensors=[failed_partitions_sensor(ticket_routing, max_retries=3)],
+            resources={"io_manager": CheckpointIOManager(base_dir="s3://bucket/checkpoints")},
+        )
+    """
+    if max_retries < 0:
+        raise ValueError(f"max_retries must be 0 or more, got {max_retries}")
+    if backoff_seconds < 0:
+        raise ValueError(f"backoff_seconds must be 0 or more, got {backoff_seconds}")
+    key = asset.key
+    partitions_def = asset.partitions_def
+    retry_failed = _flag(asset.metadata_by_key.get(key, {}).get(RETRY_FAILED_KEY))
+    label = key.to_user_string()
+
+    @dg.sensor(
+        name=name or f"{key.to_python_identifier()}_failed_partitions",
+        target=asset,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=default_status,
+        description=(
+            f"Retries failed partitions of {label}: up to {max_retries} times each, waiting "
+            f"{backoff_seconds:g} s after a failure, doubling per retry."
+        ),
+    )
+    def sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+        state = SensorState.from_json(context.cursor)
+        instance = context.instance
+        statuses = _statuses(instance, key, partitions_def)
+        if retry_failed:
+            _read_materializations(instance, key, state)
+        else:
+            state.partial.clear()
+        failures = _failures(instance, key, partitions_def, statuses, state)
+        busy = {p for p, s in statuses.items() if s == dg.AssetPartitionStatus.IN_PROGRESS}
+        decision = _decide(state, failures, busy, time.time(), max_retries, backoff_seconds)
+        for partition in decision.reset:
+            context.log.info(f"{label} {_show(partition)} succeeded: its retry budget is reset.")
+        for partition in decision.newly_gave_up:
+            context.log.warning(
+                f"{label} {_show(partition)} failed again after {max_retries} retries (last "
+                f"failed run {failures[partition].run_id}); giving up on it. Fix the cause and "
+                "materialize it by hand: a success resets its budget."
+            )
+        requests = [
+            dg.RunRequest(
+                partition_key=None if partition == WHOLE_ASSET else partition,
+                run_key=f"{partition}:{failure.run_id}",
+                tags={RETRY_OF_TAG: failure.run_id, RETRY_ATTEMPT_TAG: str(attempt)},
+            )
+            for partition, failure, attempt in decision.requests
+        ]
+        for partition, failure, attempt in decision.requests:
+            context.log.info(
+                f"Retrying {label} {_show(partition)} ({failure.why} in run {failure.run_id}), "
+                f"retry {attempt} of {max_retries}."
+            )
+        if requests:
+            return dg.SensorResult(run_requests=requests, cursor=state.to_json())
+        return dg.SensorResult(
+            skip_reason=_skip_reason(label, decision, max_retries), cursor=state.to_json()
+        )
+
+    return sensor
+
+
+# -- which partitions are failed ---------------------------------------------------------------
+def _statuses(
+    instance: dg.DagsterInstance, key: dg.AssetKey, partitions_def: dg.PartitionsDefinition | None
+) -> dict[str, dg.AssetPartitionStatus | None]:
+    if partitions_def is None:
+        return {WHOLE_ASSET: _unpartitioned_status(instance, key)}
+    keys = partitions_def.get_partition_keys(dynamic_partitions_store=instance)
+    return dict(instance.get_status_by_partition(key, keys, partitions_def) or {})
+
+
+def _unpartitioned_status(
+    instance: dg.DagsterInstance, key: dg.AssetKey
+) -> dg.AssetPartitionStatus | None:
+    planned = instance.get_latest_planned_materialization_info(key)
+    if planned is None:
+        return None
+    latest = instance.get_latest_materialization_event(key)
+    run = instance.get_run_by_id(planned.run_id)
+    if run is None:
+        return None
+    if not run.is_finished:
+        return dg.AssetPartitionStatus.IN_PROGRESS
+    if latest is not None and latest.run_id == planned.run_id:
+        return dg.AssetPartitionStatus.MATERIALIZED
+    if run.status == dg.DagsterRunStatus.FAILURE:
+        return dg.AssetPartitionStatus.FAILED
+    return None
+
+
+def _read_materializations(
+    instance: dg.DagsterInstance, key: dg.AssetKey, state: SensorState
+) -> None:
+    """Follow new materializations: remember partitions whose latest one had failed rows."""
+    cursor: str | None = None
+    while True:
+        result = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=key, after_storage_id=state.after or None),
+            limit=_PAGE,
+            cursor=cursor,
+            ascending=True,
+        )
+        for record in result.records:
+            materialization = record.asset_materialization
+            state.after = max(state.after, record.storage_id)
+            if materialization is None:
+                continue
+            partition = materialization.partition or WHOLE_ASSET
+            failed = materialization.metadata.get("rows_failed")
+            if failed is not None and _count(failed) > 0:
+                state.partial[partition] = Failure(record.run_id, record.timestamp, "rows failed")
+            else:
+                state.partial.pop(partition, None)
+        if not result.has_more:
+            return
+        cursor = result.cursor
+
+
+def _failures(
+    instance: dg.DagsterInstance,
+    key: dg.AssetKey,
+    partitions_def: dg.PartitionsDefinition | None,
+    statuses: Mapping[str, dg.AssetPartitionStatus | None],
+    state: SensorState,
+) -> dict[str, Failure]:
+    """The latest failure of every failed partition (none for partitions in progress)."""
+    found: dict[str, Failure] = {}
+
+    def add(partition: str, failure: Failure) -> None:
+        if statuses.get(partition) == dg.AssetPartitionStatus.IN_PROGRESS:
+            return
+        if partition not in found or failure.at > found[partition].at:
+            found[partition] = failure
+
+    for partition, failure in state.partial.items():
+        if statuses.get(partition) == dg.AssetPartitionStatus.MATERIALIZED:
+            add(partition, failure)
+    failed = [p for p, s in statuses.items() if s == dg.AssetPartitionStatus.FAILED]
+    for partition, failure in _failed_runs_of(instance, key, failed).items():
+        add(partition, failure)
+    if partitions_def is not None:
+        for partition, failure in _failed_range_runs(instance, key, partitions_def).items():
+            add(partition, failure)
+    return found
+
+
+def _failed_runs_of(
+    instance: dg.DagsterInstance, key: dg.AssetKey, partitions: Sequence[str]
+) -> dict[str, Failure]:
+    """The failed run behind each FAILED partition: its latest planned materialization's run."""
+    runs: dict[str, str] = {}
+    for partition in partitions:
+        planned = instance.get_latest_planned_materialization_info(
+            key, None if partition == WHOLE_ASSET else partition
+        )
+        if planned is not None:
+            runs[partition] = planned.run_id
+    ended = _end_times(instance, set(runs.values()))
+    return {p: Failure(run, ended.get(run, time.time()), "run failed") for p, run in runs.items()}
+
+
+def _end_times(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> dict[str, float]:
+    ids = sorted(run_ids)
+    out: dict[str, float] = {}
+    for start in range(0, len(ids), 100):
+        for record in instance.get_run_records(dg.RunsFilter(run_ids=ids[start : start + 100])):
+            out[record.dagster_run.run_id] = record.end_time or record.update_timestamp.timestamp()
+    return out
+
+
+def _failed_range_runs(
+    instance: dg.DagsterInstance, key: dg.AssetKey, partitions_def: dg.PartitionsDefinition
+) -> dict[str, Failure]:
+    """Partitions covered by recent failed ranged runs of this asset and not materialized since.
+
+    Backfills of assets with a ``backfill_policy`` run many partitions in one run, tagged with
+    the first and last partition of the range instead of ``dagster/partition``.
+    """
+    out: dict[str, Failure] = {}
+    records = instance.get_run_records(
+        dg.RunsFilter(statuses=[dg.DagsterRunStatus.FAILURE]), limit=RECENT_FAILED_RUNS
+    )
+    materialized_at: dict[str, float] | None = None
+    for record in records:
+        run = record.dagster_run
+        start, end = run.tags.get(RANGE_START_TAG), run.tags.get(RANGE_END_TAG)
+        if start is None or end is None or not _targets(instance, run, key):
+            continue
+        try:
+            covered = partitions_def.get_partition_keys_in_range(dg.PartitionKeyRange(start, end))
+        except Exception:  # the range names partitions that no longer exist
+            continue
+        if materialized_at is None:
+            materialized_at = _latest_materializations(instance, key)
+        ended = record.end_time or record.update_timestamp.timestamp()
+        for partition in covered:
+            if materialized_at.get(partition, 0.0) < ended:
+                failure = Failure(run.run_id, ended, "backfill run failed")
+                if partition not in out or failure.at > out[partition].at:
+                    out[partition] = failure
+    return out
+
+
+def _latest_materializations(instance: dg.DagsterInstance, key: dg.AssetKey) -> dict[str, float]:
+    """When each partition of the asset last materialized."""
+    ids = instance.get_latest_storage_id_by_partition(
+        key, dg.DagsterEventType.ASSET_MATERIALIZATION
+    )
+    out: dict[str, float] = {}
+    storage_ids = sorted(ids.values())
+    for start in range(0, len(storage_ids), _PAGE):
+        chunk = storage_ids[start : start + _PAGE]
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=key, storage_ids=chunk), limit=len(chunk)
+        ).records
+        out.update({r.partition_key: r.timestamp for r in records if r.partition_key})
+    return out
+
+
+def _targets(instance: dg.DagsterInstance, run: dg.DagsterRun, key: dg.AssetKey) -> bool:
+    """Whether the run was to materialize the asset (runs without a selection: by its plan)."""
+    if run.asset_selection:
+        return key in run.asset_selection
+    planned = instance.get_records_for_run(
+        run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION_PLANNED
+    ).records
+    return any(r.asset_key == key for r in planned)
+
+
+# -- what to do about them ---------------------------------------------------------------------
+@dataclass
+class Decision:
+    """One tick's outcome."""
+
+    requests: list[tuple[str, Failure, int]] = field(default_factory=list)
+    waiting: dict[str, float] = field(default_factory=dict)  # partition -> retry due at
+    gave_up: list[str] = field(default_factory=list)
+    newly_gave_up: list[str] = field(default_factory=list)
+    reset: list[str] = field(default_factory=list)
+
+
+def _decide(
+    state: SensorState,
+    failures: Mapping[str, Failure],
+    busy: set[str],
+    now: float,
+    max_retries: int,
+    backoff_seconds: float,
+) -> Decision:
+    decision = Decision()
+    for partition in list(state.budgets):
+        if partition not in failures and partition not in busy:
+            del state.budgets[partition]  # it succeeded (or was wiped): a fresh budget
+            decision.reset.append(partition)
+    for partition, failure in sorted(failures.items()):
+        budget = state.budgets.setdefault(partition, Budget())
+        if budget.retried_run == failure.run_id:
+            continue  # the retry of this failure is requested and has not started yet
+        if budget.attempts >= max_retries:
+            decision.gave_up.append(partition)
+            if not budget.gave_up:
+                budget.gave_up = True
+                decision.newly_gave_up.append(partition)
+            continue
+        due = retry_due(failure.at, budget.attempts, backoff_seconds)
+        if now < due:
+            decision.waiting[partition] = due
+            continue
+        budget.attempts += 1
+        budget.retried_run = failure.run_id
+        decision.requests.append((partition, failure, budget.attempts))
+    return decision
+
+
+def _skip_reason(label: str, decision: Decision, max_retries: int) -> str:
+    parts: list[str] = []
+    if decision.gave_up:
+        parts.append(
+            f"Gave up on {len(decision.gave_up)} partition(s) of {label} after {max_retries} "
+            f"retries each: {', '.join(_show(p) for p in decision.gave_up)}. Fix the cause and "
+            "materialize them by hand; a success resets their budget."
+        )
+    if decision.waiting:
+        soonest = min(decision.waiting.values())
+        parts.append(
+            f"{len(decision.waiting)} failed partition(s) of {label} wait for their backoff; "
+            f"the next retry is due in {max(soonest - time.time(), 0):.0f} s."
+        )
+    return " ".join(parts) or f"No failed partitions of {label} to retry."
+
+
+def _show(partition: str) -> str:
+    return "(unpartitioned)" if partition == WHOLE_ASSET else partition
+
+
+def _flag(value: Any) -> bool:
+    return bool(value.value if isinstance(value, dg.MetadataValue) else value)
+
+
+def _count(value: Any) -> float:
+    raw = value.value if isinstance(value, dg.MetadataValue) else value
+    try:
+        return float(raw)
+    except (TypeError, ValueError):
+        return 0.0

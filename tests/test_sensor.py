@@ -1,0 +1,336 @@
+"""failed_partitions_sensor: retries failed partitions with a budget, through a real instance.
+
+The sensor is evaluated with ``build_sensor_context`` against a SQLite instance holding real runs
+(``dg.materialize(..., raise_on_error=False)``); each run it requests is executed the way the
+daemon would (same partition, same tags). One test runs the real ``dagster-daemon``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import polars as pl
+import pytest
+from helpers.jobs import Job, Storage, build_job, tickets
+
+from checkpoint_assets import CheckpointIOManager, failed_partitions_sensor, shard_partitions
+from checkpoint_assets.engine.hashing import shard_of
+from checkpoint_assets.integration.sensor import (
+    RETRY_ATTEMPT_TAG,
+    RETRY_OF_TAG,
+    SensorState,
+    _failed_range_runs,
+    retry_due,
+)
+
+SHARDS = shard_partitions(4)
+KEYS = SHARDS.get_partition_keys()
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def instance() -> Iterator[dg.DagsterInstance]:
+    yield dg.DagsterInstance.ephemeral()
+
+
+def ids_in_shard(df: pl.DataFrame, shard: int, n: int = 4) -> list[int]:
+    mask = shard_of(df.get_column("ticket_id"), n) == shard
+    return df.filter(pl.Series(mask)).get_column("ticket_id").to_list()
+
+
+def poisoned(ids: set[int]) -> Any:
+    def fn(batch: pl.DataFrame) -> pl.DataFrame:
+        bad = ids.intersection(batch.get_column("ticket_id").to_list())
+        if bad:
+            raise ValueError(f"cannot route ticket(s) {sorted(bad)}")
+        return batch.select("ticket_id", route=pl.col("body"))
+
+    return fn
+
+
+class Ticker:
+    """Evaluates a sensor tick after tick, carrying its cursor, as the daemon does."""
+
+    def __init__(self, job: Job, sensor: dg.SensorDefinition) -> None:
+        self.job = job
+        self.sensor = sensor
+        self.cursor: str | None = None
+        self.defs = dg.Definitions(
+            assets=[job.source, job.asset], sensors=[sensor], resources=job.resources()
+        )
+
+    def tick(self) -> tuple[list[dg.RunRequest], str]:
+        context = dg.build_sensor_context(
+            instance=self.job.instance, cursor=self.cursor, definitions=self.defs
+        )
+        data = self.sensor.evaluate_tick(context)
+        self.cursor = data.cursor
+        return list(data.run_requests or []), data.skip_message or ""
+
+    def launch(self, request: dg.RunRequest) -> dg.ExecuteInProcessResult:
+        """Execute a requested run: the requested partition with the request's tags."""
+        return dg.materialize(
+            [self.job.source, self.job.asset],
+            instance=self.job.instance,
+            resources=self.job.resources(),
+            partition_key=request.partition_key,
+            tags=request.tags,
+            raise_on_error=False,
+        )
+
+    def budgets(self) -> dict[str, int]:
+        return {k: b.attempts for k, b in SensorState.from_json(self.cursor).budgets.items()}
+
+
+def test_sensor_requests_each_failed_partition_max_retries_times_then_gives_up(
+    storage: Storage, instance: dg.DagsterInstance
+) -> None:
+    df = tickets(80)
+    in_one, in_three = ids_in_shard(df, 1), ids_in_shard(df, 3)
+    poison = {in_one[0], in_three[0]}
+    job = build_job(storage, df, fn=poisoned(poison), partitions_def=SHARDS, instance=instance)
+    for key in KEYS:
+        job.materialize(key, raise_on_error=False)
+    ticker = Ticker(job, failed_partitions_sensor(job.asset, max_retries=3, backoff_seconds=0))
+
+    requested: Counter[str] = Counter()
+    attempts: dict[str, list[str]] = {}
+    skip = ""
+    for _ in range(10):  # bounded: 3 retries each need 4 ticks
+        requests, skip = ticker.tick()
+        if not requests:
+            break
+        for request in requests:
+            assert request.partition_key is not None
+            requested[request.partition_key] += 1
+            attempts.setdefault(request.partition_key, []).append(request.tags[RETRY_ATTEMPT_TAG])
+            assert request.tags[RETRY_OF_TAG]
+            assert not ticker.launch(request).success  # the cause is not fixed: fails again
+
+    assert requested == {"1-of-4": 3, "3-of-4": 3}
+    assert attempts == {"1-of-4": ["1", "2", "3"], "3-of-4": ["1", "2", "3"]}
+    assert "Gave up on 2 partition(s)" in skip and "1-of-4, 3-of-4" in skip
+    assert ticker.tick() == ([], skip)  # and it stays quiet
+
+    # The cause of shard 1 is fixed and it is materialized by hand: its budget is reset ...
+    poison.discard(in_one[0])
+    assert job.materialize("1-of-4").success
+    requests, _ = ticker.tick()
+    assert requests == []
+    assert ticker.budgets() == {"3-of-4": 3}
+    # ... so a new failure of it is retried again, while shard 3 stays given up.
+    poison.add(in_one[1])
+    assert not job.materialize("1-of-4", raise_on_error=False, resume=False).success
+    requests, _ = ticker.tick()
+    assert [(r.partition_key, r.tags[RETRY_ATTEMPT_TAG]) for r in requests] == [("1-of-4", "1")]
+
+
+@pytest.mark.parametrize("retry_failed", [True, False])
+def test_partitions_with_failed_rows_are_retried_while_retry_failed_is_on(
+    storage: Storage, instance: dg.DagsterInstance, retry_failed: bool
+) -> None:
+    df = tickets(80)
+    bad = ids_in_shard(df, 2)[0]
+    poison = {bad}
+    job = build_job(
+        storage,
+        df,
+        fn=poisoned(poison),
+        partitions_def=SHARDS,
+        instance=instance,
+        max_failed_fraction=0.5,
+        retry_failed=retry_failed,
+    )
+    for key in KEYS:
+        assert job.materialize(key).success  # one failed row is tolerated
+    ticker = Ticker(job, failed_partitions_sensor(job.asset, backoff_seconds=0))
+
+    requests, skip = ticker.tick()
+
+    if not retry_failed:
+        assert requests == [] and skip.startswith("No failed partitions")
+        return
+    assert [r.partition_key for r in requests] == ["2-of-4"]
+    poison.clear()
+    job.calls.clear()
+    assert ticker.launch(requests[0]).success
+    assert job.computed_ids() == [bad]  # the retry computed only the failed row
+    requests, skip = ticker.tick()
+    assert requests == [] and skip.startswith("No failed partitions")
+    assert ticker.budgets() == {}
+
+
+def test_a_retry_waits_for_its_backoff(storage: Storage, instance: dg.DagsterInstance) -> None:
+    df = tickets(40)
+    job = build_job(
+        storage,
+        df,
+        fn=poisoned({ids_in_shard(df, 0)[0]}),
+        partitions_def=SHARDS,
+        instance=instance,
+    )
+    assert not job.materialize("0-of-4", raise_on_error=False).success
+    ticker = Ticker(job, failed_partitions_sensor(job.asset, backoff_seconds=3600))
+
+    requests, skip = ticker.tick()
+
+    assert requests == []
+    assert "1 failed partition(s) of routed wait for their backoff" in skip
+    assert [retry_due(1000.0, n, 60.0) for n in range(4)] == [1060.0, 1120.0, 1240.0, 1480.0]
+    assert retry_due(1000.0, 5, 0.0) == 1000.0  # backoff_seconds=0: the next tick
+
+
+def test_failed_ranged_backfill_runs_are_retried_one_partition_each(
+    storage: Storage, instance: dg.DagsterInstance
+) -> None:
+    df = tickets(80)
+    poison = {ids_in_shard(df, 1)[0]}
+    job = build_job(
+        storage,
+        df,
+        fn=poisoned(poison),
+        partitions_def=SHARDS,
+        instance=instance,
+        backfill_policy=dg.BackfillPolicy.single_run(),
+    )
+    ranged = dg.materialize(
+        [job.source, job.asset],
+        instance=instance,
+        resources=job.resources(),
+        tags={
+            "dagster/asset_partition_range_start": "0-of-4",
+            "dagster/asset_partition_range_end": "3-of-4",
+        },
+        raise_on_error=False,
+    )
+    assert not ranged.success
+    run = instance.get_run_by_id(ranged.run_id)
+    assert run is not None and "dagster/partition" not in run.tags
+
+    from_runs = _failed_range_runs(instance, job.asset.key, SHARDS)
+    assert sorted(from_runs) == KEYS
+    assert {f.run_id for f in from_runs.values()} == {ranged.run_id}
+
+    ticker = Ticker(job, failed_partitions_sensor(job.asset, backoff_seconds=0))
+    requests, _ = ticker.tick()
+    assert sorted(r.partition_key or "" for r in requests) == KEYS
+    bad = poison.pop()  # the cause is fixed
+    job.calls.clear()
+    for request in requests:
+        assert ticker.launch(request).success
+    # The ranged run finished every other shard before failing: the retries compute one row.
+    assert job.computed_ids() == [bad]
+
+    assert _failed_range_runs(instance, job.asset.key, SHARDS) == {}
+    requests, skip = ticker.tick()
+    assert requests == [] and skip.startswith("No failed partitions")
+    assert ticker.budgets() == {}
+
+
+def test_an_unpartitioned_asset_is_retried_as_a_whole(
+    storage: Storage, instance: dg.DagsterInstance
+) -> None:
+    poison = {3}
+    job = build_job(storage, tickets(20), fn=poisoned(poison), instance=instance)
+    assert not job.materialize(raise_on_error=False).success
+    ticker = Ticker(job, failed_partitions_sensor(job.asset, max_retries=1, backoff_seconds=0))
+
+    requests, _ = ticker.tick()
+    assert [r.partition_key for r in requests] == [None]
+    assert not ticker.launch(requests[0]).success
+    requests, skip = ticker.tick()
+    assert requests == [] and "Gave up on 1 partition(s)" in skip and "(unpartitioned)" in skip
+
+    poison.clear()
+    assert job.materialize().success
+    requests, skip = ticker.tick()
+    assert requests == [] and skip.startswith("No failed partitions")
+
+
+# -- the real daemon ---------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_daemon_launches_the_retries_then_stops(tmp_path: Path) -> None:
+    """dagster-daemon evaluates the sensor and launches retry runs of a failed shard."""
+    from helpers import sensor_defs
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    workspace = tmp_path / "workspace.yaml"
+    workspace.write_text(
+        textwrap.dedent(
+            f"""\
+            load_from:
+              - python_module:
+                  module_name: helpers.sensor_defs
+                  working_directory: {REPO / "tests"}
+            """
+        )
+    )
+    env = {**os.environ, "DAGSTER_HOME": str(home), "PYTHONPATH": str(REPO / "tests")}
+    resources = {"io_manager": CheckpointIOManager(base_dir=str(home / "checkpoints"))}
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        assert dg.materialize([sensor_defs.tickets], instance=instance, resources=resources).success
+        failed = dg.materialize(
+            [sensor_defs.tickets, sensor_defs.scored],
+            selection=[sensor_defs.scored],
+            partition_key=sensor_defs.FAILING,
+            instance=instance,
+            resources=resources,
+            raise_on_error=False,
+        )
+        assert not failed.success
+
+        daemon = subprocess.Popen(
+            [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", str(workspace)],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            retries, skip = _wait_for_give_up(instance, deadline=time.monotonic() + 150)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(daemon.pid, signal.SIGKILL)  # the daemon, its code server, its runs
+            daemon.wait(timeout=30)
+
+    assert [r.tags[RETRY_ATTEMPT_TAG] for r in retries] == ["1", "2"]
+    assert {r.tags["dagster/partition"] for r in retries} == {sensor_defs.FAILING}
+    assert all(r.status == dg.DagsterRunStatus.FAILURE for r in retries)
+    assert (
+        f"Gave up on 1 partition(s) of scored after 2 retries each: {sensor_defs.FAILING}" in skip
+    )
+
+
+def _wait_for_give_up(
+    instance: dg.DagsterInstance, deadline: float
+) -> tuple[list[dg.DagsterRun], str]:
+    """Poll until the sensor's tick says it gave up; returns the retry runs (oldest first)."""
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        retries = sorted(
+            (r for r in instance.get_runs() if RETRY_ATTEMPT_TAG in r.tags),
+            key=lambda r: r.tags[RETRY_ATTEMPT_TAG],
+        )
+        if any(not r.is_finished for r in retries):
+            continue
+        for state in instance.all_instigator_state():
+            ticks = instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=1)
+            if ticks and "Gave up" in (ticks[0].skip_reason or ""):
+                return retries, ticks[0].skip_reason or ""
+    states = [json.dumps(s.instigator_name) for s in instance.all_instigator_state()]
+    raise AssertionError(f"the daemon did not give up in time (sensors seen: {states})")
