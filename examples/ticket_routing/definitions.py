@@ -2,8 +2,8 @@
 
 ``tickets`` generates the input deterministically; ``ticket_routing`` calls the imitation model
 (latency, occasional transient 503s, all seeded) through ``checkpointed_asset``;
-``routing_summary`` reads every shard back as one table. ``ticket_routing_global_resume`` and the
-failed-partition sensor complete the picture.
+``routing_summary`` reads every shard back as one table. ``ticket_routing_global_resume``, the
+failed-partition sensor and the completeness and failed-row checks complete the picture.
 
 Tunable through the environment, so the same definitions serve the demo, tests and benchmarks:
 ``DEMO_TICKETS`` (rows, default 100000), ``DEMO_LATENCY_MS`` (per call, default 2),
@@ -20,6 +20,7 @@ import polars as pl
 
 from checkpoint_assets import (
     CheckpointIOManager,
+    checkpoint_checks,
     checkpointed_asset,
     failed_partitions_sensor,
     global_resume_asset,
@@ -76,6 +77,7 @@ ticket_routing_job = dg.define_asset_job(
 
 defs = dg.Definitions(
     assets=[tickets, ticket_routing, routing_summary, global_resume_asset(ticket_routing)],
+    asset_checks=checkpoint_checks(ticket_routing),
     jobs=[ticket_routing_job],
     sensors=[failed_partitions_sensor(ticket_routing, max_retries=3, backoff_seconds=30)],
     resources={"io_manager": CheckpointIOManager(base_dir=os.environ.get("CHECKPOINT_BASE_DIR"))},
