@@ -1,38 +1,101 @@
 """Shared fixtures: every storage-facing test runs against local disk and against S3.
 
 The S3 side talks real HTTP to moto's server mode on 127.0.0.1 (started once per session),
-never an in-process mock of boto.
+never an in-process mock of boto. The server counts the requests it serves per bucket
+(``s3_requests``), so tests can hold the engine's own request counters to what really happened.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import uuid
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
 
 
-@pytest.fixture(scope="session")
-def s3_server() -> Iterator[str]:
-    """A moto S3 server on 127.0.0.1; yields its endpoint URL."""
-    from moto.server import ThreadedMotoServer
+class CountingMotoServer:
+    """moto's S3 server on 127.0.0.1 behind a WSGI wrapper that counts requests per bucket.
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
+    Requests are counted the way the engine names them: PUT, GET, LIST (a GET of the bucket
+    itself), DELETE (DeleteObject or one DeleteObjects batch), HEAD; BUCKET PUT (creating the
+    bucket); and COPY (a server-side copy) and MULTIPART (a multipart upload step), which the
+    engine should never need.
+    """
+
+    def __init__(self) -> None:
+        from moto.moto_server.werkzeug_app import (
+            DomainDispatcherApplication,
+            MotoRequestHandler,
+            create_backend_app,
+        )
+        from werkzeug.serving import make_server
+
+        self.counts: dict[str, Counter[str]] = {}
+        self._lock = threading.Lock()
+        app = self._counting(DomainDispatcherApplication(create_backend_app))
+        # What moto's ThreadedMotoServer does, with the counting wrapper around its app.
+        self._server = make_server("127.0.0.1", 0, app, True, request_handler=MotoRequestHandler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        host, port = self._server.server_address[:2]
+        self.endpoint = f"http://{host!s}:{port}"
+
+    def _counting(self, app: Any) -> Callable[[dict[str, Any], Any], Iterable[bytes]]:
+        def wsgi(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+            path = environ.get("PATH_INFO", "/").lstrip("/")
+            bucket, _, key = path.partition("/")
+            method = environ.get("REQUEST_METHOD", "GET")
+            query = environ.get("QUERY_STRING", "")
+            if method == "POST" and "delete" in query:
+                kind = "DELETE"
+            elif not key:
+                kind = "LIST" if method == "GET" else f"BUCKET {method}"
+            elif "uploadId" in query or "uploads" in query:
+                kind = "MULTIPART"
+            elif method == "PUT" and "HTTP_X_AMZ_COPY_SOURCE" in environ:
+                kind = "COPY"
+            else:
+                kind = method
+            with self._lock:
+                self.counts.setdefault(bucket, Counter())[kind] += 1
+            return app(environ, start_response)  # type: ignore[no-any-return]
+
+        return wsgi
+
+    def requests(self, bucket: str) -> Counter[str]:
+        """Requests served for ``bucket`` so far, by kind."""
+        with self._lock:
+            return Counter(self.counts.get(bucket, Counter()))
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._thread.join()
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[CountingMotoServer]:
+    """The session's moto S3 server (see ``CountingMotoServer``)."""
     old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    server = CountingMotoServer()
     try:
-        yield endpoint
+        yield server
     finally:
         server.stop()
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
+
+
+@pytest.fixture(scope="session")
+def s3_server(moto_s3: CountingMotoServer) -> str:
+    """The endpoint URL of a moto S3 server on 127.0.0.1."""
+    return moto_s3.endpoint
 
 
 def s3_options(endpoint: str) -> dict[str, Any]:
@@ -43,14 +106,10 @@ def s3_options(endpoint: str) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(params=["local", "s3"])
-def storage(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any]]:
-    """(base_dir, storage_options) of an empty checkpoint root, local or on S3."""
-    if request.param == "local":
-        return str(tmp_path / "checkpoints"), {}
+def make_bucket(endpoint: str) -> str:
+    """Create a fresh, empty bucket on the moto server; returns its name."""
     import boto3
 
-    endpoint = request.getfixturevalue("s3_server")
     bucket = f"test-{uuid.uuid4().hex[:12]}"
     boto3.client(
         "s3",
@@ -59,4 +118,19 @@ def storage(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[st
         aws_secret_access_key="testing",
         region_name="us-east-1",
     ).create_bucket(Bucket=bucket)
-    return f"s3://{bucket}/checkpoints", s3_options(endpoint)
+    return bucket
+
+
+@pytest.fixture
+def new_s3_storage(s3_server: str) -> Callable[[], tuple[str, dict[str, Any]]]:
+    """A factory of (base_dir, storage_options), each in a fresh bucket on the moto server."""
+    return lambda: (f"s3://{make_bucket(s3_server)}/checkpoints", s3_options(s3_server))
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any]]:
+    """(base_dir, storage_options) of an empty checkpoint root, local or on S3."""
+    if request.param == "local":
+        return str(tmp_path / "checkpoints"), {}
+    endpoint = request.getfixturevalue("s3_server")
+    return f"s3://{make_bucket(endpoint)}/checkpoints", s3_options(endpoint)

@@ -22,14 +22,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import dagster as dg
+import fsspec
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
+from dagster_aws.s3 import S3Resource
 from pydantic import Field, PrivateAttr
 
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.storage import Store, open_store
+from checkpoint_assets.engine.storage import Store, merge_options, open_store, s3_options
 
 # Definition metadata keys that mark a checkpointed asset.
 ID_COLUMN_KEY = "checkpoint_assets/id_column"
@@ -79,6 +81,14 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
             'client_kwargs...). Any value may be {"env": "VAR"} to read it from the environment.'
         ),
     )
+    s3_resource: S3Resource | None = Field(
+        default=None,
+        description=(
+            "A dagster-aws S3Resource whose endpoint URL, region, keys and session token reach "
+            "an s3:// base_dir (storage_options win where both set a value). Without it and "
+            "without storage_options, the standard AWS environment chain applies."
+        ),
+    )
     _default_dir: str | None = PrivateAttr(default=None)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
@@ -97,10 +107,23 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
         return os.path.abspath(".checkpoints")
 
     def store(self) -> Store:
-        return open_store(self.root(), resolve_env(self.storage_options))
+        options = resolve_env(self.storage_options)
+        if self.s3_resource is not None:
+            root = self.root()
+            if fsspec.core.split_protocol(root)[0] not in ("s3", "s3a"):
+                raise CheckpointError(
+                    f"CheckpointIOManager got an s3_resource, but base_dir {root!r} is not an "
+                    "s3:// URI. Point base_dir at s3://bucket/prefix, or drop s3_resource."
+                )
+            options = merge_options(_s3_resource_options(self.s3_resource), options)
+        return open_store(self.root(), options)
 
     def checkpoint(
-        self, asset_key: dg.AssetKey, tag: str | None, partition: str | None, store: Store | None = None
+        self,
+        asset_key: dg.AssetKey,
+        tag: str | None,
+        partition: str | None,
+        store: Store | None = None,
     ) -> Checkpoint:
         """The checkpoint of one asset partition under one tag."""
         name = posixpath.join(*asset_key.path, tag or DEFAULT_TAG, partition or UNPARTITIONED)
@@ -152,7 +175,9 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
             return store.path(*asset_key.path[:-1], f"{asset_key.path[-1]}.parquet")
         return store.path(*asset_key.path, f"{partition}.parquet")
 
-    def _load_output(self, context: dg.InputContext, store: Store, partition: str | None) -> pl.DataFrame:
+    def _load_output(
+        self, context: dg.InputContext, store: Store, partition: str | None
+    ) -> pl.DataFrame:
         path = self.output_path(store, context.asset_key, partition)
         try:
             data = store.get(path)
@@ -178,6 +203,21 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
             )
         outputs = list(meta.output_schema or {})
         return checkpoint.read_result(id_column, outputs)
+
+
+def _s3_resource_options(resource: S3Resource) -> dict[str, Any]:
+    return s3_options(
+        endpoint_url=resource.endpoint_url,
+        region_name=resource.region_name,
+        aws_access_key_id=resource.aws_access_key_id,
+        aws_secret_access_key=resource.aws_secret_access_key,
+        aws_session_token=resource.aws_session_token,
+        profile_name=resource.profile_name,
+        use_ssl=resource.use_ssl,
+        verify=resource.verify,
+        max_attempts=resource.max_attempts,
+        use_unsigned_session=resource.use_unsigned_session,
+    )
 
 
 def _partition_of(context: dg.OutputContext) -> str | None:

@@ -1,0 +1,384 @@
+"""Checkpoints on S3 (SPEC sections 6 and 7), over real HTTP to moto's server mode on 127.0.0.1.
+
+Crash and resume, finalize and lock contention with real processes; credentials from
+storage_options, ``{"env": ...}`` references, the AWS environment chain and a dagster-aws
+S3Resource; errors that say which problem it is (missing bucket, denied access, rejected
+credentials, unreachable endpoint) and leave stored work intact; and request counts held to what
+the server really served.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import polars as pl
+import pytest
+import s3fs
+from dagster_aws.s3 import S3Resource
+from helpers.jobs import ASSET, Storage, build_job, route, stats, tickets
+
+from checkpoint_assets import CheckpointError, CheckpointIOManager, StorageError
+from checkpoint_assets.engine import Checkpoint, open_store
+
+TESTS = Path(__file__).parent
+NewStorage = Callable[[], Storage]
+
+
+def _bucket(storage: Storage) -> str:
+    return storage[0].removeprefix("s3://").split("/")[0]
+
+
+def _child(function: str, *args: str) -> subprocess.Popen[str]:
+    """A Python process running ``test_s3.<function>(*args)``."""
+    return subprocess.Popen(
+        [sys.executable, "-c", f"import sys, test_s3; test_s3.{function}(*sys.argv[1:])", *args],
+        cwd=TESTS,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _slow_route(batch: pl.DataFrame) -> pl.DataFrame:
+    time.sleep(0.02)
+    return route(batch)
+
+
+def _slow_child(base_dir: str, options: str, rows: str, wait_for_go: str = "") -> None:
+    """(child process) Materialize a slow job on S3 with one part per flush of 4 rows."""
+    job = build_job(
+        (base_dir, json.loads(options)), tickets(int(rows)), fn=_slow_route, min_flush_seconds=0
+    )
+    if wait_for_go:
+        print("ready", flush=True)
+        sys.stdin.readline()
+    job.materialize()
+
+
+# -- crash, finalize, lock ------------------------------------------------------------------
+def test_a_sigkilled_run_resumes_on_s3_from_what_it_flushed(new_s3_storage: NewStorage) -> None:
+    storage = new_s3_storage()
+    job = build_job(storage, tickets(4000))
+    checkpoint = job.checkpoint()
+    child = _child("_slow_child", storage[0], json.dumps(storage[1]), "4000")
+    deadline = time.monotonic() + 120
+    while len(checkpoint.list_parts()[0]) < 3:
+        assert child.poll() is None, f"the child ended before it was killed: {child.stderr}"
+        assert time.monotonic() < deadline, "the child flushed no parts within 120 s"
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    stored = checkpoint.load("ticket_id").rows.get_column("ticket_id")
+    assert 0 < stored.len() < 4000
+    assert checkpoint.store.get_or_none(checkpoint.lock_path) is not None  # the dead run's lock
+
+    again = stats(job.materialize())
+
+    assert again["rows_resumed"] == stored.len()
+    assert again["rows_computed"] == 4000 - stored.len()
+    assert not set(job.computed_ids()) & set(stored.to_list())
+    result = checkpoint.read_result("ticket_id", ["route"])
+    assert result.sort("ticket_id").equals(
+        route(tickets(4000)).with_columns(pl.lit(None, pl.String).alias("_error"))
+    )
+
+
+def test_finalize_on_s3_leaves_the_merged_file_and_meta_only(new_s3_storage: NewStorage) -> None:
+    storage = new_s3_storage()
+    job = build_job(storage, tickets(100), min_flush_seconds=0)  # 25 flushes, compacted
+
+    job.materialize()
+
+    checkpoint = job.checkpoint()
+    names = sorted(p.removeprefix(checkpoint.store.root + "/") for p in job.files())
+    assert names == [f"{ASSET}/default/all.parquet", f"{ASSET}/default/all.parquet.meta.json"]
+    meta = checkpoint.read_meta()
+    assert meta is not None and meta.finalized_at is not None
+    assert meta.rows == {"total": 100, "ok": 100, "failed": 0}
+    assert checkpoint.read_result("ticket_id", ["route"]).height == 100
+
+
+def test_two_runs_started_together_on_s3_one_writes_the_other_is_refused(
+    new_s3_storage: NewStorage,
+) -> None:
+    base_dir, options = new_s3_storage()
+    # 600 rows take the winner ~3 s: the loser tries while the winner is surely still running.
+    runs = [_child("_slow_child", base_dir, json.dumps(options), "600", "wait") for _ in range(2)]
+    for run in runs:
+        assert run.stdout is not None and run.stdout.readline().strip() == "ready"
+    for run in runs:  # both race for the lock's conditional create
+        assert run.stdin is not None
+        run.stdin.write("go\n")
+        run.stdin.flush()
+    outcomes = [run.communicate(timeout=120) for run in runs]
+
+    codes = sorted(run.returncode for run in runs)
+    assert codes[0] == 0 and codes[1] != 0, outcomes
+    refused = next(err for run, (_, err) in zip(runs, outcomes, strict=True) if run.returncode)
+    assert "is being written by another writer" in refused
+    assert "LockHeldError" in refused
+    result = build_job((base_dir, options), tickets(600)).checkpoint()
+    assert result.read_result("ticket_id", ["route"]).height == 600
+
+
+# -- request budget ----------------------------------------------------------------------------
+def test_reported_storage_requests_are_what_the_server_served(
+    new_s3_storage: NewStorage, moto_s3: Any
+) -> None:
+    storage = new_s3_storage()
+    job = build_job(storage, tickets(200), min_flush_seconds=0)  # 50 parts, compaction, finalize
+
+    reported = stats(job.materialize())["storage_requests"]
+
+    served = moto_s3.requests(_bucket(storage))
+    del served["BUCKET PUT"]  # the test made the bucket
+    assert dict(served) == reported
+    # Every write is one PUT: no server-side copies ("renames"), no multipart uploads.
+    assert "COPY" not in served and "MULTIPART" not in served
+
+
+def test_min_flush_seconds_bounds_the_requests_of_a_fast_run(
+    new_s3_storage: NewStorage, moto_s3: Any
+) -> None:
+    every_interval, spaced = new_s3_storage(), new_s3_storage()
+
+    build_job(
+        every_interval, tickets(400), checkpoint_interval=16, min_flush_seconds=0
+    ).materialize()
+    build_job(spaced, tickets(400), checkpoint_interval=16, min_flush_seconds=3600).materialize()
+
+    assert moto_s3.requests(_bucket(every_interval))["PUT"] >= 400 // 16  # a part per 16 rows
+    few = moto_s3.requests(_bucket(spaced))
+    assert few["PUT"] <= 8  # one part, the merged file, meta and lock
+    assert sum(few.values()) <= 20
+
+
+# -- credentials -------------------------------------------------------------------------------
+@pytest.mark.parametrize("endpoint_variable", ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"])
+def test_the_aws_environment_chain_works_without_storage_options(
+    endpoint_variable: str,
+    new_s3_storage: NewStorage,
+    moto_s3: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    base_dir, _ = new_s3_storage()
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(endpoint_variable, moto_s3.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    s3fs.S3FileSystem.clear_instance_cache()  # a cached client would hide the environment
+    try:
+        result = stats(build_job((base_dir, {}), tickets(20)).materialize())
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+    assert result["rows_computed"] == 20
+    assert moto_s3.requests(_bucket((base_dir, {})))["PUT"] > 0
+
+
+def test_storage_options_may_read_values_from_the_environment(
+    new_s3_storage: NewStorage, moto_s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base_dir, _ = new_s3_storage()
+    monkeypatch.setenv("CKPT_ENDPOINT", moto_s3.endpoint)
+    monkeypatch.setenv("CKPT_KEY", "testing")
+    options: dict[str, Any] = {
+        "key": {"env": "CKPT_KEY"},
+        "secret": {"env": "CKPT_KEY"},
+        "client_kwargs": {"endpoint_url": {"env": "CKPT_ENDPOINT"}, "region_name": "us-east-1"},
+    }
+    job = build_job((base_dir, options), tickets(20))
+
+    assert stats(job.materialize())["rows_computed"] == 20
+    assert moto_s3.requests(_bucket((base_dir, {})))["PUT"] > 0
+    monkeypatch.delenv("CKPT_ENDPOINT")
+    with pytest.raises(CheckpointError, match="CKPT_ENDPOINT"):
+        job.materialize()
+
+
+@dataclass
+class Guarded:
+    """A moto server that checks credentials and IAM policies, with bucket ``guarded``."""
+
+    endpoint: str
+    reader: tuple[str, str]  # may read and list, not write
+    writer: tuple[str, str]  # may do everything on the bucket
+
+    def storage(self, keys: tuple[str, str], prefix: str) -> Storage:
+        options = {
+            "key": keys[0],
+            "secret": keys[1],
+            "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
+        }
+        return f"s3://guarded/{prefix}", options
+
+
+_GUARDED_SERVER = """
+import sys
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+print(server.get_host_and_port()[1], flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture(scope="module")
+def guarded() -> Iterator[Guarded]:
+    """A second moto server, in its own process because moto's auth switch is process-wide."""
+    import boto3
+
+    server = subprocess.Popen(
+        [sys.executable, "-c", _GUARDED_SERVER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        endpoint = f"http://127.0.0.1:{int(server.stdout.readline())}"
+        admin = {"endpoint_url": endpoint, "region_name": "us-east-1"}
+        admin |= {"aws_access_key_id": "admin", "aws_secret_access_key": "admin"}
+        boto3.client("s3", **admin).create_bucket(Bucket="guarded")
+        iam = boto3.client("iam", **admin)
+        keys = {}
+        for user, actions in (
+            ("reader", ["s3:GetObject", "s3:ListBucket"]),
+            ("writer", ["s3:*"]),
+        ):
+            iam.create_user(UserName=user)
+            policy = {
+                "Version": "2012-10-17",
+                "Statement": [
+                    {
+                        "Effect": "Allow",
+                        "Action": actions,
+                        "Resource": ["arn:aws:s3:::guarded", "arn:aws:s3:::guarded/*"],
+                    }
+                ],
+            }
+            iam.put_user_policy(UserName=user, PolicyName=user, PolicyDocument=json.dumps(policy))
+            key = iam.create_access_key(UserName=user)["AccessKey"]
+            keys[user] = (key["AccessKeyId"], key["SecretAccessKey"])
+        # From now on every request must be signed by a known key and allowed by its policy.
+        enable = urllib.request.Request(
+            f"{endpoint}/moto-api/reset-auth",
+            data=b"0",
+            method="POST",
+            headers={"Content-Type": "text/plain"},
+        )
+        urllib.request.urlopen(enable).read()
+        yield Guarded(endpoint, keys["reader"], keys["writer"])
+    finally:
+        if server.stdin is not None:
+            server.stdin.close()
+        server.wait(timeout=30)
+
+
+def test_an_s3_resource_gives_the_io_manager_its_endpoint_and_keys(
+    guarded: Guarded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CKPT_KEY", guarded.writer[0])
+    monkeypatch.setenv("CKPT_SECRET", guarded.writer[1])
+    s3 = S3Resource(
+        endpoint_url=guarded.endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=dg.EnvVar("CKPT_KEY"),
+        aws_secret_access_key=dg.EnvVar("CKPT_SECRET"),
+    )
+    base_dir = f"s3://guarded/{uuid.uuid4().hex}"
+    job = build_job((base_dir, {}), tickets(20))
+
+    @dg.asset(ins={"routed": dg.AssetIn(ASSET)}, io_manager_key="source_io")
+    def downstream(routed: pl.DataFrame) -> int:
+        return routed.height
+
+    resources = {
+        "io_manager": CheckpointIOManager(base_dir=base_dir, s3_resource=s3),
+        "source_io": dg.InMemoryIOManager(),
+        "s3": s3,
+    }
+    result = dg.materialize([job.source, job.asset, downstream], resources=resources)
+
+    assert result.output_for_node("downstream") == 20
+    assert stats(result)["rows_computed"] == 20
+
+
+def test_an_s3_resource_with_a_local_base_dir_is_refused(tmp_path: Path) -> None:
+    manager = CheckpointIOManager(base_dir=str(tmp_path), s3_resource=S3Resource())
+
+    with pytest.raises(CheckpointError, match="not an s3:// URI"):
+        manager.store()
+
+
+# -- errors ------------------------------------------------------------------------------------
+def test_denied_access_says_so_and_leaves_stored_work_intact(guarded: Guarded) -> None:
+    prefix = uuid.uuid4().hex
+    writer = build_job(guarded.storage(guarded.writer, prefix), tickets(20))
+    writer.materialize()
+    reader = build_job(guarded.storage(guarded.reader, prefix), tickets(40))
+
+    with pytest.raises(StorageError, match="access was denied") as raised:
+        reader.materialize()
+
+    assert "Stored work is unchanged" in str(raised.value)
+    writer.set_input(tickets(40))
+    again = stats(writer.materialize())
+    assert (again["rows_resumed"], again["rows_computed"]) == (20, 20)
+
+
+def test_rejected_credentials_say_so(guarded: Guarded) -> None:
+    job = build_job(guarded.storage(("AKIDUNKNOWN", "wrong"), uuid.uuid4().hex), tickets(5))
+
+    with pytest.raises(StorageError, match="credentials were rejected"):
+        job.materialize()
+
+
+def test_a_missing_bucket_says_so_instead_of_reading_as_no_checkpoint_yet(
+    new_s3_storage: NewStorage,
+) -> None:
+    _, options = new_s3_storage()
+    storage = (f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/checkpoints", options)
+
+    with pytest.raises(StorageError, match="the bucket does not exist"):
+        build_job(storage, tickets(5)).materialize()
+    with pytest.raises(StorageError, match="the bucket does not exist"):
+        Checkpoint(open_store(*storage), "routed").read_meta()
+
+
+def test_an_unreachable_endpoint_says_so_and_stored_work_survives(
+    new_s3_storage: NewStorage,
+) -> None:
+    base_dir, options = new_s3_storage()
+    job = build_job((base_dir, options), tickets(20))
+    job.materialize()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    unreachable = {**options, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{closed}"}}
+
+    with pytest.raises(StorageError, match="endpoint cannot be reached"):
+        build_job((base_dir, unreachable), tickets(20), instance=job.instance).materialize()
+
+    again = stats(job.materialize())
+    assert (again["rows_resumed"], again["rows_computed"]) == (20, 0)
