@@ -63,9 +63,23 @@ def dagster_dev(tmp_path: Path) -> Iterator[tuple[int, dict[str, str]]]:
     port = _free_port()
     log = open(tmp_path / "dagster_dev.log", "w")  # noqa: SIM115 - closed below
     process = subprocess.Popen(
-        [sys.executable, "-m", "dagster", "dev", "-w", "workspace.yaml", "-h", "127.0.0.1",
-         "-p", str(port)],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "dagster",
+            "dev",
+            "-w",
+            "workspace.yaml",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 120
@@ -95,9 +109,22 @@ def test_ui_backfill_of_every_shard_succeeds_and_writes_their_checkpoints(
 ) -> None:
     port, env = dagster_dev
     materialized = subprocess.run(
-        [sys.executable, "-m", "dagster", "asset", "materialize", "-m", MODULE, "--select",
-         "tickets"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "dagster",
+            "asset",
+            "materialize",
+            "-m",
+            MODULE,
+            "--select",
+            "tickets",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert materialized.returncode == 0, materialized.stderr[-3000:]
     keys = [f"{i}-of-8" for i in range(8)]

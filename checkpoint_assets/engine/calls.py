@@ -232,7 +232,7 @@ def _successes(out: pl.DataFrame, batch: pl.DataFrame, id_column: str, used: int
             [
                 (batch.get_column(ATTEMPTS) + used).cast(pl.Int32),
                 batch.get_column(INPUT_HASH),
-                pl.Series(ERROR, [None] * out.height, dtype=pl.String),
+                pl.Series(ERROR, [None], dtype=pl.String).new_from_index(0, out.height),
             ]
         )
     joined = out.join(batch.select(id_column, ATTEMPTS, INPUT_HASH), on=id_column, how="left")

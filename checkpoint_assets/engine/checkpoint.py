@@ -39,13 +39,14 @@ import logging
 import math
 import posixpath
 import re
-
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from checkpoint_assets.engine.errors import CorruptCheckpointError
 from checkpoint_assets.engine.storage import FileInfo, Store
@@ -195,7 +196,7 @@ class Checkpoint:
     def _read_parquet(self, path: str, data: bytes | None = None) -> pl.DataFrame:
         raw = self.store.get(path) if data is None else data
         try:
-            return pl.read_parquet(io.BytesIO(raw))
+            return _read_frame(raw)
         except Exception as e:
             raise CorruptCheckpointError(
                 f"Checkpoint file {self.store.display(path)} is unreadable ({e}). Move it aside "
@@ -261,7 +262,7 @@ class Checkpoint:
                 "give this asset its own checkpoint_tag, or start over with `resume: false`."
             )
         ids = rows.get_column(id_column)
-        if ids.n_unique() != rows.height:
+        if distinct_count(ids) != rows.height:
             dupes = ids.filter(ids.is_duplicated()).unique().head(5).to_list()
             raise CorruptCheckpointError(
                 f"Checkpoint file {self.store.display(path)} holds duplicate ids {dupes}. A "
@@ -292,9 +293,9 @@ class Checkpoint:
             if len({p.level for p in tail}) != 1:
                 break
             frames = [self._recent.pop(p.path, None) for p in tail]
+            pairs = zip(frames, tail, strict=True)
             rows = _concat(
-                [f if f is not None else self._read_parquet(p.path) for f, p in zip(frames, tail)],
-                id_column,
+                [f if f is not None else self._read_parquet(p.path) for f, p in pairs], id_column
             )
             merged = self.write_part(pick_winners(rows, id_column), tail[0].first, tail[-1].last)
             self._recent.pop(merged.path, None)  # larger parts are read back when needed
@@ -321,9 +322,9 @@ class Checkpoint:
         rows = stored.rows
         changed = bool(stored.parts) or stored.watermark < base_seq
         if current_ids is not None:
-            before = rows
+            before = rows.get_column(CURRENT) if CURRENT in rows.columns else None
             rows = rows.with_columns(_marks(rows.get_column(id_column), current_ids))
-            changed = changed or CURRENT not in before.columns or not before[CURRENT].equals(rows[CURRENT])
+            changed = changed or before is None or not before.equals(rows.get_column(CURRENT))
             if current_ids.is_sorted() and not rows.get_column(id_column).is_sorted():
                 # Store rows in the input's order, so that resumes match ids by a sorted merge.
                 rows = rows.sort(id_column)
@@ -345,7 +346,8 @@ class Checkpoint:
         if watermark is None:
             _, watermark = self.read_merged()
         live, redundant = self.list_parts()
-        self.store.delete([p.path for p in live if p.last <= watermark] + [p.path for p in redundant])
+        merged = [p.path for p in live if p.last <= watermark]
+        self.store.delete(merged + [p.path for p in redundant])
 
     # -- result --------------------------------------------------------------------------
     def read_result(self, id_column: str, output_columns: Sequence[str] | None) -> pl.DataFrame:
@@ -366,6 +368,46 @@ class Checkpoint:
             if info.name.startswith(base):
                 yield info
         yield from self.store.list(self.parts_dir)
+
+
+def distinct_count(values: pl.Series) -> int:
+    """How many distinct values; sorted ones (ids stored in input order) need no hash table."""
+    if values.is_sorted():
+        values = values.set_sorted()
+    return values.n_unique()
+
+
+def _read_frame(raw: bytes) -> pl.DataFrame:
+    """A Parquet file as a DataFrame, each column that is null in every row as a constant.
+
+    Polars gives every string value a 16-byte view, nulls included: the ``_error`` column of 10**7
+    successful rows would take 160 MB, a constant takes nothing. The null counts come from the
+    file's column statistics; a file without them is read as it is.
+    """
+    empty = _all_null_columns(raw)
+    if not empty:
+        return pl.read_parquet(io.BytesIO(raw))
+    schema = pl.read_parquet_schema(io.BytesIO(raw))
+    frame = pl.read_parquet(io.BytesIO(raw), columns=[c for c in schema if c not in empty])
+    nulls = [pl.lit(None, schema[c]).alias(c) for c in empty]
+    return frame.with_columns(nulls).select(list(schema))
+
+
+def _all_null_columns(raw: bytes) -> set[str]:
+    meta = pq.ParquetFile(pa.BufferReader(raw)).metadata
+    flat = {f.name for f in meta.schema.to_arrow_schema() if not pa.types.is_nested(f.type)}
+    nulls = dict.fromkeys(flat, 0)
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for i in range(group.num_columns):
+            column = group.column(i)
+            if column.path_in_schema not in nulls:
+                continue
+            stats = column.statistics
+            known = stats is not None and stats.has_null_count
+            nulls[column.path_in_schema] += stats.null_count if known else -(meta.num_rows + 1)
+    empty = {c for c, n in nulls.items() if n == meta.num_rows > 0}
+    return empty if len(empty) < len(meta.schema.to_arrow_schema()) else set()
 
 
 def _since(rows: pl.DataFrame, base_seq: int) -> pl.DataFrame:
@@ -405,5 +447,3 @@ def _to_parquet(rows: pl.DataFrame, metadata: dict[str, str] | None = None) -> b
     buffer = io.BytesIO()
     rows.write_parquet(buffer, compression="zstd", compression_level=1, metadata=metadata)
     return buffer.getvalue()
-
-

@@ -24,17 +24,18 @@ BLAKE3 stays where a digest is kept and compared as a whole.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import blake3
 import numpy as np
 import polars as pl
-import polars_hash as plh
+import polars_hash  # noqa: F401  (registers the ``nchash`` expression namespace)
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _NULL = np.uint64(0x6E756C6C)
 _SEED = np.uint64(0xC4EC)  # "checkpoint": the fold's starting value
+_CHUNK_ROWS = 1 << 20
 
 
 def value_text(column: str, dtype: pl.DataType) -> pl.Expr:
@@ -52,9 +53,11 @@ def value_text(column: str, dtype: pl.DataType) -> pl.Expr:
 
 def xxh3(df: pl.DataFrame, column: str) -> np.ndarray:
     """XXH3-64 of a column's canonical text, as uint64 (nulls become 0 and must be masked)."""
-    expr = plh.col("__text").nchash.xxh3_64()  # type: ignore[attr-defined]
-    out = df.select(value_text(column, df.schema[column]).alias("__text")).select(expr)
-    return out.to_series().fill_null(0).to_numpy().astype(np.uint64, copy=False)
+    out = np.empty(df.height, dtype=np.uint64)
+    expr = _text_hash(column, df.schema[column]).fill_null(0)
+    for start, hashes in _by_chunk(df, [expr]):
+        out[start : start + hashes.height] = hashes.to_series().to_numpy()
+    return out
 
 
 def shard_of(ids: pl.Series, n: int) -> np.ndarray:
@@ -67,15 +70,32 @@ def shard_of(ids: pl.Series, n: int) -> np.ndarray:
 
 def row_hashes(df: pl.DataFrame, columns: Sequence[str]) -> np.ndarray:
     """The input hash of each row over ``columns`` (id first, then the input columns)."""
-    h = np.full(df.height, _SEED, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for column in columns:
-            x = xxh3(df, column)
-            nulls = df.get_column(column).is_null().to_numpy()
-            if nulls.any():
-                x = np.where(nulls, _NULL, x)
-            h = (h ^ x) * _GOLDEN
-    return h
+    exprs = [
+        pl.when(pl.col(c).is_null())
+        .then(pl.lit(_NULL, pl.UInt64))
+        .otherwise(_text_hash(c, df.schema[c]))
+        .alias(f"__hash{i}")
+        for i, c in enumerate(columns)
+    ]
+    out = np.empty(df.height, dtype=np.uint64)
+    for start, hashes in _by_chunk(df, exprs):
+        h = out[start : start + hashes.height]
+        h.fill(_SEED)
+        for x in hashes.iter_columns():  # the fold, in place: no temporaries of the full size
+            np.bitwise_xor(h, x.to_numpy(), out=h)
+            np.multiply(h, _GOLDEN, out=h)
+    return out
+
+
+def _text_hash(column: str, dtype: pl.DataType) -> pl.Expr:
+    return value_text(column, dtype).nchash.xxh3_64()  # type: ignore[attr-defined, no-any-return]
+
+
+def _by_chunk(df: pl.DataFrame, exprs: list[pl.Expr]) -> Iterator[tuple[int, pl.DataFrame]]:
+    """``exprs`` over slices of ``_CHUNK_ROWS`` rows: the canonical text of a chunk at a time
+    (an integer id's decimal text is a new string column) keeps memory flat at 10**8 rows."""
+    for start in range(0, df.height, _CHUNK_ROWS):
+        yield start, df.slice(start, _CHUNK_ROWS).select(exprs)
 
 
 def fingerprint(hashes: np.ndarray) -> str:

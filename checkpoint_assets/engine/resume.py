@@ -12,7 +12,7 @@ from typing import Literal
 
 import polars as pl
 
-from checkpoint_assets.engine.checkpoint import ATTEMPTS, ERROR, INPUT_HASH
+from checkpoint_assets.engine.checkpoint import ATTEMPTS, ERROR, INPUT_HASH, distinct_count
 from checkpoint_assets.engine.errors import InputChangedError, InvalidIdsError
 
 log = logging.getLogger("checkpoint_assets")
@@ -42,7 +42,7 @@ def validate_ids(df: pl.DataFrame, id_column: str) -> None:
             f"{positions.head(5).to_list()}. Every row needs an id: fill or drop them in the "
             "source asset."
         )
-    if ids.n_unique() != ids.len():
+    if distinct_count(ids) != ids.len():
         dupes = ids.filter(ids.is_duplicated()).unique(maintain_order=True)
         raise InvalidIdsError(
             f"The id column {id_column!r} has {dupes.len()} duplicated value(s), e.g. "
@@ -115,7 +115,11 @@ def plan(
     todo = (
         joined.filter(~keep_out.fill_null(False))
         .with_columns(
-            pl.when(same).then(pl.col("__attempts")).otherwise(0).fill_null(0).cast(pl.Int32)
+            pl.when(same)
+            .then(pl.col("__attempts"))
+            .otherwise(0)
+            .fill_null(0)
+            .cast(pl.Int32)
             .alias(ATTEMPTS)
         )
         .drop("__stored_hash", "__ok", "__attempts")

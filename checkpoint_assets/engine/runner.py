@@ -340,9 +340,7 @@ class Session:
         return pick_winners(merged, self.id)
 
     def _check_job(self, meta: Meta, fingerprint: str, id_dtype: str) -> None:
-        if meta.id_column != self.id or (
-            meta.job_fingerprint != fingerprint and self.s.resume
-        ):
+        if meta.id_column != self.id or (meta.job_fingerprint != fingerprint and self.s.resume):
             changed = sorted(
                 k for k in set(meta.job) | set(self.job) if meta.job.get(k) != self.job.get(k)
             )
@@ -384,7 +382,8 @@ class Session:
             )
         if p.changed:
             self.log.warning(
-                "%s: recomputing %d row(s) whose input changed.", self.label or "checkpoint",
+                "%s: recomputing %d row(s) whose input changed.",
+                self.label or "checkpoint",
                 p.changed,
             )
         if p.resumed or p.kept_failed:
@@ -607,9 +606,7 @@ class Session:
             if not rows.get_column(CURRENT).all():
                 rows = rows.filter(pl.col(CURRENT))
         else:
-            rows = (
-                pl.concat(self.kept, how="diagonal_relaxed") if self.kept else pl.DataFrame()
-            )
+            rows = pl.concat(self.kept, how="diagonal_relaxed") if self.kept else pl.DataFrame()
         result = self._result(rows)
         self.stats.rows_failed = int(result.get_column(ERROR).is_not_null().sum())
         if self.checkpoint is not None and self.meta is not None:

@@ -3,9 +3,8 @@
 No ``from __future__ import annotations`` here: Dagster reads the body's annotations at runtime.
 """
 
-
-import inspect
 import enum
+import inspect
 import io
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -20,12 +19,12 @@ from checkpoint_assets.engine.errors import CheckpointError, TooManyFailuresErro
 from checkpoint_assets.engine.reconcile import JOB
 from checkpoint_assets.engine.runner import RunStats, Settings
 from checkpoint_assets.engine.storage import ObjectStore, Store
+from checkpoint_assets.integration.global_resume import global_resume_key
 from checkpoint_assets.integration.io_manager import (
     DEFAULT_TAG,
     ID_COLUMN_KEY,
     CheckpointIOManager,
 )
-from checkpoint_assets.integration.global_resume import global_resume_key
 from checkpoint_assets.integration.partitions import parse_shard
 
 SourceSpec = str | dg.AssetKey | dg.AssetsDefinition | Sequence[str]
@@ -172,9 +171,11 @@ def checkpointed_asset(
                     f"io_manager_key {io_manager_key!r} must be a CheckpointIOManager, not "
                     f"{type(io_manager).__name__}."
                 )
-            keys = list(context.partition_keys) if context.has_partition_key_range or (
-                context.has_partition_key
-            ) else [None]
+            keys = (
+                list(context.partition_keys)
+                if context.has_partition_key_range or (context.has_partition_key)
+                else [None]
+            )
             table = _to_polars(source)
             frames: list[pl.DataFrame] = []
             stats: list[RunStats] = []
@@ -182,7 +183,14 @@ def checkpointed_asset(
             for key in keys:
                 try:
                     frame, one = _run_partition(
-                        context, config, fn, base, io_manager, table, key, code_version,
+                        context,
+                        config,
+                        fn,
+                        base,
+                        io_manager,
+                        table,
+                        key,
+                        code_version,
                         min_flush_seconds,
                     )
                 except TooManyFailuresError as e:
@@ -335,7 +343,9 @@ def _metadata(runs: Sequence[RunStats], config: CheckpointRunConfig) -> dict[str
     out["checkpointing"] = config.checkpointing
     paths = [r.checkpoint_path for r in runs if r.checkpoint_path]
     if paths:
-        out["checkpoint_path"] = dg.MetadataValue.path(paths[0] if len(paths) == 1 else ", ".join(paths))
+        out["checkpoint_path"] = dg.MetadataValue.path(
+            paths[0] if len(paths) == 1 else ", ".join(paths)
+        )
     requests: dict[str, int] = {}
     for r in runs:
         for k, v in r.requests.items():

@@ -1,0 +1,1 @@
+"""Benchmarks of checkpoint-assets against same-run baselines (see ``bench/run.py``)."""

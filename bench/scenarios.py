@@ -1,0 +1,367 @@
+"""The scenarios of issue 4, each measured against a baseline in the same run.
+
+No ``from __future__ import annotations`` here: Dagster reads the assets' annotations at runtime.
+"""
+
+import functools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import dagster as dg
+import polars as pl
+
+from bench import data
+from bench.report import Result
+from checkpoint_assets import CheckpointIOManager, checkpointed_asset
+from checkpoint_assets.engine import hashing, runner
+from checkpoint_assets.engine.checkpoint import CURRENT, SEQ, Checkpoint, Part
+from checkpoint_assets.engine.storage import open_store
+
+GIB = 1024**3
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Every size the scenarios use (``--smoke`` makes them tiny)."""
+
+    rows: int
+    interval: int
+    per_call_rows: int
+    per_call_interval: int
+    per_call_sleep: float
+    resume_rows: tuple[int, ...]
+    compaction_interval: int
+    hash_rows: int
+    repeat: int
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+# -- 1. overhead through Dagster -----------------------------------------------------------
+def overhead(sizes: Sizes, workdir: str) -> Result:
+    """A checkpointed asset against a plain Dagster asset writing Parquet, same function."""
+    result = Result("overhead", "checkpointed asset vs plain Dagster asset (materialize)")
+    frame = data.make_input(sizes.rows)
+
+    @dg.asset(name="bench_input")
+    def bench_input() -> pl.DataFrame:
+        return frame
+
+    @checkpointed_asset(
+        source="bench_input",
+        id_column=data.ID,
+        input_columns=[data.TEXT],
+        checkpoint_interval=sizes.interval,
+        name="bench_checkpointed",
+    )
+    def bench_checkpointed(batch: pl.DataFrame) -> pl.DataFrame:
+        return data.score(batch)
+
+    @dg.asset(name="bench_plain", ins={"source": dg.AssetIn("bench_input")})
+    def bench_plain(source: pl.DataFrame) -> pl.DataFrame:
+        return data.score(source)
+
+    assets = [bench_input, bench_checkpointed, bench_plain]
+    resources = {"io_manager": CheckpointIOManager(base_dir=os.path.join(workdir, "overhead"))}
+    quiet = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}
+
+    with dg.instance_for_test() as instance:
+
+        def materialize(selection: dg.AssetsDefinition, config: dict[str, Any]) -> None:
+            outcome = dg.materialize(
+                assets,
+                selection=[selection],
+                instance=instance,
+                resources=resources,
+                run_config={**quiet, **config},
+            )
+            assert outcome.success
+
+        materialize(bench_input, {})
+        plain: list[float] = []
+        checkpointed: list[float] = []
+        for i in range(sizes.repeat):  # alternate, so background noise hits both alike
+            tag = {"ops": {"bench_checkpointed": {"config": {"checkpoint_tag": f"run{i}"}}}}
+            plain.append(_timed(lambda: materialize(bench_plain, {})))
+            checkpointed.append(_timed(functools.partial(materialize, bench_checkpointed, tag)))
+
+    result.add("plain asset", _median(plain), "s")
+    result.add("checkpointed asset", _median(checkpointed), "s")
+    result.add("ratio", _median(checkpointed) / _median(plain), "x", limit=1.10)
+    result.details = {
+        "rows": sizes.rows,
+        "interval": sizes.interval,
+        "plain_seconds": plain,
+        "checkpointed_seconds": checkpointed,
+    }
+    return result
+
+
+# -- 2. per-call overhead with a slow function ---------------------------------------------
+def per_call(sizes: Sizes, workdir: str) -> Result:
+    """A slow function (sleeps per call) checkpointed every call vs the same plain loop."""
+    result = Result("per_call", "checkpointing every call vs the same loop without it")
+    frame = data.make_input(sizes.per_call_rows)
+    fn = data.sleepy(sizes.per_call_sleep)
+    size = sizes.per_call_interval
+    config = data.settings(size)
+    store = open_store(os.path.join(workdir, "per_call"))
+
+    def plain() -> None:
+        pl.concat([fn(frame.slice(i, size)) for i in range(0, frame.height, size)])
+
+    def checkpointed() -> None:
+        checkpoint = Checkpoint(store, f"run-{uuid.uuid4().hex[:8]}")
+        runner.run(fn, runner.prepare(frame, config), checkpoint, config, job=data.JOB)
+
+    repeat = max(1, sizes.repeat // 2)
+    plain_s: list[float] = []
+    checkpointed_s: list[float] = []
+    for _ in range(repeat):
+        plain_s.append(_timed(plain))
+        checkpointed_s.append(_timed(checkpointed))
+    calls = math.ceil(frame.height / size)
+    overhead_ms = (_median(checkpointed_s) - _median(plain_s)) / calls * 1000
+    result.add("plain loop", _median(plain_s), "s")
+    result.add("checkpointed", _median(checkpointed_s), "s")
+    result.add("overhead per call", overhead_ms, "ms")
+    result.add("ratio", _median(checkpointed_s) / _median(plain_s), "x", limit=1.05)
+    result.details = {
+        "rows": frame.height,
+        "interval": size,
+        "calls": calls,
+        "sleep_seconds": sizes.per_call_sleep,
+        "plain_seconds": plain_s,
+        "checkpointed_seconds": checkpointed_s,
+    }
+    return result
+
+
+# -- 3 and 6. resume of a finished checkpoint, and its memory -------------------------------
+def resume(sizes: Sizes, workdir: str) -> tuple[Result, Result]:
+    """No-op resumes of finished checkpoints, each in a fresh process: time, phases, memory."""
+    timing = Result("resume", "resume of a finished checkpoint (engine time)")
+    memory = Result("memory", "peak RSS of the resume process")
+    base_dir = os.path.join(workdir, "resume")
+    seconds: dict[int, float] = {}
+    for rows in sizes.resume_rows:
+        name = f"finished-{rows}"
+        source = os.path.join(workdir, "resume-inputs", f"{rows}.parquet")
+        os.makedirs(os.path.dirname(source), exist_ok=True)
+        frame = data.make_input(rows)
+        frame.write_parquet(source)
+        started = time.perf_counter()
+        data.build_finished(base_dir, name, frame, _build_interval(rows))
+        build = time.perf_counter() - started
+        del frame
+        runs = [_child("bench.resume_child", source, base_dir, name) for _ in range(sizes.repeat)]
+        median_run = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+        seconds[rows] = median_run["seconds"]
+        limit = {1_000_000: 0.5, 10_000_000: 3.0}.get(rows)
+        timing.add(f"{rows:,} rows", seconds[rows], "s", limit=limit)
+        for phase, value in median_run["phases"].items():
+            timing.add(f"{rows:,} rows: {phase}", value, "s")
+        peak = max(r["peak_rss_bytes"] for r in runs) / GIB
+        memory.add(f"{rows:,} rows", peak, "GiB", limit=1.5 if rows == 10_000_000 else None)
+        timing.details[str(rows)] = {"build_seconds": build, "runs": runs}
+    if len(seconds) >= 2:
+        small, large = min(seconds), max(seconds)
+        timing.add(
+            f"cost({large:,})/cost({small:,})",
+            seconds[large] / seconds[small],
+            "x",
+            limit=1.2 * large / small,
+        )
+    return timing, memory
+
+
+def _build_interval(rows: int) -> int:
+    return max(1, min(rows, 500_000))
+
+
+def _child(module: str, *args: str, timeout: float = 1800) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{module} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    payload: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return payload
+
+
+# -- 4. compaction: many small flushes -----------------------------------------------------
+class _MeasuredCheckpoint(Checkpoint):
+    """A checkpoint that records its part count and times a cold resume and finalize."""
+
+    max_parts = 0
+    parts_at_end = 0
+    read_seconds = math.nan
+    finalize_seconds = math.nan
+
+    def compact(self, parts: list[Part], id_column: str) -> list[Part]:
+        live = super().compact(parts, id_column)
+        self.max_parts = max(self.max_parts, len(live))
+        return live
+
+    def finalize(self, id_column: str, *args: Any, **kwargs: Any) -> pl.DataFrame:
+        self.parts_at_end = len(self.list_parts()[0])
+        self.read_seconds = _timed(lambda: Checkpoint(self.store, self.name).load(id_column))
+        started = time.perf_counter()
+        rows = super().finalize(id_column, *args, **kwargs)
+        self.finalize_seconds = time.perf_counter() - started
+        return rows
+
+
+def compaction(sizes: Sizes, workdir: str) -> Result:
+    """Flush every few rows: parts stay bounded; against one part per flush, never merged."""
+    result = Result("compaction", "many small flushes: compacted parts vs one part per flush")
+    frame = data.make_input(sizes.rows)
+    config = data.settings(sizes.compaction_interval)
+    store = open_store(os.path.join(workdir, "compaction"))
+    checkpoint = _MeasuredCheckpoint(store, "compacted")
+    started = time.perf_counter()
+    result_rows, stats = runner.run(
+        data.score, runner.prepare(frame, config), checkpoint, config, job=data.JOB
+    )
+    run_seconds = time.perf_counter() - started
+
+    baseline = Checkpoint(store, "one-part-per-flush")
+    flushes = _write_parts_directly(baseline, checkpoint, sizes.compaction_interval)
+    baseline_read = _timed(lambda: Checkpoint(store, baseline.name).load(data.ID))
+    _remove_tree(baseline.parts_dir)
+
+    result.add("flushes", stats.flushes)
+    result.add("max parts during the run", checkpoint.max_parts)
+    result.add("unmerged parts at the end", checkpoint.parts_at_end, limit=64)
+    result.add("finalize", checkpoint.finalize_seconds, "s", limit=2.0)
+    result.add("resume read, compacted", checkpoint.read_seconds, "s")
+    result.add(f"baseline parts ({flushes:,})", flushes)
+    result.add("resume read, baseline", baseline_read, "s")
+    result.add("resume read ratio baseline/compacted", baseline_read / checkpoint.read_seconds, "x")
+    result.add("whole run", run_seconds, "s")
+    result.details = {
+        "rows": frame.height,
+        "interval": sizes.compaction_interval,
+        "result_rows": result_rows.height,
+        "requests": stats.requests,
+    }
+    return result
+
+
+def _write_parts_directly(target: Checkpoint, source: Checkpoint, interval: int) -> int:
+    """The baseline's layout: one part per flush of ``interval`` rows, never merged."""
+    rows = source.read_merged()[0]
+    assert rows is not None
+    rows = rows.drop(CURRENT)
+    os.makedirs(target.parts_dir, exist_ok=True)
+    count = 0
+    for seq, start in enumerate(range(0, rows.height, interval), start=1):
+        name = f"part-{seq:012d}-{seq:012d}-{uuid.uuid4().hex[:12]}.parquet"
+        part = rows.slice(start, interval).with_columns(pl.lit(seq, pl.Int64).alias(SEQ))
+        part.write_parquet(os.path.join(target.parts_dir, name), compression="zstd")
+        count += 1
+    return count
+
+
+def _remove_tree(folder: str) -> None:
+    """Delete many files in parallel (unlinks are slow one by one on disks mounted -o discard)."""
+    paths = [os.path.join(folder, n) for n in os.listdir(folder)] if os.path.isdir(folder) else []
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(os.remove, paths))
+    if os.path.isdir(folder):
+        os.rmdir(folder)
+
+
+# -- 5. hashing -----------------------------------------------------------------------------
+def hashing_speed(sizes: Sizes, workdir: str) -> Result:
+    """Shard assignment plus per-row input hashes of integer ids with short text."""
+    result = Result("hashing", "shard assignment + per-row input hash")
+    frame = data.make_input(sizes.hash_rows)
+    size_mb = (frame.height * 8 + int(frame.get_column(data.TEXT).str.len_bytes().sum())) / 1e6
+
+    def both() -> None:
+        hashing.shard_of(frame.get_column(data.ID), 16)
+        hashing.row_hashes(frame, [data.ID, data.TEXT])
+
+    best = min(_timed(both) for _ in range(sizes.repeat))
+    shard = min(
+        _timed(lambda: hashing.shard_of(frame.get_column(data.ID), 16)) for _ in range(sizes.repeat)
+    )
+    result.add("rows", frame.height)
+    result.add("shard + row hash", frame.height / best / 1e6, "M rows/s", limit=5.0, op=">=")
+    result.add("shard + row hash, bytes", size_mb / best, "MB/s")
+    result.add("shard only", frame.height / shard / 1e6, "M rows/s")
+    result.details = {"seconds": best, "input_mb": size_mb}
+    return result
+
+
+# -- 7. Ray Data's job-level checkpointing ----------------------------------------------------
+def ray_data(sizes: Sizes, workdir: str, enabled: bool) -> Result:
+    """The same job through Ray Data with ``CheckpointConfig``, fresh and no-op resume."""
+    result = Result("ray", "Ray Data job-level checkpointing, side by side")
+    try:
+        import ray
+    except ImportError:
+        result.status = "skipped"
+        result.note = 'ray is not installed (pip install -e ".[bench]" to compare with Ray Data)'
+        return result
+    if not enabled:
+        result.status = "skipped"
+        result.note = "skipped in smoke runs; pass --ray to run it"
+        return result
+    folder = os.path.join(workdir, "ray")
+    os.makedirs(os.path.join(folder, "input"))
+    source = os.path.join(folder, "input", "data.parquet")
+    data.make_input(sizes.rows).write_parquet(source)
+    config = data.settings(sizes.interval)
+    store = open_store(os.path.join(folder, "ours"))
+
+    def ours() -> None:
+        frame = pl.read_parquet(source)
+        runner.run(
+            data.score,
+            runner.prepare(frame, config),
+            Checkpoint(store, "job"),
+            config,
+            job=data.JOB,
+        )
+
+    fresh, again = _timed(ours), _timed(ours)
+    theirs = _child("bench.ray_job", str(sizes.rows), folder, str(sizes.interval))
+    result.add("checkpoint-assets fresh", fresh, "s")
+    result.add("ray data fresh", theirs["fresh_seconds"], "s")
+    result.add("checkpoint-assets no-op resume", again, "s")
+    result.add("ray data no-op resume", theirs["resume_seconds"], "s")
+    result.add("ray data start-up (ray.init)", theirs["init_seconds"], "s")
+    result.add("ray data checkpoint files", theirs["checkpoint_files"])
+    result.details = {
+        "ray": theirs,
+        "ray_version": ray.__version__,
+        "rows": sizes.rows,
+        "batch_rows": sizes.interval,
+    }
+    return result
