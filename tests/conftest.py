@@ -12,6 +12,7 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,3 +135,22 @@ def storage(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[st
         return str(tmp_path / "checkpoints"), {}
     endpoint = request.getfixturevalue("s3_server")
     return f"s3://{make_bucket(endpoint)}/checkpoints", s3_options(endpoint)
+
+
+@pytest.fixture
+def demo_env(tmp_path: Path) -> dict[str, str]:
+    """Environment for running the demo's definitions in a subprocess: a fresh DAGSTER_HOME
+    with the repository's dagster.yaml, a small fast input, checkpoints under tmp_path."""
+    root = Path(__file__).resolve().parents[1]
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text((root / "dagster_home" / "dagster.yaml").read_text())
+    env = dict(os.environ)
+    env.update(
+        DAGSTER_HOME=str(home),
+        DEMO_TICKETS="2000",
+        DEMO_LATENCY_MS="0",
+        DEMO_ERROR_RATE="0",
+        CHECKPOINT_BASE_DIR=str(tmp_path / "checkpoints"),
+    )
+    return env

@@ -4,7 +4,6 @@ and the `checkpoint-assets` operator CLI on what it wrote."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,22 +14,6 @@ import pytest
 from checkpoint_assets.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def dagster_env(tmp_path: Path) -> dict[str, str]:
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    (home / "dagster.yaml").write_text((ROOT / "dagster_home" / "dagster.yaml").read_text())
-    env = dict(os.environ)
-    env.update(
-        DAGSTER_HOME=str(home),
-        DEMO_TICKETS="2000",
-        DEMO_LATENCY_MS="0",
-        DEMO_ERROR_RATE="0",
-        CHECKPOINT_BASE_DIR=str(tmp_path / "checkpoints"),
-    )
-    return env
 
 
 def dagster(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -45,12 +28,12 @@ def dagster(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]
 
 
 def test_dagster_asset_materialize_runs_a_shard_from_the_repo_root(
-    dagster_env: dict[str, str], tmp_path: Path
+    demo_env: dict[str, str], tmp_path: Path
 ) -> None:
-    assert dagster(dagster_env, "asset", "materialize", "--select", "tickets").returncode == 0
+    assert dagster(demo_env, "asset", "materialize", "--select", "tickets").returncode == 0
     config = json.dumps({"ops": {"ticket_routing": {"config": {"checkpoint_interval": 50}}}})
     first = dagster(
-        dagster_env,
+        demo_env,
         "asset",
         "materialize",
         "--select",
@@ -70,19 +53,19 @@ def test_dagster_asset_materialize_runs_a_shard_from_the_repo_root(
     assert set(stored["ticket_id"]) <= set(tickets["ticket_id"])
 
     again = dagster(
-        dagster_env, "asset", "materialize", "--select", "ticket_routing", "--partition", "3-of-8"
+        demo_env, "asset", "materialize", "--select", "ticket_routing", "--partition", "3-of-8"
     )
     assert again.returncode == 0
     assert "rows are done, 0 to compute" in again.stderr + again.stdout
 
 
 def test_operator_cli_lists_inspects_verifies_and_compacts(
-    dagster_env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    demo_env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert dagster(dagster_env, "asset", "materialize", "--select", "tickets").returncode == 0
+    assert dagster(demo_env, "asset", "materialize", "--select", "tickets").returncode == 0
     for key in ("0-of-8", "1-of-8"):
         done = dagster(
-            dagster_env, "asset", "materialize", "--select", "ticket_routing", "--partition", key
+            demo_env, "asset", "materialize", "--select", "ticket_routing", "--partition", key
         )
         assert done.returncode == 0, done.stderr[-3000:]
     base = str(tmp_path / "checkpoints")

@@ -48,18 +48,8 @@ def _graphql(port: int, query: str, variables: dict[str, Any] | None = None) -> 
 
 
 @pytest.fixture
-def dagster_dev(tmp_path: Path) -> Iterator[tuple[int, dict[str, str]]]:
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    (home / "dagster.yaml").write_text((ROOT / "dagster_home" / "dagster.yaml").read_text())
-    env = dict(os.environ)
-    env.update(
-        DAGSTER_HOME=str(home),
-        DEMO_TICKETS="1600",
-        DEMO_LATENCY_MS="0",
-        DEMO_ERROR_RATE="0",
-        CHECKPOINT_BASE_DIR=str(tmp_path / "checkpoints"),
-    )
+def dagster_dev(tmp_path: Path, demo_env: dict[str, str]) -> Iterator[tuple[int, dict[str, str]]]:
+    env = {**demo_env, "DEMO_TICKETS": "1600"}
     port = _free_port()
     log = open(tmp_path / "dagster_dev.log", "w")  # noqa: SIM115 - closed below
     process = subprocess.Popen(

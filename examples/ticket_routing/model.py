@@ -29,6 +29,8 @@ from typing import Final
 import numpy as np
 import polars as pl
 
+from examples.ticket_routing.data import DEPARTMENTS
+
 __all__ = [
     "DEPARTMENTS",
     "DEPARTMENT_RULES",
@@ -40,14 +42,6 @@ __all__ = [
     "TransientModelError",
 ]
 
-DEPARTMENTS: Final[tuple[str, ...]] = (
-    "billing",
-    "technical",
-    "account",
-    "shipping",
-    "sales",
-    "other",
-)
 PRIORITIES: Final[tuple[str, ...]] = ("low", "normal", "high", "urgent")
 OUTPUT_SCHEMA: Final[dict[str, type[pl.DataType]]] = {
     "ticket_id": pl.Int64,
