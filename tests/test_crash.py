@@ -20,7 +20,7 @@ import pytest
 from helpers.jobs import Storage
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
-from checkpoint_assets.engine.checkpoint import SEQ
+from checkpoint_assets.engine.checkpoint import COMPACT_AT, COMPACT_FANOUT, SEQ
 
 CHILD = Path(__file__).parent / "helpers" / "crash_child.py"
 ROWS = 240
@@ -235,21 +235,27 @@ def test_crash_between_merged_write_and_part_delete_resumes_to_the_same_result(
 
 def test_crash_after_compaction_before_deleting_its_inputs_is_harmless(storage: Storage) -> None:
     one_per_flush = Settings(**{**SETTINGS.__dict__, "checkpoint_interval": 1})
+    rows = COMPACT_AT + 4
     checkpoint = _checkpoint(storage)
-    _crash_run(checkpoint, 20, calls=7, settings=one_per_flush)
-    seven = _part_files(checkpoint)
-    _crash_run(_checkpoint(storage), 20, calls=1, settings=one_per_flush)  # 8th flush compacts
-    assert len(_part_files(checkpoint)) == 1
-    for path, data in seven.items():  # as if the compaction's deletes never happened
-        checkpoint.store.put(path, data)
+    _crash_run(checkpoint, rows, calls=COMPACT_AT - 1, settings=one_per_flush)
+    before = _part_files(checkpoint)
+    # The next flush brings the count to COMPACT_AT, which merges the oldest eight parts.
+    _crash_run(_checkpoint(storage), rows, calls=1, settings=one_per_flush)
+    after = _part_files(checkpoint)
+    assert len(after) == COMPACT_AT - COMPACT_FANOUT + 1
+    for path, data in before.items():  # as if the compaction's deletes never happened
+        if path not in after:
+            checkpoint.store.put(path, data)
     calls: list[int] = []
 
-    result, stats = run(_fn(calls), _inputs(20), _checkpoint(storage), one_per_flush, job={"v": 1})
+    result, stats = run(
+        _fn(calls), _inputs(rows), _checkpoint(storage), one_per_flush, job={"v": 1}
+    )
 
-    assert (sum(calls), stats.rows_resumed) == (12, 8)
-    assert sorted(result["ticket_id"]) == list(range(20))
+    assert (sum(calls), stats.rows_resumed) == (rows - COMPACT_AT, COMPACT_AT)
+    assert sorted(result["ticket_id"]) == list(range(rows))
     merged, _ = checkpoint.read_merged()
-    assert merged is not None and merged["ticket_id"].n_unique() == merged.height == 20
+    assert merged is not None and merged["ticket_id"].n_unique() == merged.height == rows
 
 
 def test_sequence_numbers_continue_after_the_highest_one_across_restarts(storage: Storage) -> None:

@@ -20,10 +20,11 @@ it contains (the watermark): parts at or below it are already merged. That makes
 with a single atomic write: merge, write ``<name>.parquet`` (atomic), then delete the merged parts;
 a crash between the two leaves parts that readers skip and the next writer deletes.
 
-Compaction keeps the number of parts small while a run flushes: whenever eight consecutive parts of
-the same size class exist, they are merged into one part covering their range (size-tiered, as in a
-log-structured merge tree), so parts stay under 64 for any run up to 8**8 flushes and each row is
-rewritten only a logarithmic number of times. A part covered by a larger one (a crash after the
+Compaction keeps the number of parts bounded while a run flushes: once 56 parts exist, eight
+consecutive parts of the same size class are merged into one part covering their range
+(size-tiered, as in a log-structured merge tree), so a run never holds more than 64 parts and each
+row is rewritten only a logarithmic number of times. Short runs are not compacted at all: finalize
+merges their parts once. A part covered by a larger one (a crash after the
 compacted part was written but before its inputs were deleted) is skipped by readers.
 
 The winner among several stored rows of one id: the input hash of the id's newest row is the id's
@@ -62,6 +63,8 @@ BOOKKEEPING = (ERROR, ATTEMPTS, INPUT_HASH, SEQ, CURRENT)
 
 FORMAT_VERSION = 1
 COMPACT_FANOUT = 8
+RECENT_BYTES = 256 * 2**20
+COMPACT_AT = 56  # compaction starts here, so a run never holds more than 64 unmerged parts
 _WATERMARK_KEY = "checkpoint_assets.watermark"
 _PART = re.compile(r"^part-(\d+)-(\d+)-[0-9a-f]+\.parquet$")
 
@@ -160,8 +163,10 @@ class Checkpoint:
         self.parts_dir = store.path(f"{name}.parquet.parts")
         self.meta_path = store.path(f"{name}.parquet.meta.json")
         self.lock_path = store.path(f"{name}.parquet.lock")
-        # Parts this process wrote, kept to compact them without reading them back.
+        # Parts this process wrote, kept (up to RECENT_BYTES) to merge them without reading them
+        # back: memory stays bounded whatever the outputs' size.
         self._recent: dict[str, pl.DataFrame] = {}
+        self._recent_bytes = 0.0
 
     @property
     def url(self) -> str:
@@ -277,30 +282,47 @@ class Checkpoint:
         last = first if last is None else last
         name = f"part-{first:012d}-{last:012d}-{uuid.uuid4().hex[:12]}.parquet"
         path = posixpath.join(self.parts_dir, name)
-        data = _to_parquet(rows)
+        data = _to_parquet(rows, part=True)
         self.store.put(path, data)
-        self._recent[path] = rows
+        self._remember(path, rows)
         return Part(path, first, last, len(data))
 
-    def compact(self, parts: list[Part], id_column: str) -> list[Part]:
-        """Merge the newest run of ``COMPACT_FANOUT`` same-level parts while one exists.
+    def _remember(self, path: str, rows: pl.DataFrame) -> None:
+        self._recent[path] = rows
+        self._recent_bytes += rows.estimated_size()
+        while self._recent_bytes > RECENT_BYTES and len(self._recent) > 1:
+            oldest = next(iter(self._recent))
+            self._recent_bytes -= self._recent.pop(oldest).estimated_size()
 
+    def _recall(self, path: str) -> pl.DataFrame | None:
+        rows = self._recent.pop(path, None)
+        if rows is not None:
+            self._recent_bytes -= rows.estimated_size()
+        return rows
+
+    def compact(self, parts: list[Part], id_column: str) -> list[Part]:
+        """Merge runs of ``COMPACT_FANOUT`` same-level parts while more than ``COMPACT_AT`` exist.
+
+        Compacting only near the cap leaves short runs alone (finalize merges their parts once)
+        and keeps long ones under 64 parts. Parts stay ordered from the largest level to the
+        smallest, so once ``COMPACT_AT`` parts exist some level has a run of eight to merge.
         Returns the live parts afterwards. Safe to interrupt at any point (see module doc).
         """
         parts = list(parts)
-        while len(parts) >= COMPACT_FANOUT:
-            tail = parts[-COMPACT_FANOUT:]
-            if len({p.level for p in tail}) != 1:
+        while len(parts) >= COMPACT_AT:
+            start = _mergeable_run(parts)
+            if start is None:
                 break
-            frames = [self._recent.pop(p.path, None) for p in tail]
-            pairs = zip(frames, tail, strict=True)
+            run = parts[start : start + COMPACT_FANOUT]
+            frames = [self._recall(p.path) for p in run]
+            pairs = zip(frames, run, strict=True)
             rows = _concat(
                 [f if f is not None else self._read_parquet(p.path) for f, p in pairs], id_column
             )
-            merged = self.write_part(pick_winners(rows, id_column), tail[0].first, tail[-1].last)
-            self._recent.pop(merged.path, None)  # larger parts are read back when needed
-            self.store.delete(p.path for p in tail)
-            parts[-COMPACT_FANOUT:] = [merged]
+            merged = self.write_part(pick_winners(rows, id_column), run[0].first, run[-1].last)
+            self._recall(merged.path)  # larger parts are read back when needed
+            self.store.delete(p.path for p in run)
+            parts[start : start + COMPACT_FANOUT] = [merged]
         return parts
 
     def finalize(
@@ -339,6 +361,7 @@ class Checkpoint:
             self.store.put(self.merged_path, data)
         self.cleanup(watermark)
         self._recent.clear()
+        self._recent_bytes = 0.0
         return rows
 
     def cleanup(self, watermark: int | None = None) -> None:
@@ -443,7 +466,28 @@ def _concat(frames: list[pl.DataFrame], id_column: str) -> pl.DataFrame:
         ) from e
 
 
-def _to_parquet(rows: pl.DataFrame, metadata: dict[str, str] | None = None) -> bytes:
+def _mergeable_run(parts: Sequence[Part]) -> int | None:
+    """Index of the oldest run of ``COMPACT_FANOUT`` consecutive parts of the lowest level.
+
+    Merging the oldest run of a level puts the merged part right after the parts of the next
+    level up, which keeps parts ordered from the largest level to the smallest.
+    """
+    for level in sorted({p.level for p in parts}):
+        count = 0
+        for i, part in enumerate(parts):
+            count = count + 1 if part.level == level else 0
+            if count == COMPACT_FANOUT:
+                return i - COMPACT_FANOUT + 1
+    return None
+
+
+def _to_parquet(
+    rows: pl.DataFrame, metadata: dict[str, str] | None = None, *, part: bool = False
+) -> bytes:
+    """Parquet bytes. Parts live briefly and are written on the hot path: lz4, no statistics."""
     buffer = io.BytesIO()
-    rows.write_parquet(buffer, compression="zstd", compression_level=1, metadata=metadata)
+    if part:
+        rows.write_parquet(buffer, compression="lz4", statistics=False)
+    else:
+        rows.write_parquet(buffer, compression="zstd", compression_level=1, metadata=metadata)
     return buffer.getvalue()
