@@ -5,7 +5,7 @@ from __future__ import annotations
 import dagster as dg
 import polars as pl
 import pytest
-from helpers.jobs import Storage, build_job, tickets
+from helpers.jobs import Storage, build_job, run_logs, tickets
 
 from checkpoint_assets import CheckpointError, CheckpointIOManager, shard_partitions
 
@@ -116,3 +116,27 @@ def test_loading_a_never_materialized_checkpoint_says_to_materialize_it(storage:
 
     with pytest.raises(CheckpointError, match="Materialize it first"):
         job.load_downstream(report)
+
+
+def test_downstream_after_a_checkpointing_false_run_is_told_what_it_loads(
+    storage: Storage,
+) -> None:
+    job = build_job(storage, tickets(20))
+    job.materialize()
+    job.set_input(tickets(30))
+    job.materialize(checkpointing=False)  # computes 30 rows, stores none of them
+
+    @dg.asset
+    def report(routed: pl.DataFrame) -> pl.DataFrame:
+        return routed
+
+    result = dg.materialize(
+        [job.source, job.asset, report],
+        selection=[report],
+        instance=job.instance,
+        resources=job.resources(),
+    )
+
+    assert result.output_for_node("report").height == 20  # what earlier runs stored
+    warnings = [m for m in run_logs(result, job.instance) if "checkpointing: false" in m]
+    assert warnings and "earlier runs stored" in warnings[0]

@@ -125,7 +125,8 @@ class Stored:
     rows: pl.DataFrame
     watermark: int
     next_seq: int
-    parts: list[Part]
+    parts: list[Part]  # live, unmerged parts
+    leftover: list[Part] = field(default_factory=list)  # merged or covered, not yet deleted
 
 
 def _empty_rows() -> pl.DataFrame:
@@ -226,8 +227,9 @@ class Checkpoint:
         ``outputs``, the job's output columns when known, must be in every file with successes.
         """
         merged, watermark = self.read_merged()
-        parts, _ = self.list_parts()
-        parts = [p for p in parts if p.last > watermark]
+        listed, redundant = self.list_parts()
+        parts = [p for p in listed if p.last > watermark]
+        leftover = [p for p in listed if p.last <= watermark] + redundant
         frames: list[pl.DataFrame] = []
         use_merged = merged is not None and watermark >= base_seq
         if merged is not None and use_merged:
@@ -247,7 +249,7 @@ class Checkpoint:
         rows = _concat(frames, id_column) if frames else empty
         if len(frames) > 1 or not use_merged:
             rows = pick_winners(rows, id_column)  # the merged file alone was checked just above
-        return Stored(rows, watermark, highest + 1, parts)
+        return Stored(rows, watermark, highest + 1, parts, leftover)
 
     def _check_unique(
         self, rows: pl.DataFrame, id_column: str, path: str, outputs: Sequence[str] | None = None
@@ -359,18 +361,11 @@ class Checkpoint:
         if changed:
             data = _to_parquet(rows, {_WATERMARK_KEY: str(watermark)})
             self.store.put(self.merged_path, data)
-        self.cleanup(watermark)
+        # Everything this load saw is now merged: delete it without listing again.
+        self.store.delete(p.path for p in [*stored.parts, *stored.leftover])
         self._recent.clear()
         self._recent_bytes = 0.0
         return rows
-
-    def cleanup(self, watermark: int | None = None) -> None:
-        """Delete parts that are merged or covered by larger parts."""
-        if watermark is None:
-            _, watermark = self.read_merged()
-        live, redundant = self.list_parts()
-        merged = [p.path for p in live if p.last <= watermark]
-        self.store.delete(merged + [p.path for p in redundant])
 
     # -- result --------------------------------------------------------------------------
     def read_result(self, id_column: str, output_columns: Sequence[str] | None) -> pl.DataFrame:

@@ -154,8 +154,8 @@ def run(
         is_run_finished=is_run_finished,
         logger=logger or log,
         label=label,
+        imported=imported,
     )
-    session.imported = imported
     return session.execute()
 
 
@@ -175,6 +175,7 @@ class Session:
         is_run_finished: Any,
         logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
         label: str,
+        imported: pl.DataFrame | None = None,
     ) -> None:
         self.fn = fn
         self.inputs = inputs
@@ -208,7 +209,7 @@ class Session:
         self.copies: pl.DataFrame | None = None
         self._outage_at = outage_threshold(settings.max_attempts, settings.checkpoint_interval)
         self._last_error = ""
-        self.imported: pl.DataFrame | None = None
+        self.imported = imported
         # What open() loaded, reused by finalize while this run has written nothing.
         self.known: Stored | None = None
         # Parts are written by one background thread, at most one flush in flight (see flush).
@@ -589,11 +590,8 @@ class Session:
         return (
             f"{self.label or 'checkpoint'}: {done:,} / {self.stats.rows_total:,} rows "
             f"({100 * done / total:.1f}%), {rate:,.1f} rows/s, ETA {eta}, "
-            f"{self._failed_so_far():,} failed, {self.stats.rows_reused:,} reused"
+            f"{self.failed_rows:,} failed, {self.stats.rows_reused:,} reused"
         )
-
-    def _failed_so_far(self) -> int:
-        return self.failed_rows
 
     # -- the end -------------------------------------------------------------------------
     def close(self, stopped: str | None) -> tuple[pl.DataFrame, RunStats]:

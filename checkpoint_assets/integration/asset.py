@@ -173,7 +173,7 @@ def checkpointed_asset(
                 )
             keys = (
                 list(context.partition_keys)
-                if context.has_partition_key_range or (context.has_partition_key)
+                if context.has_partition_key_range or context.has_partition_key
                 else [None]
             )
             table = _to_polars(source)

@@ -233,7 +233,11 @@ def _partition_of(context: dg.OutputContext) -> str | None:
 
 
 def _latest_tag(context: dg.InputContext, partition: str | None) -> str | None:
-    """The checkpoint tag of the latest materialization of this partition, if recorded."""
+    """The checkpoint tag of the latest materialization of this partition, if recorded.
+
+    A latest run with ``checkpointing: false`` stored nothing: say that the value loaded is the
+    checkpoint of earlier runs, not that run's result.
+    """
     try:
         instance = context.instance
     except Exception:
@@ -246,7 +250,15 @@ def _latest_tag(context: dg.InputContext, partition: str | None) -> str | None:
     ).records
     if not records or records[0].asset_materialization is None:
         return None
-    value = records[0].asset_materialization.metadata.get("checkpoint_tag")
+    metadata = records[0].asset_materialization.metadata
+    checkpointing = metadata.get("checkpointing")
+    if checkpointing is not None and checkpointing.value is False:
+        context.log.warning(
+            f"The latest materialization of {context.asset_key.to_user_string()}"
+            f"{f' partition {partition}' if partition else ''} ran with `checkpointing: false`, "
+            "which stores nothing: loading the checkpoint that earlier runs stored instead."
+        )
+    value = metadata.get("checkpoint_tag")
     return str(value.value) if value is not None else None
 
 
