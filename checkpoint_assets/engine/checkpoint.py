@@ -137,7 +137,7 @@ def _empty_rows() -> pl.DataFrame:
 
 def pick_winners(rows: pl.DataFrame, id_column: str) -> pl.DataFrame:
     """One row per id by the rule in the module docstring; ``_seq`` becomes the id's newest."""
-    if rows.height == 0 or rows.get_column(id_column).n_unique() == rows.height:
+    if rows.height == 0 or distinct_count(rows.get_column(id_column)) == rows.height:
         return rows
     by_id = pl.col(id_column)
     return (
@@ -322,7 +322,6 @@ class Checkpoint:
                 [f if f is not None else self._read_parquet(p.path) for f, p in pairs], id_column
             )
             merged = self.write_part(pick_winners(rows, id_column), run[0].first, run[-1].last)
-            self._recall(merged.path)  # larger parts are read back when needed
             self.store.delete(p.path for p in run)
             parts[start : start + COMPACT_FANOUT] = [merged]
         return parts
@@ -479,10 +478,21 @@ def _mergeable_run(parts: Sequence[Part]) -> int | None:
 def _to_parquet(
     rows: pl.DataFrame, metadata: dict[str, str] | None = None, *, part: bool = False
 ) -> bytes:
-    """Parquet bytes. Parts live briefly and are written on the hot path: lz4, no statistics."""
+    """Parquet bytes.
+
+    Parts live briefly and are written on the hot path, once per flush: pyarrow writes them
+    with lz4 and without statistics or dictionaries, in about half the time polars takes for a
+    small frame (its fixed cost per file dominates parts of a few rows).
+    """
     buffer = io.BytesIO()
     if part:
-        rows.write_parquet(buffer, compression="lz4", statistics=False)
+        pq.write_table(
+            rows.to_arrow(),
+            buffer,
+            compression="lz4",
+            use_dictionary=False,
+            write_statistics=False,
+        )
     else:
         rows.write_parquet(buffer, compression="zstd", compression_level=1, metadata=metadata)
     return buffer.getvalue()

@@ -507,7 +507,7 @@ class Session:
         self.stats.rows_computed += computed
         self.stats.rows_reused += rows.height - computed
         self.done_rows += rows.height
-        self.failed_rows += int(rows.get_column(ERROR).is_not_null().sum())
+        self.failed_rows += rows.height - rows.get_column(ERROR).null_count()
         self.buffer.append(rows)
         self.buffered_rows += rows.height
 
@@ -551,12 +551,12 @@ class Session:
         self.known = None
         if self.writer is None:
             self.writer = cf.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
-        rows = rows.with_columns(pl.lit(seq, pl.Int64).alias(SEQ))
         self.writing = self.writer.submit(self._write, rows, seq)
 
     def _write(self, rows: pl.DataFrame, seq: int) -> None:
         """The writer thread's job: one part, then compaction."""
         assert self.checkpoint is not None
+        rows = rows.with_columns(pl.lit(seq, pl.Int64).alias(SEQ))
         part = self.checkpoint.write_part(rows, seq)
         self.parts = self.checkpoint.compact([*self.parts, part], self.id)
 
