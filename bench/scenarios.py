@@ -99,19 +99,27 @@ def overhead(sizes: Sizes, workdir: str) -> Result:
         materialize(bench_input, {})
         plain: list[float] = []
         checkpointed: list[float] = []
-        for i in range(sizes.repeat):  # alternate, so background noise hits both alike
+        unstored: list[float] = []
+        off = {"ops": {"bench_checkpointed": {"config": {"checkpointing": False}}}}
+        for i in range(sizes.repeat):  # alternate, so background noise hits all alike
             tag = {"ops": {"bench_checkpointed": {"config": {"checkpoint_tag": f"run{i}"}}}}
             plain.append(_timed(lambda: materialize(bench_plain, {})))
             checkpointed.append(_timed(functools.partial(materialize, bench_checkpointed, tag)))
+            unstored.append(_timed(functools.partial(materialize, bench_checkpointed, off)))
 
     result.add("plain asset", _median(plain), "s")
     result.add("checkpointed asset", _median(checkpointed), "s")
     result.add("ratio", _median(checkpointed) / _median(plain), "x", limit=1.10)
+    # The same asset with `checkpointing: false`: input hashing and one call per interval, no
+    # storage. What storage adds is the difference to the checkpointed figure.
+    result.add("checkpointing: false", _median(unstored), "s")
+    result.add("ratio without storage", _median(unstored) / _median(plain), "x")
     result.details = {
         "rows": sizes.rows,
         "interval": sizes.interval,
         "plain_seconds": plain,
         "checkpointed_seconds": checkpointed,
+        "checkpointing_false_seconds": unstored,
     }
     return result
 

@@ -320,7 +320,7 @@ class Checkpoint:
             pairs = zip(frames, run, strict=True)
             rows = _concat(
                 [f if f is not None else self._read_parquet(p.path) for f, p in pairs], id_column
-            )
+            ).rechunk()  # one chunk: a part made of thousands of tiny ones is slow to use
             merged = self.write_part(pick_winners(rows, id_column), run[0].first, run[-1].last)
             self.store.delete(p.path for p in run)
             parts[start : start + COMPACT_FANOUT] = [merged]
