@@ -271,3 +271,53 @@ def test_sequence_numbers_continue_after_the_highest_one_across_restarts(storage
 
     _crash_run(_checkpoint(storage), 48, calls=1)  # 8 new rows: one flush, then the crash
     assert [p.first for p in checkpoint.list_parts()[0]] == [watermark + 1]
+
+
+class _RecordingCheckpoint(Checkpoint):
+    """A checkpoint that records the size of every part it writes."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.written: list[int] = []
+
+    def write_part(self, rows: pl.DataFrame, first: int, last: int | None = None) -> Any:
+        part = super().write_part(rows, first, last)
+        self.written.append(rows.height)
+        return part
+
+
+def test_the_last_rows_go_into_the_merged_file_without_a_part(storage: Storage) -> None:
+    base_dir, options = storage
+    checkpoint = _RecordingCheckpoint(open_store(base_dir, options), "job")
+
+    result, stats = run(_fn([]), _inputs(10), checkpoint, SETTINGS, job={"v": 1})
+
+    assert checkpoint.written == [4, 4]  # the last 2 rows are written once, by finalize
+    assert stats.flushes == 3
+    merged, watermark = checkpoint.read_merged()
+    assert merged is not None and sorted(merged["ticket_id"]) == list(range(10))
+    assert watermark == merged[SEQ].max() == 3
+    assert sorted(result["ticket_id"]) == list(range(10))
+    assert _part_files(checkpoint) == {}
+
+
+def test_a_failed_finalize_still_stores_the_last_rows_as_a_part(tmp_path: Path) -> None:
+    checkpoint = Checkpoint(open_store(str(tmp_path)), "job")
+    blocker = Path(checkpoint.merged_path)
+    route = _fn([])
+
+    def fn(batch: pl.DataFrame) -> pl.DataFrame:
+        if 9 in batch["ticket_id"]:  # the last call: from now on the merged file can't be written
+            blocker.mkdir()
+        return route(batch)  # type: ignore[no-any-return]
+
+    with pytest.raises(IsADirectoryError):
+        run(fn, _inputs(10), checkpoint, SETTINGS, job={"v": 1})
+
+    blocker.rmdir()
+    assert sorted(p.first for p in checkpoint.list_parts()[0]) == [1, 2, 3]  # 4 + 4 + 2 rows
+    calls: list[int] = []
+    _, stats = run(
+        _fn(calls), _inputs(10), _checkpoint((str(tmp_path), {})), SETTINGS, job={"v": 1}
+    )
+    assert (calls, stats.rows_resumed) == ([], 10)

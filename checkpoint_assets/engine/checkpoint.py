@@ -332,18 +332,26 @@ class Checkpoint:
         current_ids: pl.Series | None,
         base_seq: int = 0,
         known: Stored | None = None,
+        tail: pl.DataFrame | None = None,
     ) -> pl.DataFrame:
         """Merge every part into ``<name>.parquet`` and delete them; returns the stored rows.
 
         ``current_ids`` (the ids of this run's input) marks which rows form the result; rows
         outside it stay stored with ``_current`` false. ``None`` keeps the previous marks.
         ``known`` is what ``load`` returned to a writer that has written nothing since: it spares
-        reading everything again. A checkpoint whose rows and marks are unchanged (a resume with
-        nothing left to do) is not rewritten.
+        reading everything again. ``tail``: the writer's last rows (``_seq`` set, above every
+        stored one), merged in without being written as a part first. A checkpoint whose rows
+        and marks are unchanged (a resume with nothing left to do) is not rewritten.
         """
         stored = known if known is not None else self.load(id_column, base_seq)
         rows = stored.rows
         changed = bool(stored.parts) or stored.watermark < base_seq
+        watermark = stored.next_seq - 1
+        if tail is not None and tail.height:
+            merged = _concat([rows, tail], id_column) if rows.height else tail
+            rows = pick_winners(merged, id_column)
+            watermark = max(watermark, int(tail.get_column(SEQ).max()))  # type: ignore[arg-type]
+            changed = True
         if current_ids is not None:
             before = rows.get_column(CURRENT) if CURRENT in rows.columns else None
             rows = rows.with_columns(_marks(rows.get_column(id_column), current_ids))
@@ -356,7 +364,6 @@ class Checkpoint:
             rows = rows.with_columns(pl.col(CURRENT).fill_null(True))
         else:
             rows = rows.with_columns(pl.lit(True).alias(CURRENT))
-        watermark = stored.next_seq - 1
         if changed:
             data = _to_parquet(rows, {_WATERMARK_KEY: str(watermark)})
             self.store.put(self.merged_path, data)

@@ -539,25 +539,31 @@ class Session:
             return
         if self.checkpoint is not None:
             self.wait_for_writes()
-        rows = pl.concat(self.buffer, how="diagonal_relaxed")
-        self.buffer, self.buffered_rows = [], 0
-        self.last_flush = time.monotonic()
+        rows, seq = self._take_buffer()
         if self.checkpoint is None:
             self.kept.append(rows)
             return
-        seq = self.next_seq
-        self.next_seq += 1
-        self.stats.flushes += 1
-        self.known = None
         if self.writer is None:
             self.writer = cf.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
         self.writing = self.writer.submit(self._write, rows, seq)
 
+    def _take_buffer(self) -> tuple[pl.DataFrame, int]:
+        """The buffered rows as one frame, and the sequence number of the flush that takes them."""
+        rows = pl.concat(self.buffer, how="diagonal_relaxed")
+        self.buffer, self.buffered_rows = [], 0
+        self.last_flush = time.monotonic()
+        if self.checkpoint is None:
+            return rows, 0
+        seq = self.next_seq
+        self.next_seq += 1
+        self.stats.flushes += 1
+        self.known = None
+        return rows, seq
+
     def _write(self, rows: pl.DataFrame, seq: int) -> None:
         """The writer thread's job: one part, then compaction."""
         assert self.checkpoint is not None
-        rows = rows.with_columns(pl.lit(seq, pl.Int64).alias(SEQ))
-        part = self.checkpoint.write_part(rows, seq)
+        part = self.checkpoint.write_part(_stamped(rows, seq), seq)
         self.parts = self.checkpoint.compact([*self.parts, part], self.id)
 
     def wait_for_writes(self) -> None:
@@ -595,16 +601,12 @@ class Session:
 
     # -- the end -------------------------------------------------------------------------
     def close(self, stopped: str | None) -> tuple[pl.DataFrame, RunStats]:
-        self.flush()
-        self.wait_for_writes()
-        self.stats.seconds = time.monotonic() - self.started
-        current = self.inputs.get_column(self.id)
-        if self.checkpoint is not None:
-            rows = self.checkpoint.finalize(self.id, current, self.base_seq, known=self.known)
-            if not rows.get_column(CURRENT).all():
-                rows = rows.filter(pl.col(CURRENT))
-        else:
+        if self.checkpoint is None:
+            self.flush()
             rows = pl.concat(self.kept, how="diagonal_relaxed") if self.kept else pl.DataFrame()
+        else:
+            rows = self._finalize()
+        self.stats.seconds = time.monotonic() - self.started
         result = self._result(rows)
         self.stats.rows_failed = int(result.get_column(ERROR).is_not_null().sum())
         if self.checkpoint is not None and self.meta is not None:
@@ -626,6 +628,31 @@ class Session:
             )
         self._check_failures()
         return result, self.stats
+
+    def _finalize(self) -> pl.DataFrame:
+        """Merge everything into the merged file; returns the current stored rows.
+
+        The rows still buffered go straight into the merged file rather than through a part
+        that finalize would read back, merge and delete at once: that would encode them twice.
+        They are no more at risk than while buffered, and the run succeeds only once the
+        merged file holding them is written. If finalize fails, they are flushed as a part.
+        """
+        assert self.checkpoint is not None
+        self.wait_for_writes()
+        tail = _stamped(*self._take_buffer()) if self.buffer else None
+        current = self.inputs.get_column(self.id)
+        try:
+            rows = self.checkpoint.finalize(
+                self.id, current, self.base_seq, known=self.known, tail=tail
+            )
+        except BaseException:
+            if tail is not None:
+                with contextlib.suppress(Exception):  # finalize's error is the one to report
+                    self.checkpoint.write_part(tail, int(tail.get_column(SEQ)[0]))
+            raise
+        if not rows.get_column(CURRENT).all():
+            rows = rows.filter(pl.col(CURRENT))
+        return rows
 
     def _result(self, rows: pl.DataFrame) -> pl.DataFrame:
         outputs = self.output_columns or [
@@ -653,6 +680,11 @@ class Session:
                 f"{self.s.max_failed_fraction:.2%}. Every other row is checkpointed; the failed "
                 f"rows are retried on the next run (last error: {self._last_error or 'stored'})."
             )
+
+
+def _stamped(rows: pl.DataFrame, seq: int) -> pl.DataFrame:
+    """``rows`` with the ``_seq`` of the flush that stores them."""
+    return rows.with_columns(pl.lit(seq, pl.Int64).alias(SEQ))
 
 
 @contextlib.contextmanager
