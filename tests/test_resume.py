@@ -39,6 +39,7 @@ def test_each_materialization_records_what_the_run_did(storage: Storage) -> None
     assert meta["checkpoint_path"].endswith("routed/default/all.parquet")
     assert len(meta["input_fingerprint"]) == 32
     assert meta["rows_per_second"] >= 0
+    assert 0 < meta["storage_wait_seconds"] < 60  # finalize at least: it writes the merged file
 
 
 def test_resume_picks_up_by_id_after_the_input_is_reordered(storage: Storage) -> None:

@@ -92,6 +92,12 @@ class RunStats:
     failed_calls: int = 0
     flushes: int = 0
     seconds: float = 0.0
+    # Where storage cost time: the run blocked on the flush in flight (``wait_seconds``) and in
+    # finalize; the background writer was busy writing parts and compacting (``write_seconds``,
+    # overlapping the calls).
+    wait_seconds: float = 0.0
+    finalize_seconds: float = 0.0
+    write_seconds: float = 0.0
     input_fingerprint: str = ""
     checkpoint_path: str = ""
     requests: dict[str, int] = field(default_factory=dict)
@@ -100,9 +106,15 @@ class RunStats:
     def rows_per_second(self) -> float:
         return round(self.rows_computed / self.seconds, 2) if self.seconds > 0 else 0.0
 
+    @property
+    def storage_wait_seconds(self) -> float:
+        """How long checkpointing held the run up: waits for flushes, then finalize."""
+        return round(self.wait_seconds + self.finalize_seconds, 3)
+
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["rows_per_second"] = self.rows_per_second
+        out["storage_wait_seconds"] = self.storage_wait_seconds
         return out
 
 
@@ -563,14 +575,20 @@ class Session:
     def _write(self, rows: pl.DataFrame, seq: int) -> None:
         """The writer thread's job: one part, then compaction."""
         assert self.checkpoint is not None
+        started = time.perf_counter()
         part = self.checkpoint.write_part(_stamped(rows, seq), seq)
         self.parts = self.checkpoint.compact([*self.parts, part], self.id)
+        self.stats.write_seconds += time.perf_counter() - started  # only this thread adds
 
     def wait_for_writes(self) -> None:
         """Block until the flush in flight is durable; raise its error if it failed."""
         writing, self.writing = self.writing, None
         if writing is not None:
-            writing.result()
+            started = time.perf_counter()
+            try:
+                writing.result()
+            finally:
+                self.stats.wait_seconds += time.perf_counter() - started
 
     def _flush_quietly(self) -> None:
         try:
@@ -639,6 +657,7 @@ class Session:
         """
         assert self.checkpoint is not None
         self.wait_for_writes()
+        started = time.perf_counter()
         tail = _stamped(*self._take_buffer()) if self.buffer else None
         current = self.inputs.get_column(self.id)
         try:
@@ -652,6 +671,7 @@ class Session:
             raise
         if not rows.get_column(CURRENT).all():
             rows = rows.filter(pl.col(CURRENT))
+        self.stats.finalize_seconds = time.perf_counter() - started
         return rows
 
     def _result(self, rows: pl.DataFrame) -> pl.DataFrame:

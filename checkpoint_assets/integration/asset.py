@@ -351,6 +351,7 @@ def _metadata(runs: Sequence[RunStats], config: CheckpointRunConfig) -> dict[str
         for k, v in r.requests.items():
             requests[k] = requests.get(k, 0) + v
     out["storage_requests"] = requests
+    out["storage_wait_seconds"] = round(sum(r.storage_wait_seconds for r in runs), 3)
     out["calls"] = sum(r.calls for r in runs)
     out["rows_imported"] = sum(r.rows_imported for r in runs)
     return out
