@@ -280,8 +280,8 @@ class _RecordingCheckpoint(Checkpoint):
         super().__init__(*args)
         self.written: list[int] = []
 
-    def write_part(self, rows: pl.DataFrame, first: int, last: int | None = None) -> Any:
-        part = super().write_part(rows, first, last)
+    def write_part(self, rows: pl.DataFrame, first: int, last: int | None = None, **kw: Any) -> Any:
+        part = super().write_part(rows, first, last, **kw)
         self.written.append(rows.height)
         return part
 

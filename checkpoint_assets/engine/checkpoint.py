@@ -279,15 +279,26 @@ class Checkpoint:
             )
 
     # -- writing -------------------------------------------------------------------------
-    def write_part(self, rows: pl.DataFrame, first: int, last: int | None = None) -> Part:
-        """Write ``rows`` (``_seq`` already set) as the part covering ``first``..``last``."""
+    def write_part(
+        self, rows: pl.DataFrame, first: int, last: int | None = None, *, data: bytes | None = None
+    ) -> Part:
+        """Write ``rows`` (``_seq`` already set) as the part covering ``first``..``last``.
+
+        ``data``: the rows as ``encode_part`` gave them, when the caller encoded them already.
+        """
         last = first if last is None else last
         name = f"part-{first:012d}-{last:012d}-{uuid.uuid4().hex[:12]}.parquet"
         path = posixpath.join(self.parts_dir, name)
-        data = _to_parquet(rows, part=True)
+        if data is None:
+            data = self.encode_part(rows)
         self.store.put(path, data)
         self._remember(path, rows)
         return Part(path, first, last, len(data))
+
+    @staticmethod
+    def encode_part(rows: pl.DataFrame) -> bytes:
+        """The Parquet bytes of a part holding ``rows``."""
+        return _to_parquet(rows, part=True)
 
     def _remember(self, path: str, rows: pl.DataFrame) -> None:
         self._recent[path] = rows

@@ -544,39 +544,50 @@ class Session:
 
         The writer writes the part, then compacts, while the function works on the next batch.
         At most one flush is in flight: a flush first waits for the previous one (and raises its
-        error), so a hard kill loses at most the buffer plus that flush. ``close`` waits for the
-        last one before finalizing: a run never succeeds before its rows are durable.
+        error), so a hard kill loses at most the buffer plus that flush. While it waits, it
+        encodes its own part, so a function faster than the writer keeps both threads busy.
+        ``close`` waits for the last one before finalizing: a run never succeeds before its rows
+        are durable.
         """
         if not self.buffer:
             return
-        if self.checkpoint is not None:
-            self.wait_for_writes()
-        rows, seq = self._take_buffer()
+        rows = self._buffered()
         if self.checkpoint is None:
+            self._claim()
             self.kept.append(rows)
             return
+        seq = self.next_seq
+        rows = _stamped(rows, seq)
+        data = None
+        if self.writing is not None and not self.writing.done():
+            data = self.checkpoint.encode_part(rows)  # the writer is busy: use the wait
+        self.wait_for_writes()  # its error leaves the buffer as it is
+        self._claim()
         if self.writer is None:
             self.writer = cf.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
-        self.writing = self.writer.submit(self._write, rows, seq)
+        self.writing = self.writer.submit(self._write, rows, seq, data)
 
-    def _take_buffer(self) -> tuple[pl.DataFrame, int]:
-        """The buffered rows as one frame, and the sequence number of the flush that takes them."""
-        rows = pl.concat(self.buffer, how="diagonal_relaxed")
+    def _buffered(self) -> pl.DataFrame:
+        return (
+            self.buffer[0]
+            if len(self.buffer) == 1
+            else pl.concat(self.buffer, how="diagonal_relaxed")
+        )
+
+    def _claim(self) -> None:
+        """The buffered rows now belong to a flush: empty the buffer, take a sequence number."""
         self.buffer, self.buffered_rows = [], 0
         self.last_flush = time.monotonic()
-        if self.checkpoint is None:
-            return rows, 0
-        seq = self.next_seq
-        self.next_seq += 1
-        self.stats.flushes += 1
-        self.known = None
-        return rows, seq
+        if self.checkpoint is not None:
+            self.next_seq += 1
+            self.stats.flushes += 1
+            self.known = None
 
-    def _write(self, rows: pl.DataFrame, seq: int) -> None:
-        """The writer thread's job: one part, then compaction."""
+    def _write(self, rows: pl.DataFrame, seq: int, data: bytes | None) -> None:
+        """The writer thread's job: one part (``data``, if encoded already), then compaction."""
         assert self.checkpoint is not None
         started = time.perf_counter()
-        part = self.checkpoint.write_part(_stamped(rows, seq), seq)
+        part = self.checkpoint.write_part(rows, seq, data=data)
         self.parts = self.checkpoint.compact([*self.parts, part], self.id)
         self.stats.write_seconds += time.perf_counter() - started  # only this thread adds
 
@@ -658,7 +669,10 @@ class Session:
         assert self.checkpoint is not None
         self.wait_for_writes()
         started = time.perf_counter()
-        tail = _stamped(*self._take_buffer()) if self.buffer else None
+        tail = None
+        if self.buffer:
+            tail = _stamped(self._buffered(), self.next_seq)
+            self._claim()
         current = self.inputs.get_column(self.id)
         try:
             rows = self.checkpoint.finalize(
