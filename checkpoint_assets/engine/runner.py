@@ -6,11 +6,13 @@
     Session.open   take the lock, check the job, load what is stored, plan the rest
     Session.work   call the function on batches of ``checkpoint_interval`` rows (threads or
                    asyncio when ``max_concurrency > 1``); flush every interval rows or
-                   ``flush_seconds``; compact parts; on any exception, SIGTERM or SIGINT,
-                   flush what is done before leaving
-    Session.close  final flush, finalize (merge parts), write meta, release the lock
+                   ``flush_seconds``: a background thread writes the part and compacts, one
+                   flush in flight; on any exception, SIGTERM or SIGINT, flush what is done
+                   before leaving
+    Session.close  finalize: merge the parts and the last buffered rows into the merged file,
+                   write meta, release the lock
 
-A hard kill loses at most the rows buffered since the last flush.
+A hard kill loses at most the rows buffered since the last flush plus the flush in flight.
 """
 
 from __future__ import annotations

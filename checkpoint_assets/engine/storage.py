@@ -24,8 +24,8 @@ Request budget. Every store counts the requests it makes (``requests``: PUT, GET
 which the asset reports as materialization metadata: object stores charge and rate-limit per
 request (S3: about 3,500 writes per second per prefix). A run costs about 15 requests to start
 and finish (meta, lock, merged file) plus about 1.4 per flush: one PUT per part, and compaction's
-PUT and DELETE for every eight parts, reading back only parts of level one and up (eight GETs per
-64 flushes; level-zero parts are still in memory). On object stores a flush happens when
+PUT and DELETE for every eight parts (parts are merged from memory; a GET happens only for parts
+that no longer fit the writer's 256 MiB cache). On object stores a flush happens when
 ``checkpoint_interval`` rows are done *and* at least ``min_flush_seconds`` (default 5 s) have
 passed since the previous one (or at ``flush_seconds``, 30 s, when rows come slowly), so a shard
 makes at most one flush per 5 s, about 0.3 requests per second whatever its speed. Per million
