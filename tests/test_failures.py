@@ -16,7 +16,7 @@ import polars as pl
 import pytest
 from helpers.jobs import Job, Storage, build_job, stats, tickets
 
-from checkpoint_assets import checkpointed_asset, shard_partitions
+from checkpoint_assets import CheckpointError, checkpointed_asset, shard_partitions
 from checkpoint_assets.engine.calls import outage_threshold
 from checkpoint_assets.engine.hashing import shard_of
 
@@ -295,3 +295,22 @@ def test_async_function_with_concurrency_overlaps_calls_and_flushes_as_they_comp
     assert stats(result)["rows_computed"] == 8
     assert stats(result)["calls"] == 2
     assert output(result).get_column("_error").null_count() == 8
+
+
+def test_an_output_column_parquet_cannot_store_fails_at_the_first_result_naming_it(
+    storage: Storage,
+) -> None:
+    def fn(batch: pl.DataFrame) -> pl.DataFrame:
+        return batch.select(
+            "ticket_id", route=pl.col("body"), big=pl.col("ticket_id").cast(pl.Int128)
+        )
+
+    job = build_job(storage, tickets(12), fn=fn)
+
+    with pytest.raises(CheckpointError) as raised:
+        job.materialize()
+
+    assert "cannot store: big: Int128" in str(raised.value)
+    assert "Cast them in the function" in str(raised.value)
+    assert len(job.calls) == 1  # stopped at the first result
+    assert stored(job).height == 0

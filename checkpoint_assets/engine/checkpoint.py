@@ -49,7 +49,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from checkpoint_assets.engine.errors import CorruptCheckpointError
+from checkpoint_assets.engine.errors import CheckpointError, CorruptCheckpointError
 from checkpoint_assets.engine.storage import FileInfo, Store
 
 log = logging.getLogger("checkpoint_assets")
@@ -299,6 +299,38 @@ class Checkpoint:
     def encode_part(rows: pl.DataFrame) -> bytes:
         """The Parquet bytes of a part holding ``rows``."""
         return _to_parquet(rows, part=True)
+
+    @staticmethod
+    def check_storable(sample: pl.DataFrame) -> None:
+        """Raise a clear error if parts or the merged file cannot store a column of ``sample``.
+
+        Int128 fails to encode; an Object column would become the bytes of Python pointers in a
+        part, and fails in the merged file. Checked on a run's first result, before any flush.
+        """
+        if pl.Object not in sample.schema.values():
+            try:
+                _to_parquet(sample, part=True)
+                _to_parquet(sample)
+                return
+            except Exception:  # find the columns, to name them
+                pass
+        bad: dict[str, str] = {}
+        for column in sample.columns:
+            one = sample.select(column)
+            if one.schema[column] == pl.Object:
+                bad[column] = "Object (Python objects)"
+                continue
+            try:
+                _to_parquet(one, part=True)
+                _to_parquet(one)
+            except Exception as e:
+                bad[column] = f"{one.schema[column]} ({e})"
+        if bad:
+            raise CheckpointError(
+                "The function returns columns that a Parquet checkpoint cannot store: "
+                + "; ".join(f"{c}: {why}" for c, why in bad.items())
+                + ". Cast them in the function (to Int64, Float64 or String, for example)."
+            )
 
     def _remember(self, path: str, rows: pl.DataFrame) -> None:
         self._recent[path] = rows

@@ -497,6 +497,8 @@ class Session:
             c: str(t) for c, t in rows.schema.items() if c != self.id and c not in BOOKKEEPING
         }
         if self.output_columns is None:
+            if self.checkpoint is not None:
+                Checkpoint.check_storable(rows.head(1))
             self.output_columns = list(outputs)
             if self.meta is not None and self.checkpoint is not None:
                 self.meta.output_schema = outputs
