@@ -94,12 +94,10 @@ class RunStats:
     failed_calls: int = 0
     flushes: int = 0
     seconds: float = 0.0
-    # Where storage cost time: the run blocked on the flush in flight (``wait_seconds``) and in
-    # finalize; the background writer was busy writing parts and compacting (``write_seconds``,
-    # overlapping the calls).
+    # How long storage held the run up: waiting for the flush in flight, and finalize. The
+    # background writer's own time overlaps the calls and is not counted.
     wait_seconds: float = 0.0
     finalize_seconds: float = 0.0
-    write_seconds: float = 0.0
     input_fingerprint: str = ""
     checkpoint_path: str = ""
     requests: dict[str, int] = field(default_factory=dict)
@@ -590,10 +588,8 @@ class Session:
     def _write(self, rows: pl.DataFrame, seq: int, data: bytes | None) -> None:
         """The writer thread's job: one part (``data``, if encoded already), then compaction."""
         assert self.checkpoint is not None
-        started = time.perf_counter()
         part = self.checkpoint.write_part(rows, seq, data=data)
         self.parts = self.checkpoint.compact([*self.parts, part], self.id)
-        self.stats.write_seconds += time.perf_counter() - started  # only this thread adds
 
     def wait_for_writes(self) -> None:
         """Block until the flush in flight is durable; raise its error if it failed."""
