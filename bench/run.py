@@ -43,7 +43,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume-rows", help="comma-separated sizes of finished checkpoints (1M,10M)")
     p.add_argument("--compaction-interval", type=int, help="rows per flush, compaction (16)")
     p.add_argument("--hash-rows", type=int, help="rows hashed (10M)")
-    p.add_argument("--repeat", type=int, help="repetitions; medians are reported (3)")
+    p.add_argument(
+        "--repeat", type=int, help="repetitions; medians are reported (3; overhead: 5 at least)"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for CI (seconds)")
     p.add_argument("--only", help=f"comma-separated scenarios to run ({','.join(SCENARIOS)})")
     p.add_argument("--ray", action="store_true", help="run the Ray scenario in a smoke run too")
