@@ -36,9 +36,11 @@ for one part per 16 rows (measured: about 89,000 with compaction).
 Loss bound. A hard kill (SIGKILL, a lost node) loses the rows done since the last flush: at
 most ``max(checkpoint_interval, rows done in min_flush_seconds)`` rows, computed in at most
 ``max(min_flush_seconds, min(flush_seconds, time to compute checkpoint_interval rows))`` seconds,
-plus the batches in flight (``max_concurrency``). With the defaults on S3 and a function doing
-100 rows per second that is about 500 rows or 5 s of work; locally (``min_flush_seconds`` 0) it
-is one batch of 16 rows. SIGTERM, SIGINT and exceptions flush before leaving and lose nothing.
+plus the flush the background writer is writing (one at most, no larger) and the batches in
+flight (``max_concurrency``). With the defaults on S3 and a function doing 100 rows per second
+that is about 500 rows or 5 s of work, twice that if a write is under way; locally
+(``min_flush_seconds`` 0) it is one batch of 16 rows, or two. SIGTERM, SIGINT and exceptions
+flush before leaving and lose nothing.
 """
 
 from __future__ import annotations
