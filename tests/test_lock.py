@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -181,3 +182,26 @@ def test_lock_is_released_after_success_and_after_failure(storage: Storage) -> N
 
 def _checkpoint_named(like: Checkpoint, name: str) -> Checkpoint:
     return Checkpoint(like.store, name)
+
+
+def test_a_writer_whose_lock_was_taken_over_stops_and_leaves_the_new_lock_alone(
+    storage: Storage,
+) -> None:
+    checkpoint = _checkpoint(storage)
+    settings = dataclasses.replace(SETTINGS, checkpoint_interval=2, lease_seconds=0.15)
+    calls: list[int] = []
+
+    def fn(batch: pl.DataFrame) -> pl.DataFrame:
+        calls.append(batch.height)
+        if len(calls) == 2:  # as if this run had been paused and another writer took over
+            _write_lock(checkpoint, host="another-host", pid=4242, run_id="the-taker")
+            time.sleep(1.0)  # about 20 heartbeats (one per 0.05 s) see the new holder
+        return batch.select("ticket_id", route=pl.col("body"))
+
+    with pytest.raises(LockHeldError, match=r"taken over by another writer \(run the-taker"):
+        run(fn, prepare(tickets(10), settings), checkpoint, settings, job={"v": 1})
+
+    assert calls == [2, 2]  # it stopped at the flush after the takeover
+    holder = json.loads(checkpoint.store.get(checkpoint.lock_path))
+    assert (holder["run_id"], holder["host"]) == ("the-taker", "another-host")
+    assert sorted(checkpoint.load("ticket_id").rows["ticket_id"]) == [0, 1]  # flushed before

@@ -6,6 +6,10 @@ that a heartbeat thread renews. A second writer fails at once with the holder na
 holder is dead: a pid gone on this host, a lease that expired, or a run the caller knows finished
 (``is_run_finished``, which the Dagster layer answers from the instance). A dead holder's lock is
 taken over with a warning.
+
+A holder whose process was paused past its lease (a suspended laptop or VM) may find, on waking,
+that another writer took the lock over. Its heartbeat then leaves the new holder's lock alone and
+marks the lease lost, and the run stops at its next flush without writing anything more.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class Lease:
         self.lease_seconds = lease_seconds
         self.is_run_finished = is_run_finished
         self.holder: Holder | None = None
+        self.lost: str | None = None  # why this writer no longer holds the lock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -138,11 +143,29 @@ class Lease:
         )
 
     def renew(self) -> None:
-        """Extend the lease (called by the heartbeat and after each flush)."""
-        if self.holder is None:
+        """Extend the lease (the heartbeat calls it), unless another writer took the lock over."""
+        if self.holder is None or self.lost is not None:
+            return
+        current = self.read()
+        if current is None or current.token != self.holder.token:
+            taker = (
+                f"another writer ({current.describe()})" if current else "someone who deleted it"
+            )
+            self.lost = (
+                f"The lock {self.store.display(self.path)} was taken over by {taker} while this "
+                "run held it: the run was probably paused for longer than its "
+                f"{self.lease_seconds:.0f} s lease. It stops without writing anything more; what "
+                "it flushed before is kept. Run it again once the other writer is done: it resumes."
+            )
+            log.error("%s", self.lost)
             return
         self.holder = self._new_holder(since=self.holder.since)
         self.store.put(self.path, _encode(self.holder))
+
+    def check(self) -> None:
+        """Raise ``LockHeldError`` if the lock was taken over (see ``renew``)."""
+        if self.lost is not None:
+            raise LockHeldError(self.lost)
 
     def release(self) -> None:
         self._stop.set()

@@ -564,6 +564,8 @@ class Session:
         if self.writing is not None and not self.writing.done():
             data = self.checkpoint.encode_part(rows)  # the writer is busy: use the wait
         self.wait_for_writes()  # its error leaves the buffer as it is
+        if self.lease is not None:
+            self.lease.check()  # a writer that lost its lock writes nothing more
         self._claim()
         if self.writer is None:
             self.writer = cf.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
@@ -668,6 +670,8 @@ class Session:
         """
         assert self.checkpoint is not None
         self.wait_for_writes()
+        if self.lease is not None:
+            self.lease.check()
         started = time.perf_counter()
         tail = None
         if self.buffer:
