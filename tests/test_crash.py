@@ -88,7 +88,7 @@ def _stored(storage: Storage, name: str = "routed/default/all") -> pl.DataFrame:
     return pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
 
 
-def test_sigkill_mid_shard_loses_at_most_one_interval_per_kill(
+def test_sigkill_mid_shard_loses_at_most_one_interval_and_the_flush_in_flight(
     storage: Storage, tmp_path: Path
 ) -> None:
     kills = 3
@@ -110,7 +110,9 @@ def test_sigkill_mid_shard_loses_at_most_one_interval_per_kill(
         for k in range(1, kills + 1)
     ]
     print(f"rows recomputed after each of {kills} SIGKILLs: {lost} (interval {INTERVAL})")
-    assert all(n <= INTERVAL for n in lost), lost
+    # The documented bound: the interval being buffered plus the flush the writer may have been
+    # writing when the kill came (usually only the first: a 4-row part is written in ~1 ms).
+    assert all(n <= 2 * INTERVAL for n in lost), lost
     assert len(log) == ROWS + sum(lost)
     assert sorted(runs_of) == list(range(ROWS))
     killed_work = sum(1 for labels in runs_of.values() if min(labels) <= kills)

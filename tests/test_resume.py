@@ -36,10 +36,11 @@ def test_each_materialization_records_what_the_run_did(storage: Storage) -> None
         "rows_resumed": 4,
     }
     assert (meta["rows_failed"], meta["rows_reused"], meta["rows_dropped"]) == (0, 0, 0)
+    assert (meta["calls"], meta["rows_imported"]) == (2, 0)  # 6 rows, interval 4
     assert meta["checkpoint_path"].endswith("routed/default/all.parquet")
+    assert meta["checkpoint_tag"] == "default"
     assert len(meta["input_fingerprint"]) == 32
-    assert meta["rows_per_second"] >= 0
-    assert 0 < meta["storage_wait_seconds"] < 60  # finalize at least: it writes the merged file
+    assert meta["rows_per_second"] > 0
 
 
 def test_resume_picks_up_by_id_after_the_input_is_reordered(storage: Storage) -> None:
@@ -157,6 +158,7 @@ def test_checkpointing_false_writes_no_file(storage: Storage) -> None:
     result = job.materialize(checkpointing=False)
 
     assert stats(result)["rows_computed"] == 12
+    assert stats(result)["storage_wait_seconds"] == 0.0  # storage never held it up
     assert sorted(job.computed_ids()) == list(range(12))
     assert job.files() == {}
 
