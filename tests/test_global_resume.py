@@ -157,5 +157,5 @@ def test_global_resume_without_the_table_says_what_to_materialize(env: dict[str,
 
 
 def test_global_resume_asset_refuses_a_plain_asset() -> None:
-    with pytest.raises(TypeError, match="checkpointed_asset"):
+    with pytest.raises(CheckpointError, match="checkpointed_asset"):
         global_resume_asset(items)

@@ -140,3 +140,19 @@ def test_downstream_after_a_checkpointing_false_run_is_told_what_it_loads(
     assert result.output_for_node("report").height == 20  # what earlier runs stored
     warnings = [m for m in run_logs(result, job.instance) if "checkpointing: false" in m]
     assert warnings and "earlier runs stored" in warnings[0]
+
+
+def test_a_checkpointed_asset_with_another_io_manager_says_how_to_bind_one(
+    storage: Storage,
+) -> None:
+    job = build_job(storage, tickets(4))
+
+    with pytest.raises(CheckpointError, match="must be a CheckpointIOManager, not InMemory") as e:
+        dg.materialize(
+            [job.source, job.asset],
+            resources={"io_manager": dg.InMemoryIOManager(), "source_io": dg.InMemoryIOManager()},  # type: ignore[no-untyped-call]
+            instance=job.instance,
+        )
+
+    assert "Bind that key to CheckpointIOManager" in str(e.value)
+    assert job.calls == []

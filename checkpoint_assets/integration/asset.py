@@ -24,6 +24,7 @@ from checkpoint_assets.integration.io_manager import (
     DEFAULT_TAG,
     ID_COLUMN_KEY,
     CheckpointIOManager,
+    checkpoint_io_manager,
 )
 from checkpoint_assets.integration.partitions import parse_shard
 
@@ -164,13 +165,7 @@ def checkpointed_asset(
         def body(
             context: dg.AssetExecutionContext, config: CheckpointRunConfig, source: Any
         ) -> pl.DataFrame:
-            io_manager = getattr(context.resources, io_manager_key, None)
-            if not isinstance(io_manager, CheckpointIOManager):
-                raise CheckpointError(
-                    f"Asset {context.asset_key.to_user_string()} is checkpointed: its "
-                    f"io_manager_key {io_manager_key!r} must be a CheckpointIOManager, not "
-                    f"{type(io_manager).__name__}."
-                )
+            io_manager = checkpoint_io_manager(context, io_manager_key)
             keys = (
                 list(context.partition_keys)
                 if context.has_partition_key_range or context.has_partition_key

@@ -13,11 +13,12 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
+from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.reconcile import finished_rows
 from checkpoint_assets.integration.io_manager import (
     DEFAULT_TAG,
     ID_COLUMN_KEY,
-    CheckpointIOManager,
+    checkpoint_io_manager,
 )
 
 GLOBAL_RESUME_OF_KEY = "checkpoint_assets/global_resume_of"
@@ -51,7 +52,7 @@ def global_resume_asset(
     key = asset.key
     metadata = asset.metadata_by_key.get(key, {})
     if ID_COLUMN_KEY not in metadata:
-        raise TypeError(
+        raise CheckpointError(
             f"global_resume_asset needs an asset built with @checkpointed_asset; "
             f"{key.to_user_string()} is not one."
         )
@@ -72,9 +73,7 @@ def global_resume_asset(
     def _global_resume(
         context: dg.AssetExecutionContext, config: GlobalResumeConfig
     ) -> pl.DataFrame:
-        io_manager = getattr(context.resources, io_manager_key)
-        assert isinstance(io_manager, CheckpointIOManager)
-        store = io_manager.store()
+        store = checkpoint_io_manager(context, io_manager_key).store()
         folder = posixpath.join(*key.path, config.checkpoint_tag or DEFAULT_TAG)
         table, found = finished_rows(store, folder, id_column)
         details: dict[str, Any] = {

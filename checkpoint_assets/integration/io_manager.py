@@ -205,6 +205,21 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
         return checkpoint.read_result(id_column, outputs)
 
 
+def checkpoint_io_manager(
+    context: dg.AssetExecutionContext, io_manager_key: str
+) -> CheckpointIOManager:
+    """The asset's IO manager, which must be a ``CheckpointIOManager``: it owns the storage."""
+    io_manager = getattr(context.resources, io_manager_key, None)
+    if not isinstance(io_manager, CheckpointIOManager):
+        raise CheckpointError(
+            f"Asset {context.asset_key.to_user_string()} stores checkpoints: its "
+            f"io_manager_key {io_manager_key!r} must be a CheckpointIOManager, not "
+            f"{type(io_manager).__name__}. Bind that key to CheckpointIOManager(...) in your "
+            "Definitions' resources, or pass io_manager_key= naming one that is."
+        )
+    return io_manager
+
+
 def _s3_resource_options(resource: S3Resource) -> dict[str, Any]:
     return s3_options(
         endpoint_url=resource.endpoint_url,
@@ -227,7 +242,9 @@ def _partition_of(context: dg.OutputContext) -> str | None:
     if len(keys) != 1:
         raise CheckpointError(
             f"CheckpointIOManager stores one partition per output; asset "
-            f"{context.asset_key.to_user_string()} produced {len(keys)} at once."
+            f"{context.asset_key.to_user_string()} produced {len(keys)} at once. Give the "
+            "asset backfill_policy=BackfillPolicy.multi_run(1), or another io_manager_key for "
+            "its output."
         )
     return keys[0]
 
