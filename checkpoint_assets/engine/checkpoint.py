@@ -417,9 +417,18 @@ class Checkpoint:
         return rows
 
     # -- result --------------------------------------------------------------------------
-    def read_result(self, id_column: str, output_columns: Sequence[str] | None) -> pl.DataFrame:
-        """The result a downstream asset sees: id, output columns and ``_error``."""
-        meta = self.read_meta()
+    def read_result(
+        self,
+        id_column: str,
+        output_columns: Sequence[str] | None,
+        *,
+        meta: Meta | None = None,
+    ) -> pl.DataFrame:
+        """The result a downstream asset sees: id, output columns and ``_error``.
+
+        ``meta``: the checkpoint's meta when the caller has read it already.
+        """
+        meta = meta if meta is not None else self.read_meta()
         base_seq = meta.base_seq if meta else 0
         rows = self.load(id_column, base_seq).rows
         if CURRENT in rows.columns:

@@ -3,6 +3,7 @@
 No ``from __future__ import annotations`` here: Dagster reads the body's annotations at runtime.
 """
 
+import dataclasses
 import enum
 import inspect
 import io
@@ -10,11 +11,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import dagster as dg
+import numpy as np
 import polars as pl
 import pyarrow as pa
 from pydantic import Field
 
 from checkpoint_assets.engine import hashing, runner
+from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError, TooManyFailuresError
 from checkpoint_assets.engine.reconcile import JOB
 from checkpoint_assets.engine.runner import RunStats, Settings
@@ -172,6 +175,19 @@ def checkpointed_asset(
                 else [None]
             )
             table = _to_polars(source)
+            store = io_manager.store()
+            settings = _settings(base, config, table, store, min_flush_seconds)
+            job = {
+                "format": JOB_FORMAT,
+                "asset": context.asset_key.to_user_string(),
+                "code_version": code_version,
+                "id_column": settings.id_column,
+                "input_columns": list(settings.input_columns),
+            }
+            imported = None  # read once for every shard of a ranged run
+            if config.global_resume and config.resume:
+                imported = _global_rows(io_manager, store, context.asset_key, job)
+            shards = _Shards(table, settings.id_column)
             frames: list[pl.DataFrame] = []
             stats: list[RunStats] = []
             too_many: list[TooManyFailuresError] = []
@@ -181,12 +197,12 @@ def checkpointed_asset(
                         context,
                         config,
                         fn,
-                        base,
-                        io_manager,
-                        table,
+                        settings,
+                        io_manager.checkpoint(context.asset_key, config.checkpoint_tag, key, store),
+                        shards.rows_of(key),
                         key,
-                        code_version,
-                        min_flush_seconds,
+                        job,
+                        imported,
                     )
                 except TooManyFailuresError as e:
                     # A ranged run still finishes its other shards, so their retries are free.
@@ -219,48 +235,66 @@ def checkpointed_asset(
     return decorator
 
 
-def _run_partition(
-    context: dg.AssetExecutionContext,
-    config: CheckpointRunConfig,
-    fn: Callable[..., Any],
+def _settings(
     base: Settings,
-    io_manager: CheckpointIOManager,
+    config: CheckpointRunConfig,
     source: pl.DataFrame,
-    partition: str | None,
-    code_version: str | None,
+    store: Store,
     min_flush_seconds: float | None,
-) -> tuple[pl.DataFrame, RunStats]:
-    """Run one partition's checkpoint and return its result and stats."""
-    input_columns = base.input_columns or tuple(c for c in source.columns if c != base.id_column)
-    store = io_manager.store()
+) -> Settings:
+    """The engine settings of this run: the decorator's, with the run config applied."""
     if min_flush_seconds is None and isinstance(store, ObjectStore):
         min_flush = DEFAULT_MIN_FLUSH_SECONDS_OBJECT_STORE
     else:
         min_flush = base.min_flush_seconds
-    settings = Settings(
-        **{
-            **base.__dict__,
-            "input_columns": input_columns,
-            "min_flush_seconds": min_flush,
-            "checkpoint_interval": config.checkpoint_interval or base.checkpoint_interval,
-            "resume": config.resume,
-            "checkpointing": config.checkpointing,
-            "retry_failed": base.retry_failed
-            if config.retry_failed is None
-            else config.retry_failed,
-            "on_input_change": (
-                config.on_input_change.value if config.on_input_change else base.on_input_change
-            ),
-        }
+    return dataclasses.replace(
+        base,
+        input_columns=base.input_columns or tuple(c for c in source.columns if c != base.id_column),
+        min_flush_seconds=min_flush,
+        checkpoint_interval=config.checkpoint_interval or base.checkpoint_interval,
+        resume=config.resume,
+        checkpointing=config.checkpointing,
+        retry_failed=base.retry_failed if config.retry_failed is None else config.retry_failed,
+        on_input_change=(
+            config.on_input_change.value if config.on_input_change else base.on_input_change
+        ),
     )
-    shard = parse_shard(partition) if partition else None
-    if base.id_column in source.columns and shard is not None:
-        mask = hashing.shard_of(source.get_column(base.id_column), shard.count) == shard.index
-        source = source.filter(pl.Series(mask))
+
+
+class _Shards:
+    """The input rows of each partition; ids are hashed once for all shards of a run."""
+
+    def __init__(self, source: pl.DataFrame, id_column: str) -> None:
+        self.source = source
+        self.id_column = id_column
+        self._of: tuple[int, np.ndarray] | None = None  # (shard count, shard of each row)
+
+    def rows_of(self, partition: str | None) -> pl.DataFrame:
+        shard = parse_shard(partition) if partition else None
+        if shard is None or self.id_column not in self.source.columns:
+            return self.source  # missing ids fail in prepare(), with a clear error
+        if self._of is None or self._of[0] != shard.count:
+            ids = self.source.get_column(self.id_column)
+            self._of = (shard.count, hashing.shard_of(ids, shard.count))
+        return self.source.filter(pl.Series(self._of[1] == shard.index))
+
+
+def _run_partition(
+    context: dg.AssetExecutionContext,
+    config: CheckpointRunConfig,
+    fn: Callable[..., Any],
+    settings: Settings,
+    checkpoint: Checkpoint,
+    source: pl.DataFrame,
+    partition: str | None,
+    job: dict[str, Any],
+    imported: pl.DataFrame | None,
+) -> tuple[pl.DataFrame, RunStats]:
+    """Run one partition's checkpoint over its input rows; returns its result and stats."""
     if config.limit is not None:
         source = source.head(config.limit)
     inputs = runner.prepare(source, settings)
-    checkpoint = io_manager.checkpoint(context.asset_key, config.checkpoint_tag, partition, store)
+    shard = parse_shard(partition) if partition else None
     scheme: dict[str, Any]
     if shard is not None:
         scheme = {"kind": "shard", "index": shard.index, "count": shard.count}
@@ -268,13 +302,6 @@ def _run_partition(
         scheme = {"kind": "partition", "key": partition}
     else:
         scheme = {"kind": "all"}
-    job = {
-        "format": JOB_FORMAT,
-        "asset": context.asset_key.to_user_string(),
-        "code_version": code_version,
-        "id_column": base.id_column,
-        "input_columns": list(input_columns),
-    }
     instance = context.instance
 
     def is_run_finished(run_id: str) -> bool:
@@ -282,9 +309,6 @@ def _run_partition(
         return record is not None and record.is_finished
 
     label = context.asset_key.to_user_string() + (f" {partition}" if partition else "")
-    imported = None
-    if config.global_resume and config.resume:
-        imported = _global_rows(io_manager, store, context.asset_key, job)
     return runner.run(
         fn,
         inputs,

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import dagster as dg
+import numpy as np
 import polars as pl
 
 from checkpoint_assets.engine.checkpoint import ERROR
@@ -20,7 +21,7 @@ from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.hashing import shard_of
 from checkpoint_assets.integration.asset import SOURCE_KEY, _to_polars
 from checkpoint_assets.integration.io_manager import ID_COLUMN_KEY
-from checkpoint_assets.integration.partitions import Shard, parse_shard
+from checkpoint_assets.integration.partitions import parse_shard
 
 SAMPLE = 5
 _ERROR_CHARS = 200
@@ -172,12 +173,9 @@ def _input_ids(source: Any, id_column: str, keys: Sequence[str]) -> pl.Series:
     shards = [parse_shard(k) for k in keys]
     if not shards or any(s is None for s in shards):
         return ids  # unpartitioned, or partitions of another kind: the source is the input
-    return ids.filter(pl.Series(_in_shards(ids, [s for s in shards if s is not None])))
-
-
-def _in_shards(ids: pl.Series, shards: Sequence[Shard]) -> Any:
-    count = shards[0].count
-    return pl.Series(shard_of(ids, count)).is_in([s.index for s in shards]).to_numpy()
+    count = shards[0].count  # type: ignore[union-attr]
+    indexes = [s.index for s in shards if s is not None]
+    return ids.filter(pl.Series(np.isin(shard_of(ids, count), indexes)))
 
 
 def _sample(rows: pl.DataFrame, id_column: str) -> str:

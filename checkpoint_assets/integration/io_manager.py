@@ -201,8 +201,7 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
                 f"{f' partition {partition}' if partition else ''} at {checkpoint.url}. "
                 "Materialize it first; a run with `checkpointing: false` stores nothing to load."
             )
-        outputs = list(meta.output_schema or {})
-        return checkpoint.read_result(id_column, outputs)
+        return checkpoint.read_result(id_column, list(meta.output_schema or {}), meta=meta)
 
 
 def checkpoint_io_manager(
