@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import posixpath
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -21,11 +22,11 @@ from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine.checkpoint import CURRENT, ERROR, Checkpoint
-from checkpoint_assets.engine.errors import CheckpointError
+from checkpoint_assets.engine.checkpoint import CURRENT, ERROR, Checkpoint, resolve
+from checkpoint_assets.engine.errors import CheckpointError, LockHeldError
 from checkpoint_assets.engine.lock import Lease
 from checkpoint_assets.engine.reconcile import checkpoint_names
-from checkpoint_assets.engine.storage import Store, open_store
+from checkpoint_assets.engine.storage import FileInfo, Store, open_store
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -101,6 +102,13 @@ def _names(store: Store, args: argparse.Namespace) -> list[str]:
     return names
 
 
+def _no_meta(store: Store, name: str) -> str:
+    return (
+        f"No checkpoint {name!r} under {store.url} (no meta file). "
+        f"`checkpoint-assets status {store.url}` lists the checkpoints there."
+    )
+
+
 def _when(ts: float | None) -> str:
     if not ts:
         return "-"
@@ -125,15 +133,20 @@ def _split(name: str) -> tuple[str, str, str]:
 
 # -- commands ---------------------------------------------------------------------------------
 def status(store: Store, args: argparse.Namespace) -> int:
+    listing = store.list_recursive(store.root)  # one listing for every checkpoint's files
+    names = [args.name] if getattr(args, "name", None) else _names_in(store, listing)
     rows = []
-    for name in _names(store, args):
+    for name in names:
         checkpoint = Checkpoint(store, name)
-        meta = checkpoint.read_meta()
-        files = list(checkpoint.files())
-        parts, _ = checkpoint.list_parts()
-        holder = Lease(store, checkpoint.lock_path).read()
+        files = [f for f in listing if _belongs(f.path, checkpoint)]
+        try:
+            meta = checkpoint.read_meta()
+            counts: dict[str, Any] = dict(meta.rows) if meta else {}
+        except CheckpointError:
+            counts = {"ok": "unreadable meta", "failed": "-"}  # `verify` says more
+        locked = any(f.path == checkpoint.lock_path for f in files)
+        holder = Lease(store, checkpoint.lock_path).read() if locked else None
         asset, tag, partition = _split(name)
-        counts = meta.rows if meta else {}
         rows.append(
             {
                 "asset": asset,
@@ -141,7 +154,7 @@ def status(store: Store, args: argparse.Namespace) -> int:
                 "partition": partition,
                 "rows ok": counts.get("ok", "-"),
                 "rows failed": counts.get("failed", "-"),
-                "parts": len(parts),
+                "parts": len(checkpoint.list_parts(files)[0]),
                 "size": _size(sum(f.size for f in files)),
                 "last write": _when(max((f.mtime or 0 for f in files), default=0)),
                 "lock": holder.describe() if holder else "-",
@@ -149,14 +162,30 @@ def status(store: Store, args: argparse.Namespace) -> int:
         )
     if rows:
         _print_table(rows)
+    elif not names:
+        print(f"No checkpoints under {store.url}.", file=sys.stderr)
     return 0
+
+
+def _names_in(store: Store, listing: Sequence[FileInfo]) -> list[str]:
+    suffix = ".parquet.meta.json"
+    return sorted(
+        posixpath.relpath(f.path, store.root)[: -len(suffix)]
+        for f in listing
+        if f.path.endswith(suffix)
+    )
+
+
+def _belongs(path: str, checkpoint: Checkpoint) -> bool:
+    """Is ``path`` one of the checkpoint's files (merged, meta, lock, parts)?"""
+    return path == checkpoint.merged_path or path.startswith(checkpoint.merged_path + ".")
 
 
 def inspect(store: Store, args: argparse.Namespace) -> int:
     checkpoint = Checkpoint(store, args.name)
     meta = checkpoint.read_meta()
     if meta is None:
-        raise CheckpointError(f"No checkpoint {args.name!r} under {store.url} (no meta file).")
+        raise CheckpointError(_no_meta(store, args.name))
     stored = checkpoint.load(meta.id_column, meta.base_seq)
     rows = stored.rows
     current = rows.filter(pl.col(CURRENT).fill_null(True)) if CURRENT in rows.columns else rows
@@ -203,32 +232,34 @@ def _problems(checkpoint: Checkpoint) -> list[str]:
     except CheckpointError as e:
         return [str(e)]
     if meta is None:
-        return ["no meta file"]
-    found = []
-    merged_rows = None
+        return [_no_meta(checkpoint.store, checkpoint.name)]
+    found: list[str] = []
+    outputs = list(meta.output_schema or {})
+    files: list[tuple[str, pl.DataFrame]] = []
+    watermark = 0
     try:
-        merged_rows, _ = checkpoint.read_merged()
+        merged, watermark = checkpoint.read_merged()
+        if merged is not None:
+            files.append((checkpoint.merged_path, merged))
     except CheckpointError as e:
         found.append(str(e))
-    parts, _ = checkpoint.list_parts()
-    frames = [merged_rows] if merged_rows is not None else []
-    for part in parts:
+    for part in checkpoint.list_parts()[0]:
+        if part.last <= watermark:
+            continue  # merged already; the next writer deletes it
         try:
-            frames.append(checkpoint._read_parquet(part.path))
+            files.append((part.path, checkpoint.read_file(part.path)))
         except CheckpointError as e:
             found.append(str(e))
-    for frame in frames:
-        if meta.id_column not in frame.columns:
-            found.append(f"a file has no id column {meta.id_column!r}")
-        elif frame.get_column(meta.id_column).n_unique() != frame.height:
-            found.append("a file holds duplicate ids")
-        missing = [c for c in (meta.output_schema or {}) if c not in frame.columns]
-        ok = frame.filter(pl.col(ERROR).is_null()).height if ERROR in frame.columns else 0
-        if missing and ok:
-            found.append(f"a file lacks the output columns {missing} named in the meta")
-    if not found:
+    frames = []
+    for path, frame in files:
         try:
-            checkpoint.load(meta.id_column, meta.base_seq)
+            checkpoint.check_file(frame, meta.id_column, path, outputs)
+            frames.append(frame)
+        except CheckpointError as e:
+            found.append(str(e))
+    if frames and not found:
+        try:
+            resolve(frames, meta.id_column)  # the files agree on their columns and types
         except CheckpointError as e:
             found.append(str(e))
     return found
@@ -236,21 +267,28 @@ def _problems(checkpoint: Checkpoint) -> list[str]:
 
 def compact(store: Store, args: argparse.Namespace) -> int:
     names = _names(store, args)
+    skipped = 0
     for i, name in enumerate(names, 1):
         checkpoint = Checkpoint(store, name)
         meta = checkpoint.read_meta()
         if meta is None:
             print(f"[{i}/{len(names)}] {name}: no meta file, skipped", file=sys.stderr)
+            skipped += 1
             continue
-        parts, _ = checkpoint.list_parts()
         lease = Lease(store, checkpoint.lock_path)
-        lease.acquire()
         try:
-            checkpoint.finalize(meta.id_column, None, meta.base_seq)
+            lease.acquire()
+        except LockHeldError as e:
+            print(f"[{i}/{len(names)}] {name}: skipped: {e}", file=sys.stderr)
+            skipped += 1
+            continue
+        try:
+            stored = checkpoint.load(meta.id_column, meta.base_seq)
+            checkpoint.finalize(meta.id_column, None, meta.base_seq, known=stored)
         finally:
             lease.release()
-        print(f"[{i}/{len(names)}] {name}: merged {len(parts)} part(s)", file=sys.stderr)
-    return 0
+        print(f"[{i}/{len(names)}] {name}: merged {len(stored.parts)} part(s)", file=sys.stderr)
+    return 1 if skipped else 0
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:

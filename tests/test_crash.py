@@ -84,7 +84,7 @@ def _stored(storage: Storage, name: str = "routed/default/all") -> pl.DataFrame:
     frames = [] if merged is None else [merged]
     for part in checkpoint.list_parts()[0]:
         if part.last > watermark:
-            frames.append(checkpoint._read_parquet(part.path))
+            frames.append(checkpoint.read_file(part.path))
     return pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
 
 

@@ -28,10 +28,12 @@ import polars as pl
 import pytest
 import s3fs
 from dagster_aws.s3 import S3Resource
-from helpers.jobs import ASSET, Storage, build_job, route, stats, tickets
+from helpers.jobs import ASSET, Storage, build_job, parts_by_partition, route, stats, tickets
 
 from checkpoint_assets import CheckpointError, CheckpointIOManager, StorageError
-from checkpoint_assets.engine import Checkpoint, open_store
+from checkpoint_assets.cli import main as cli
+from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare
+from checkpoint_assets.engine import run as run_engine
 
 TESTS = Path(__file__).parent
 NewStorage = Callable[[], Storage]
@@ -100,7 +102,7 @@ def test_a_sigkilled_run_resumes_on_s3_from_what_it_flushed(new_s3_storage: NewS
 
 def test_finalize_on_s3_leaves_the_merged_file_and_meta_only(new_s3_storage: NewStorage) -> None:
     storage = new_s3_storage()
-    job = build_job(storage, tickets(100), min_flush_seconds=0)  # 25 flushes, compacted
+    job = build_job(storage, tickets(100), min_flush_seconds=0)  # 24 parts, then finalize
 
     job.materialize()
 
@@ -141,7 +143,8 @@ def test_reported_storage_requests_are_what_the_server_served(
     new_s3_storage: NewStorage, moto_s3: Any
 ) -> None:
     storage = new_s3_storage()
-    job = build_job(storage, tickets(200), min_flush_seconds=0)  # 50 parts, compaction, finalize
+    # 60 flushes: 59 parts (compaction merges eight once 56 exist), then finalize.
+    job = build_job(storage, tickets(240), min_flush_seconds=0)
 
     reported = stats(job.materialize())["storage_requests"]
 
@@ -382,3 +385,34 @@ def test_an_unreachable_endpoint_says_so_and_stored_work_survives(
 
     again = stats(job.materialize())
     assert (again["rows_resumed"], again["rows_computed"]) == (20, 0)
+
+
+def test_operator_cli_on_s3_lists_compacts_and_verifies(
+    new_s3_storage: NewStorage, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base_dir, options = new_s3_storage()
+    store = open_store(base_dir, options)
+    settings = Settings(
+        id_column="ticket_id", input_columns=("body",), checkpoint_interval=4, retry_delay_seconds=0
+    )
+    finished = Checkpoint(store, "a/default/0-of-2")
+    run_engine(route, prepare(tickets(12), settings), finished, settings, job={})
+    calls: list[int] = []
+
+    def interrupted(batch: pl.DataFrame) -> pl.DataFrame:
+        calls.append(batch.height)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # the 3 batches done are flushed as parts, then it stops
+        return route(batch)
+
+    checkpoint = Checkpoint(store, "a/default/1-of-2")
+    with pytest.raises(KeyboardInterrupt):
+        run_engine(interrupted, prepare(tickets(32), settings), checkpoint, settings, job={})
+    flags = [f"-o{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in options.items()]
+
+    assert cli(["status", base_dir, *flags]) == 0
+    assert parts_by_partition(capsys.readouterr().out) == {"0-of-2": "0", "1-of-2": "3"}
+    assert cli(["compact", base_dir, *flags]) == 0
+    assert "1-of-2: merged 3 part(s)" in capsys.readouterr().err
+    assert checkpoint.list_parts()[0] == []
+    assert cli(["verify", base_dir, *flags]) == 0

@@ -182,10 +182,20 @@ class Checkpoint:
         self.store.put(self.meta_path, meta.to_json())
 
     # -- reading -------------------------------------------------------------------------
-    def list_parts(self) -> tuple[list[Part], list[Part]]:
-        """(live parts in sequence order, redundant parts that may be deleted)."""
+    def list_parts(
+        self, listing: Iterable[FileInfo] | None = None
+    ) -> tuple[list[Part], list[Part]]:
+        """(live parts in sequence order, redundant parts that may be deleted).
+
+        ``listing``: files already listed (a recursive listing of a folder above this
+        checkpoint); without it the parts folder is listed.
+        """
+        if listing is None:
+            listing = self.store.list(self.parts_dir)
+        else:
+            listing = [f for f in listing if posixpath.dirname(f.path) == self.parts_dir]
         parts: list[Part] = []
-        for info in self.store.list(self.parts_dir):
+        for info in listing:
             match = _PART.match(info.name)
             if match:  # temporary files of an interrupted local write are not parts
                 parts.append(Part(info.path, int(match[1]), int(match[2]), info.size))
@@ -199,7 +209,8 @@ class Checkpoint:
                 live.append(part)
         return live, redundant
 
-    def _read_parquet(self, path: str, data: bytes | None = None) -> pl.DataFrame:
+    def read_file(self, path: str, data: bytes | None = None) -> pl.DataFrame:
+        """One stored Parquet file (``data``, if already fetched); unreadable means corrupt."""
         raw = self.store.get(path) if data is None else data
         try:
             return _read_frame(raw)
@@ -215,7 +226,7 @@ class Checkpoint:
         raw = self.store.get_or_none(self.merged_path)
         if raw is None:
             return None, 0
-        rows = self._read_parquet(self.merged_path, raw)
+        rows = self.read_file(self.merged_path, raw)
         meta = pl.read_parquet_metadata(raw)
         return rows, int(meta.get(_WATERMARK_KEY, "0"))
 
@@ -233,15 +244,15 @@ class Checkpoint:
         frames: list[pl.DataFrame] = []
         use_merged = merged is not None and watermark >= base_seq
         if merged is not None and use_merged:
-            self._check_unique(merged, id_column, self.merged_path, outputs)
+            self.check_file(merged, id_column, self.merged_path, outputs)
             frames.append(_since(merged, base_seq))
         for part in parts:
             if part.last < base_seq:
                 continue
             frame = self._recent.get(part.path)
             if frame is None:
-                frame = self._read_parquet(part.path)
-                self._check_unique(frame, id_column, part.path, outputs)
+                frame = self.read_file(part.path)
+                self.check_file(frame, id_column, part.path, outputs)
             frames.append(_since(frame, base_seq))
         highest = max([watermark, *(p.last for p in parts)])
         # Nothing stored yet (an empty shard, an outage on the first call) still has an id column.
@@ -251,9 +262,11 @@ class Checkpoint:
             rows = pick_winners(rows, id_column)  # the merged file alone was checked just above
         return Stored(rows, watermark, highest + 1, parts, leftover)
 
-    def _check_unique(
+    def check_file(
         self, rows: pl.DataFrame, id_column: str, path: str, outputs: Sequence[str] | None = None
     ) -> None:
+        """Raise ``CorruptCheckpointError`` unless the file at ``path`` (holding ``rows``) has the
+        id column, unique ids and, where it holds successes, the ``outputs``."""
         missing = [c for c in outputs or () if c not in rows.columns]
         if missing and ERROR in rows.columns and rows.get_column(ERROR).is_null().any():
             raise CorruptCheckpointError(
@@ -362,7 +375,7 @@ class Checkpoint:
             frames = [self._recall(p.path) for p in run]
             pairs = zip(frames, run, strict=True)
             rows = _concat(
-                [f if f is not None else self._read_parquet(p.path) for f, p in pairs], id_column
+                [f if f is not None else self.read_file(p.path) for f, p in pairs], id_column
             ).rechunk()  # one chunk: a part made of thousands of tiny ones is slow to use
             merged = self.write_part(pick_winners(rows, id_column), run[0].first, run[-1].last)
             self.store.delete(p.path for p in run)
@@ -444,6 +457,11 @@ class Checkpoint:
             if info.name.startswith(base):
                 yield info
         yield from self.store.list(self.parts_dir)
+
+
+def resolve(frames: list[pl.DataFrame], id_column: str) -> pl.DataFrame:
+    """The stored rows of several files, one winning row per id (see ``pick_winners``)."""
+    return pick_winners(_concat(frames, id_column), id_column)
 
 
 def distinct_count(values: pl.Series) -> int:

@@ -147,3 +147,14 @@ def stats(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
 def run_logs(result: dg.ExecuteInProcessResult, instance: dg.DagsterInstance) -> list[str]:
     """The user-facing log messages of a run (``context.log`` lines)."""
     return [e.user_message for e in instance.all_logs(result.run_id) if e.user_message]
+
+
+def parts_by_partition(table: str) -> dict[str, str]:
+    """partition -> parts, from the table `checkpoint-assets status` prints."""
+    header, *lines = table.strip("\n").splitlines()
+    column = {name: header.index(name) for name in ("partition", "rows ok", "parts", "size")}
+
+    def cell(line: str, name: str, end: str) -> str:
+        return line[column[name] : column[end]].strip()
+
+    return {cell(line, "partition", "rows ok"): cell(line, "parts", "size") for line in lines}
