@@ -6,28 +6,12 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
-import polars as pl
 import pytest
-from helpers.jobs import Job, Storage, build_job, tickets
+from helpers.jobs import Job, Storage, build_job, ids_in_shard, poisoned, tickets
 
 from checkpoint_assets import CheckpointError, checkpoint_checks, shard_partitions
-from checkpoint_assets.engine.hashing import shard_of
 
 SHARDS = shard_partitions(2)
-
-
-def shard_ids(df: pl.DataFrame, shard: int) -> list[int]:
-    mask = shard_of(df.get_column("ticket_id"), 2) == shard
-    return df.filter(pl.Series(mask)).get_column("ticket_id").to_list()
-
-
-def poisoned(ids: set[int]) -> Any:
-    def fn(batch: pl.DataFrame) -> pl.DataFrame:
-        if ids.intersection(batch.get_column("ticket_id").to_list()):
-            raise ValueError("model refused the ticket")
-        return batch.select("ticket_id", route=pl.col("body"))
-
-    return fn
 
 
 def run_with_checks(job: Job, partition: str, **config: Any) -> dict[str, dg.AssetCheckEvaluation]:
@@ -48,16 +32,20 @@ def values(evaluation: dg.AssetCheckEvaluation) -> dict[str, Any]:
 
 def test_checks_report_failed_rows_and_missing_ids_per_shard(storage: Storage) -> None:
     df = tickets(60)
-    bad = shard_ids(df, 1)[:2]
+    bad = ids_in_shard(df, 1, 2)[:2]
     poison = set(bad)
     job = build_job(
-        storage, df, fn=poisoned(poison), partitions_def=SHARDS, max_failed_fraction=0.5
+        storage,
+        df,
+        fn=poisoned(poison, "model refused the ticket"),
+        partitions_def=SHARDS,
+        max_failed_fraction=0.5,
     )
 
     clean = run_with_checks(job, "0-of-2")
     assert clean["completeness"].passed and clean["failed_rows"].passed
-    assert values(clean["completeness"])["rows_expected"] == len(shard_ids(df, 0))
-    assert values(clean["completeness"])["rows_ok"] == len(shard_ids(df, 0))
+    assert values(clean["completeness"])["rows_expected"] == len(ids_in_shard(df, 0, 2))
+    assert values(clean["completeness"])["rows_ok"] == len(ids_in_shard(df, 0, 2))
 
     dirty = run_with_checks(job, "1-of-2")
     completeness, failed = dirty["completeness"], dirty["failed_rows"]
@@ -84,7 +72,7 @@ def test_completeness_fails_when_input_ids_were_never_computed(storage: Storage)
 
     completeness = limited["completeness"]
     assert not completeness.passed and completeness.severity == dg.AssetCheckSeverity.ERROR
-    assert values(completeness)["rows_missing"] == len(shard_ids(df, 0)) - 5
+    assert values(completeness)["rows_missing"] == len(ids_in_shard(df, 0, 2)) - 5
     assert values(completeness)["rows_ok"] == 5
     assert limited["failed_rows"].passed
 

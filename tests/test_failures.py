@@ -14,11 +14,10 @@ from typing import Any
 import dagster as dg
 import polars as pl
 import pytest
-from helpers.jobs import Job, Storage, build_job, stats, tickets
+from helpers.jobs import Job, Storage, build_job, ids_in_shard, poisoned, stats, tickets
 
 from checkpoint_assets import CheckpointError, checkpointed_asset, shard_partitions
 from checkpoint_assets.engine.calls import outage_threshold
-from checkpoint_assets.engine.hashing import shard_of
 
 POISON = 777
 
@@ -44,18 +43,6 @@ def output(result: dg.ExecuteInProcessResult) -> pl.DataFrame:
 def stored(job: Job, partition: str | None = None) -> pl.DataFrame:
     """Every row the checkpoint holds (merged file and parts), with bookkeeping columns."""
     return job.checkpoint(partition).load("ticket_id").rows
-
-
-def poisoned(ids: set[int]) -> Any:
-    """A function that raises on any batch holding one of ``ids``."""
-
-    def fn(batch: pl.DataFrame) -> pl.DataFrame:
-        bad = ids.intersection(batch.get_column("ticket_id").to_list())
-        if bad:
-            raise ValueError(f"cannot route ticket(s) {sorted(bad)}")
-        return batch.select("ticket_id", route=pl.col("body").str.to_uppercase())
-
-    return fn
 
 
 def test_one_poison_row_among_2000_fails_alone_and_a_second_run_computes_only_it(
@@ -176,18 +163,12 @@ def test_transient_errors_succeed_on_retry(storage: Storage) -> None:
     assert stored(job).get_column("_attempts").unique().to_list() == [2]
 
 
-def _shard_zero(n: int) -> tuple[pl.DataFrame, list[int]]:
-    df = tickets(n)
-    mask = shard_of(df.get_column("ticket_id"), 2) == 0
-    ids = df.filter(pl.Series(mask)).get_column("ticket_id").to_list()
-    return df, ids
-
-
 @pytest.mark.parametrize("over", [True, False], ids=["above", "at"])
 def test_max_failed_fraction_fails_the_partition_above_it_and_reports_rows_failed_at_it(
     storage: Storage, over: bool
 ) -> None:
-    df, shard_ids = _shard_zero(200)
+    df = tickets(200)
+    shard_ids = ids_in_shard(df, 0, 2)
     bad = set(shard_ids[:2])
     fraction = len(bad) / len(shard_ids)
     job = build_job(

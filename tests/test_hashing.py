@@ -57,14 +57,16 @@ def test_job_fingerprint_is_pinned_and_ignores_key_order() -> None:
     assert hashing.job_fingerprint({"a": [2, 1], "b": 1}) != "c4ddabf5f13ea38eef439402970f7ee9"
 
 
-def test_a_changed_column_value_changes_the_row_hash_and_a_swap_of_columns_too() -> None:
+def test_a_changed_value_a_swap_of_columns_and_null_against_text_change_the_row_hash() -> None:
     df = pl.DataFrame({"id": [1], "x": ["p"], "y": ["q"]})
+    changed = pl.DataFrame({"id": [1], "x": ["p!"], "y": ["q"]})
     swapped = pl.DataFrame({"id": [1], "x": ["q"], "y": ["p"]})
     null_vs_text = pl.DataFrame({"id": [1], "x": [None], "y": ["q"]}, schema=df.schema)
     text_null = pl.DataFrame({"id": [1], "x": ["null"], "y": ["q"]})
 
     base = hashing.row_hashes(df, ["id", "x", "y"])[0]
 
+    assert hashing.row_hashes(changed, ["id", "x", "y"])[0] != base
     assert hashing.row_hashes(swapped, ["id", "x", "y"])[0] != base
     assert (
         hashing.row_hashes(null_vs_text, ["id", "x", "y"])[0]

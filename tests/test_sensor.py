@@ -18,15 +18,12 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import dagster as dg
-import polars as pl
 import pytest
-from helpers.jobs import Job, Storage, build_job, tickets
+from helpers.jobs import Job, Storage, build_job, ids_in_shard, poisoned, tickets
 
 from checkpoint_assets import CheckpointIOManager, failed_partitions_sensor, shard_partitions
-from checkpoint_assets.engine.hashing import shard_of
 from checkpoint_assets.integration.sensor import (
     RETRY_ATTEMPT_TAG,
     RETRY_OF_TAG,
@@ -43,21 +40,6 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def instance() -> Iterator[dg.DagsterInstance]:
     yield dg.DagsterInstance.ephemeral()
-
-
-def ids_in_shard(df: pl.DataFrame, shard: int, n: int = 4) -> list[int]:
-    mask = shard_of(df.get_column("ticket_id"), n) == shard
-    return df.filter(pl.Series(mask)).get_column("ticket_id").to_list()
-
-
-def poisoned(ids: set[int]) -> Any:
-    def fn(batch: pl.DataFrame) -> pl.DataFrame:
-        bad = ids.intersection(batch.get_column("ticket_id").to_list())
-        if bad:
-            raise ValueError(f"cannot route ticket(s) {sorted(bad)}")
-        return batch.select("ticket_id", route=pl.col("body"))
-
-    return fn
 
 
 class Ticker:
@@ -98,7 +80,7 @@ def test_sensor_requests_each_failed_partition_max_retries_times_then_gives_up(
     storage: Storage, instance: dg.DagsterInstance
 ) -> None:
     df = tickets(80)
-    in_one, in_three = ids_in_shard(df, 1), ids_in_shard(df, 3)
+    in_one, in_three = ids_in_shard(df, 1, 4), ids_in_shard(df, 3, 4)
     poison = {in_one[0], in_three[0]}
     job = build_job(storage, df, fn=poisoned(poison), partitions_def=SHARDS, instance=instance)
     for key in KEYS:
@@ -142,7 +124,7 @@ def test_partitions_with_failed_rows_are_retried_while_retry_failed_is_on(
     storage: Storage, instance: dg.DagsterInstance, retry_failed: bool
 ) -> None:
     df = tickets(80)
-    bad = ids_in_shard(df, 2)[0]
+    bad = ids_in_shard(df, 2, 4)[0]
     poison = {bad}
     job = build_job(
         storage,
@@ -177,7 +159,7 @@ def test_a_retry_waits_for_its_backoff(storage: Storage, instance: dg.DagsterIns
     job = build_job(
         storage,
         df,
-        fn=poisoned({ids_in_shard(df, 0)[0]}),
+        fn=poisoned({ids_in_shard(df, 0, 4)[0]}),
         partitions_def=SHARDS,
         instance=instance,
     )
@@ -196,7 +178,7 @@ def test_failed_ranged_backfill_runs_are_retried_one_partition_each(
     storage: Storage, instance: dg.DagsterInstance
 ) -> None:
     df = tickets(80)
-    poison = {ids_in_shard(df, 1)[0]}
+    poison = {ids_in_shard(df, 1, 4)[0]}
     job = build_job(
         storage,
         df,

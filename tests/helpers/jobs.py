@@ -16,6 +16,7 @@ import polars as pl
 
 from checkpoint_assets import CheckpointIOManager, checkpointed_asset
 from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.hashing import shard_of
 from checkpoint_assets.engine.storage import Store, open_store
 
 Storage = tuple[str, dict[str, Any]]
@@ -33,6 +34,27 @@ def tickets(n: int, *, start: int = 0) -> pl.DataFrame:
 def route(batch: pl.DataFrame) -> pl.DataFrame:
     """The default function: an output derived from the input, so a changed input shows."""
     return batch.select("ticket_id", route=pl.col("body").str.to_uppercase())
+
+
+def poisoned(ids: set[int], error: str | None = None) -> Callable[[pl.DataFrame], pl.DataFrame]:
+    """``route``, raising on any batch that holds one of ``ids`` (the caller may change the set).
+
+    The error names the ids, unless ``error`` gives one message for all.
+    """
+
+    def fn(batch: pl.DataFrame) -> pl.DataFrame:
+        bad = ids.intersection(batch.get_column("ticket_id").to_list())
+        if bad:
+            raise ValueError(error or f"cannot route ticket(s) {sorted(bad)}")
+        return route(batch)
+
+    return fn
+
+
+def ids_in_shard(df: pl.DataFrame, shard: int, count: int) -> list[int]:
+    """The ticket ids of ``df`` that shard ``shard`` of ``count`` processes."""
+    mask = shard_of(df.get_column("ticket_id"), count) == shard
+    return df.filter(pl.Series(mask)).get_column("ticket_id").to_list()
 
 
 @dataclass
