@@ -108,15 +108,15 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
 
     def store(self) -> Store:
         options = resolve_env(self.storage_options)
+        root = self.root()
         if self.s3_resource is not None:
-            root = self.root()
             if fsspec.core.split_protocol(root)[0] not in ("s3", "s3a"):
                 raise CheckpointError(
                     f"CheckpointIOManager got an s3_resource, but base_dir {root!r} is not an "
                     "s3:// URI. Point base_dir at s3://bucket/prefix, or drop s3_resource."
                 )
             options = merge_options(_s3_resource_options(self.s3_resource), options)
-        return open_store(self.root(), options)
+        return open_store(root, options)
 
     def checkpoint(
         self,

@@ -167,7 +167,8 @@ def failed_partitions_sensor(
             state.partial.clear()
         failures = _failures(instance, key, partitions_def, statuses, state)
         busy = {p for p, s in statuses.items() if s == dg.AssetPartitionStatus.IN_PROGRESS}
-        decision = _decide(state, failures, busy, time.time(), max_retries, backoff_seconds)
+        now = time.time()
+        decision = _decide(state, failures, busy, now, max_retries, backoff_seconds)
         for partition in decision.reset:
             context.log.info(f"{label} {_show(partition)} succeeded: its retry budget is reset.")
         for partition in decision.newly_gave_up:
@@ -192,7 +193,7 @@ def failed_partitions_sensor(
         if requests:
             return dg.SensorResult(run_requests=requests, cursor=state.to_json())
         return dg.SensorResult(
-            skip_reason=_skip_reason(label, decision, max_retries), cursor=state.to_json()
+            skip_reason=_skip_reason(label, decision, max_retries, now), cursor=state.to_json()
         )
 
     return sensor
@@ -411,7 +412,7 @@ def _decide(
     return decision
 
 
-def _skip_reason(label: str, decision: Decision, max_retries: int) -> str:
+def _skip_reason(label: str, decision: Decision, max_retries: int, now: float) -> str:
     parts: list[str] = []
     if decision.gave_up:
         parts.append(
@@ -423,7 +424,7 @@ def _skip_reason(label: str, decision: Decision, max_retries: int) -> str:
         soonest = min(decision.waiting.values())
         parts.append(
             f"{len(decision.waiting)} failed partition(s) of {label} wait for their backoff; "
-            f"the next retry is due in {max(soonest - time.time(), 0):.0f} s."
+            f"the next retry is due in {max(soonest - now, 0):.0f} s."
         )
     return " ".join(parts) or f"No failed partitions of {label} to retry."
 
