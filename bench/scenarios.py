@@ -25,7 +25,9 @@ from bench import data
 from bench.report import Result
 from checkpoint_assets import CheckpointIOManager, checkpointed_asset
 from checkpoint_assets.engine import hashing, runner
-from checkpoint_assets.engine.checkpoint import CURRENT, SEQ, Checkpoint, Part
+from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.compaction import Part
+from checkpoint_assets.engine.rows import CURRENT, SEQ
 from checkpoint_assets.engine.storage import open_store
 
 GIB = 1024**3
@@ -345,7 +347,7 @@ def compaction(sizes: Sizes, workdir: str) -> Result:
     baseline = Checkpoint(store, "one-part-per-flush")
     flushes = _write_parts_directly(baseline, checkpoint, sizes.compaction_interval)
     baseline_read = _timed(lambda: Checkpoint(store, baseline.name).load(data.ID))
-    _remove_tree(baseline.parts_dir)
+    _remove_tree(baseline.files.parts)
 
     result.add("flushes", stats.flushes)
     result.add("max parts during the run", checkpoint.max_parts)
@@ -370,12 +372,12 @@ def _write_parts_directly(target: Checkpoint, source: Checkpoint, interval: int)
     rows = source.read_merged()[0]
     assert rows is not None
     rows = rows.drop(CURRENT)
-    os.makedirs(target.parts_dir, exist_ok=True)
+    os.makedirs(target.files.parts, exist_ok=True)
     count = 0
     for seq, start in enumerate(range(0, rows.height, interval), start=1):
         name = f"part-{seq:012d}-{seq:012d}-{uuid.uuid4().hex[:12]}.parquet"
         part = rows.slice(start, interval).with_columns(pl.lit(seq, pl.Int64).alias(SEQ))
-        part.write_parquet(os.path.join(target.parts_dir, name), compression="zstd")
+        part.write_parquet(os.path.join(target.files.parts, name), compression="zstd")
         count += 1
     return count
 

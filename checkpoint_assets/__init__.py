@@ -12,10 +12,12 @@ from checkpoint_assets.engine.errors import (
     InvalidIdsError,
     JobMismatchError,
     LockHeldError,
+    MissingColumnsError,
     OutageError,
     StorageError,
     TooManyFailuresError,
 )
+from checkpoint_assets.engine.settings import OnInputChange
 from checkpoint_assets.integration.asset import CheckpointRunConfig, checkpointed_asset
 from checkpoint_assets.integration.checks import checkpoint_checks
 from checkpoint_assets.integration.global_resume import global_resume_asset
@@ -32,6 +34,8 @@ __all__ = [
     "InvalidIdsError",
     "JobMismatchError",
     "LockHeldError",
+    "MissingColumnsError",
+    "OnInputChange",
     "OutageError",
     "StorageError",
     "TooManyFailuresError",

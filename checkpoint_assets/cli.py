@@ -22,10 +22,11 @@ from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine.checkpoint import CURRENT, ERROR, Checkpoint, resolve
+from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError, LockHeldError
+from checkpoint_assets.engine.global_resume import checkpoint_names
 from checkpoint_assets.engine.lock import Lease
-from checkpoint_assets.engine.reconcile import checkpoint_names
+from checkpoint_assets.engine.rows import CURRENT, ERROR, resolve
 from checkpoint_assets.engine.storage import FileInfo, Store, open_store
 
 
@@ -144,8 +145,8 @@ def status(store: Store, args: argparse.Namespace) -> int:
             counts: dict[str, Any] = dict(meta.rows) if meta else {}
         except CheckpointError:
             counts = {"ok": "unreadable meta", "failed": "-"}  # `verify` says more
-        locked = any(f.path == checkpoint.lock_path for f in files)
-        holder = Lease(store, checkpoint.lock_path).read() if locked else None
+        locked = any(f.path == checkpoint.files.lock for f in files)
+        holder = Lease(store, checkpoint.files.lock).read() if locked else None
         asset, tag, partition = _split(name)
         rows.append(
             {
@@ -178,7 +179,7 @@ def _names_in(store: Store, listing: Sequence[FileInfo]) -> list[str]:
 
 def _belongs(path: str, checkpoint: Checkpoint) -> bool:
     """Is ``path`` one of the checkpoint's files (merged, meta, lock, parts)?"""
-    return path == checkpoint.merged_path or path.startswith(checkpoint.merged_path + ".")
+    return path == checkpoint.files.merged or path.startswith(checkpoint.files.merged + ".")
 
 
 def inspect(store: Store, args: argparse.Namespace) -> int:
@@ -191,7 +192,7 @@ def inspect(store: Store, args: argparse.Namespace) -> int:
     current = rows.filter(pl.col(CURRENT).fill_null(True)) if CURRENT in rows.columns else rows
     print(f"checkpoint   {checkpoint.url}")
     print(f"job          {meta.job_fingerprint}  {json.dumps(meta.job, sort_keys=True)}")
-    print(f"scheme       {json.dumps(meta.scheme)}")
+    print(f"scheme       {meta.scheme.label if meta.scheme else '-'}")
     print(f"id column    {meta.id_column} ({meta.id_dtype})")
     print(f"outputs      {json.dumps(meta.output_schema)}")
     print(f"input        {meta.input_fingerprint or '-'}")
@@ -240,7 +241,7 @@ def _problems(checkpoint: Checkpoint) -> list[str]:
     try:
         merged, watermark = checkpoint.read_merged()
         if merged is not None:
-            files.append((checkpoint.merged_path, merged))
+            files.append((checkpoint.files.merged, merged))
     except CheckpointError as e:
         found.append(str(e))
     for part in checkpoint.list_parts()[0]:
@@ -259,7 +260,9 @@ def _problems(checkpoint: Checkpoint) -> list[str]:
             found.append(str(e))
     if frames and not found:
         try:
-            resolve(frames, meta.id_column)  # the files agree on their columns and types
+            resolve(
+                frames, meta.id_column, checkpoint.url
+            )  # the files agree on their columns and types
         except CheckpointError as e:
             found.append(str(e))
     return found
@@ -275,7 +278,7 @@ def compact(store: Store, args: argparse.Namespace) -> int:
             print(f"[{i}/{len(names)}] {name}: no meta file, skipped", file=sys.stderr)
             skipped += 1
             continue
-        lease = Lease(store, checkpoint.lock_path)
+        lease = Lease(store, checkpoint.files.lock)
         try:
             lease.acquire()
         except LockHeldError as e:

@@ -1,6 +1,18 @@
-"""The checkpoint engine: storage, fingerprints, resume, locking, compaction. No Dagster here."""
+"""The checkpoint engine: storage, fingerprints, resume, locking, compaction. No Dagster here.
 
-from checkpoint_assets.engine.checkpoint import Checkpoint, Meta
+Where each part lives (ARCHITECTURE.md says more):
+
+- ``storage/``: the five operations on any fsspec filesystem, one file per backend;
+- ``layout.py``: every file name under a checkpoint root; ``scheme.py``: shards and partitions;
+- ``rows.py``, ``parquet.py``, ``meta.py``: what is stored; ``checkpoint.py`` and
+  ``compaction.py``: one checkpoint's files, read, merged and compacted; ``lock.py``: its writer;
+- ``opening.py`` (job check, load, plan; ``resume.py``), ``calls.py`` (the user's function),
+  ``sink.py`` (flushes), ``runner.py`` (the loop): one run;
+- ``global_resume.py``: finished rows across every checkpoint of an asset;
+- ``settings.py``: run settings and their defaults; ``errors.py``: what can go wrong.
+"""
+
+from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -8,11 +20,15 @@ from checkpoint_assets.engine.errors import (
     InvalidIdsError,
     JobMismatchError,
     LockHeldError,
+    MissingColumnsError,
     OutageError,
     StorageError,
     TooManyFailuresError,
 )
-from checkpoint_assets.engine.runner import RunStats, Settings, prepare, run
+from checkpoint_assets.engine.meta import Meta
+from checkpoint_assets.engine.runner import prepare, run
+from checkpoint_assets.engine.scheme import Scheme, Shard
+from checkpoint_assets.engine.settings import OnInputChange, RunStats, Settings
 from checkpoint_assets.engine.storage import Store, open_store
 
 __all__ = [
@@ -24,9 +40,13 @@ __all__ = [
     "JobMismatchError",
     "LockHeldError",
     "Meta",
+    "MissingColumnsError",
+    "OnInputChange",
     "OutageError",
     "RunStats",
+    "Scheme",
     "Settings",
+    "Shard",
     "StorageError",
     "Store",
     "TooManyFailuresError",

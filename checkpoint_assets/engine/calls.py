@@ -26,7 +26,7 @@ from typing import Any
 import polars as pl
 import pyarrow as pa
 
-from checkpoint_assets.engine.checkpoint import ATTEMPTS, BOOKKEEPING, ERROR, INPUT_HASH
+from checkpoint_assets.engine.rows import ATTEMPTS, BOOKKEEPING, ERROR, INPUT_HASH
 
 BatchFn = Callable[[pl.DataFrame], Any]
 _MAX_ERROR_CHARS = 2000

@@ -1,34 +1,127 @@
 """Errors raised by the checkpoint engine.
 
-Every message says what happened and what to do; stored work is never touched by the failing
-operation.
+Each error carries the facts of what happened (ids, paths, fingerprints) as attributes, and a
+``remedy``: what to do, in the engine's terms. The Dagster layer re-words the remedy in Dagster's
+terms (run config keys, ``code_version``) with :meth:`CheckpointError.advise`; the message a user
+reads is always ``what happened`` followed by ``what to do``. The failing operation never touches
+stored work.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+# The likely cause of a checkpoint whose files contradict its job, and what to do, written once.
+SHARED_CHECKPOINT = (
+    "Two different jobs probably share this checkpoint: give each its own checkpoint tag, or "
+    "start over with resume=False."
+)
+
 
 class CheckpointError(Exception):
-    """Base class of every error raised by checkpoint-assets."""
+    """Base class of every error raised by checkpoint-assets: what happened, then what to do."""
+
+    def __init__(self, what: str, remedy: str = "") -> None:
+        super().__init__(what)
+        self.what = what
+        self.remedy = remedy
+
+    def __str__(self) -> str:
+        return f"{self.what} {self.remedy}".strip()
+
+    def advise(self, remedy: str) -> CheckpointError:
+        """Replace the remedy (the Dagster layer words it in Dagster's terms); returns self."""
+        self.remedy = remedy
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Subclasses take facts, not a message: rebuild from the attributes, not from ``args``.
+        return (_restore, (type(self), self.__dict__))
+
+
+def _restore(cls: type[CheckpointError], state: dict[str, Any]) -> CheckpointError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, state.get("what", ""))
+    error.__dict__.update(state)
+    return error
 
 
 class InvalidIdsError(CheckpointError):
     """The id column is missing, has nulls, has duplicates or has an unsupported type."""
 
+    def __init__(self, column: str, problem: str, sample: Sequence[Any] = ()) -> None:
+        self.column = column
+        self.problem = problem
+        self.sample = list(sample)[:5]
+        what = f"The id column {column!r} {problem}"
+        if self.sample:
+            what += f", e.g. {self.sample}"
+        super().__init__(
+            what + ".",
+            "Every row needs a unique integer or string id: fix the source, or choose another "
+            "id column.",
+        )
+
+
+class MissingColumnsError(CheckpointError):
+    """Input columns the job reads are not in the input."""
+
+    def __init__(self, missing: Sequence[str], available: Sequence[str]) -> None:
+        self.missing = list(missing)
+        self.available = list(available)
+        super().__init__(
+            f"The input has no column(s) {self.missing} (it has {self.available}).",
+            "Set input_columns to columns of the source, or add the missing ones to the source.",
+        )
+
 
 class InputChangedError(CheckpointError):
     """Finished rows whose input columns changed since their result was stored."""
+
+    def __init__(self, changed: int, total: int, sample_ids: Sequence[Any]) -> None:
+        self.changed = changed
+        self.total = total
+        self.sample_ids = list(sample_ids)[:5]
+        super().__init__(
+            "Checkpoint input fingerprint does not match current data. "
+            f"{changed} of {total} finished rows changed their input columns since their "
+            f"results were stored (ids {self.sample_ids}...). Results are never joined "
+            "to different inputs.",
+            "Run with on_input_change='recompute' to recompute just the changed rows, "
+            "resume=False to recompute everything, or a new checkpoint tag.",
+        )
 
 
 class JobMismatchError(CheckpointError):
     """The checkpoint was written by a different job (code version, columns or output schema)."""
 
+    REMEDY = (
+        "Use a new checkpoint tag (or code version) for this job, or run with resume=False to "
+        "replace the stored results."
+    )
+
+    def __init__(self, path: str, what: str) -> None:
+        self.path = path
+        super().__init__(what, self.REMEDY)
+
 
 class CorruptCheckpointError(CheckpointError):
     """A stored file is unreadable or violates the checkpoint's invariants."""
 
+    def __init__(self, path: str, problem: str, remedy: str = SHARED_CHECKPOINT) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(f"Checkpoint file {path} {problem}.", remedy)
+
 
 class LockHeldError(CheckpointError):
     """Another live writer holds the checkpoint's lock."""
+
+    def __init__(self, what: str, remedy: str = "") -> None:
+        super().__init__(what, remedy)
+        self.holder: str | None = None  # who holds it, when known
 
 
 class StorageError(CheckpointError):
@@ -38,6 +131,39 @@ class StorageError(CheckpointError):
 class TooManyFailuresError(CheckpointError):
     """More rows failed than the asset tolerates; everything else is checkpointed."""
 
+    def __init__(
+        self, label: str, failed: int, total: int, allowed: float, last_error: str
+    ) -> None:
+        self.failed = failed
+        self.total = total
+        fraction = failed / max(total, 1)
+        super().__init__(
+            f"{label}: {failed:,} of {total:,} rows failed ({fraction:.2%}), more than "
+            f"max_failed_fraction={allowed:.2%}. Every other row is checkpointed "
+            f"(last error: {last_error or 'stored'}).",
+            "The failed rows are computed again on the next run (while retry_failed is on).",
+        )
+
+    @classmethod
+    def of_several(cls, errors: Sequence[TooManyFailuresError]) -> TooManyFailuresError:
+        """One error for several shards of a ranged run (the first, when there is one)."""
+        combined = copy.copy(errors[0])
+        combined.what = " ".join(e.what for e in errors)
+        combined.failed = sum(e.failed for e in errors)
+        combined.total = sum(e.total for e in errors)
+        return combined
+
 
 class OutageError(CheckpointError):
     """Every row of several consecutive batches failed: the endpoint looks down."""
+
+    def __init__(self, label: str, calls: int, last_error: str, done: int) -> None:
+        self.calls = calls
+        self.last_error = last_error
+        self.done = done
+        super().__init__(
+            f"{label}: stopped early after {calls} calls in a row failed (last error: "
+            f"{last_error}). The endpoint looks down or the quota is spent; the {done:,} rows "
+            "done before are checkpointed and the rest were not marked failed.",
+            "Run again when it is back: the run resumes.",
+        )

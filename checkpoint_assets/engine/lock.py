@@ -26,11 +26,10 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
 from checkpoint_assets.engine.errors import LockHeldError
+from checkpoint_assets.engine.settings import DEFAULT_LEASE_SECONDS
 from checkpoint_assets.engine.storage import Store
 
-log = logging.getLogger("checkpoint_assets")
-
-DEFAULT_LEASE_SECONDS = 300.0
+Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
 
 
 @dataclass(frozen=True)
@@ -71,8 +70,10 @@ class Lease:
         run_id: str | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         is_run_finished: Callable[[str], bool] | None = None,
+        logger: Logger | None = None,
     ) -> None:
         self.store = store
+        self.log: Logger = logger or logging.getLogger("checkpoint_assets")
         self.path = path
         self.run_id = run_id
         self.lease_seconds = lease_seconds
@@ -125,12 +126,15 @@ class Lease:
                 continue  # released between our attempt and the read: try again
             reason = self._dead_reason(current)
             if reason is None:
-                raise LockHeldError(
+                error = LockHeldError(
                     f"Checkpoint {self.store.display(self.path)} is being written by another "
-                    f"writer ({current.describe()}). Wait for it to finish, or terminate that "
-                    "run; a lock of a dead holder is taken over automatically."
+                    f"writer ({current.describe()}).",
+                    "Wait for it to finish, or terminate that run; a lock of a dead holder is "
+                    "taken over automatically.",
                 )
-            log.warning(
+                error.holder = current.describe()
+                raise error
+            self.log.warning(
                 "Taking over the checkpoint lock %s from %s: %s.",
                 self.store.display(self.path),
                 current.describe(),
@@ -139,7 +143,8 @@ class Lease:
             self.store.delete([self.path])
         raise LockHeldError(
             f"Could not take the lock {self.store.display(self.path)}: other writers keep "
-            "racing for it. Make sure one run writes each checkpoint."
+            "racing for it.",
+            "Make sure one run writes each checkpoint.",
         )
 
     def renew(self) -> None:
@@ -157,7 +162,7 @@ class Lease:
                 f"{self.lease_seconds:.0f} s lease. It stops without writing anything more; what "
                 "it flushed before is kept. Run it again once the other writer is done: it resumes."
             )
-            log.error("%s", self.lost)
+            self.log.error("%s", self.lost)
             return
         self.holder = self._new_holder(since=self.holder.since)
         self.store.put(self.path, _encode(self.holder))
@@ -188,7 +193,7 @@ class Lease:
                 try:
                     self.renew()
                 except Exception as e:  # a failed renewal must not kill the run
-                    log.warning("Could not renew the checkpoint lock: %s", e)
+                    self.log.warning("Could not renew the checkpoint lock: %s", e)
 
         self._thread = threading.Thread(target=beat, name="checkpoint-lease", daemon=True)
         self._thread.start()

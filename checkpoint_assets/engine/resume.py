@@ -6,49 +6,49 @@ against the input's, so 10**8 finished ids need no Python objects per row.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import Literal
 
 import polars as pl
 
-from checkpoint_assets.engine.checkpoint import ATTEMPTS, ERROR, INPUT_HASH, distinct_count
+from checkpoint_assets.engine import hashing
 from checkpoint_assets.engine.errors import InputChangedError, InvalidIdsError
-
-log = logging.getLogger("checkpoint_assets")
-
-OnInputChange = Literal["fail", "recompute"]
+from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH, distinct_count
+from checkpoint_assets.engine.settings import OnInputChange
 
 
 def validate_ids(df: pl.DataFrame, id_column: str) -> None:
     """Refuse ids that cannot identify rows, before any call of the user's function."""
     if id_column not in df.columns:
-        raise InvalidIdsError(
-            f"The id column {id_column!r} is not in the input (columns: {df.columns}). "
-            "Set id_column to a column that identifies each row."
-        )
+        raise InvalidIdsError(id_column, f"is not in the input (columns: {df.columns})")
     ids = df.get_column(id_column)
     if not (ids.dtype.is_integer() or ids.dtype == pl.String):
         raise InvalidIdsError(
-            f"The id column {id_column!r} has type {ids.dtype}; ids must be integers or "
-            f"strings. Sample values: {ids.head(5).to_list()}. Cast it, or derive a stable "
-            "string id, in the source asset."
+            id_column,
+            f"has type {ids.dtype}; ids must be integers or strings (cast it, or derive a "
+            "stable string id, in the source asset)",
+            ids.head(5).to_list(),
         )
     nulls = ids.null_count()
     if nulls:
         positions = df.with_row_index("__row").filter(pl.col(id_column).is_null())["__row"]
         raise InvalidIdsError(
-            f"The id column {id_column!r} has {nulls} null value(s), at input rows "
-            f"{positions.head(5).to_list()}. Every row needs an id: fill or drop them in the "
-            "source asset."
+            id_column,
+            f"has {nulls} null value(s), at input rows {positions.head(5).to_list()}",
         )
     if distinct_count(ids) != ids.len():
         dupes = ids.filter(ids.is_duplicated()).unique(maintain_order=True)
         raise InvalidIdsError(
-            f"The id column {id_column!r} has {dupes.len()} duplicated value(s), e.g. "
-            f"{dupes.head(5).to_list()}. Ids must be unique: results are stored and resumed "
-            "by id. Deduplicate the source asset, or use a unique id column."
+            id_column,
+            f"has {dupes.len()} duplicated value(s); results are stored and resumed by id",
+            dupes.head(5).to_list(),
         )
+
+
+def canonical_ids(frame: pl.DataFrame, id_column: str) -> pl.DataFrame:
+    """``frame`` with its (validated) ids as stored: integers of any width as Int64."""
+    if frame.schema[id_column].is_integer():
+        return frame.with_columns(pl.col(id_column).cast(pl.Int64))
+    return frame
 
 
 @dataclass
@@ -96,15 +96,9 @@ def plan(
         failed.sum().alias("failed"),
     ).row(0, named=True)
     changed = joined.filter(found & ~same) if counts["changed"] else joined.clear()
-    if changed.height and on_input_change == "fail":
+    if changed.height and on_input_change == OnInputChange.fail:
         sample = changed.get_column(id_column).head(5).to_list()
-        raise InputChangedError(
-            "Checkpoint input fingerprint does not match current data. "
-            f"{changed.height} of {total} finished rows changed their input columns since their "
-            f"results were stored (ids {sample}...). Results are never joined to different "
-            "inputs: run with `on_input_change: recompute` to recompute just the changed rows, "
-            "`resume: false` to recompute everything, or a new `checkpoint_tag`."
-        )
+        raise InputChangedError(changed.height, total, sample)
     resumed = int(counts["done"])
     kept_failed = 0 if retry_failed else int(counts["failed"])
     dropped = stored.height - int(counts["found"])  # ids are unique on both sides
@@ -152,3 +146,34 @@ def _count_dropped(inputs: pl.DataFrame, stored: pl.DataFrame, id_column: str) -
     if stored.height == 0:
         return 0
     return stored.join(inputs.select(id_column), on=id_column, how="anti").height
+
+
+@dataclass
+class Copies:
+    """Rows whose input duplicates an earlier row's (``dedupe``): they take its result."""
+
+    rows: pl.DataFrame  # id, "__rep" (the id computed instead), _input_hash, _attempts
+
+    def of(self, computed: pl.DataFrame, id_column: str) -> pl.DataFrame:
+        """The copies of the ``computed`` rows, with their representative's outputs and error."""
+        values = computed.drop(INPUT_HASH, ATTEMPTS).rename({id_column: "__rep"})
+        return (
+            self.rows.join(values, on="__rep", how="inner")
+            .drop("__rep")
+            .with_columns(pl.col(ATTEMPTS).cast(pl.Int32))
+        )
+
+
+def dedupe(
+    todo: pl.DataFrame, id_column: str, input_columns: list[str]
+) -> tuple[pl.DataFrame, Copies]:
+    """The rows to compute (one per distinct input) and the copies that take their results."""
+    key = hashing.row_hashes(todo, input_columns)
+    keyed = todo.with_columns(pl.Series("__key", key, dtype=pl.UInt64))
+    reps = keyed.unique(subset=["__key"], keep="first", maintain_order=True)
+    copies = (
+        keyed.join(reps.select(pl.col(id_column).alias("__rep"), "__key"), on="__key")
+        .filter(pl.col(id_column) != pl.col("__rep"))
+        .select(id_column, "__rep", INPUT_HASH, ATTEMPTS)
+    )
+    return reps.drop("__key"), Copies(copies)

@@ -4,14 +4,12 @@ No ``from __future__ import annotations`` here: Dagster reads the body's annotat
 """
 
 import dataclasses
-import enum
 import inspect
 import io
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import dagster as dg
-import numpy as np
 import polars as pl
 import pyarrow as pa
 from pydantic import Field
@@ -19,32 +17,18 @@ from pydantic import Field
 from checkpoint_assets.engine import hashing, runner
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError, TooManyFailuresError
-from checkpoint_assets.engine.reconcile import JOB
-from checkpoint_assets.engine.runner import RunStats, Settings
-from checkpoint_assets.engine.storage import ObjectStore, Store
+from checkpoint_assets.engine.global_resume import JOB
+from checkpoint_assets.engine.layout import DEFAULT_TAG
+from checkpoint_assets.engine.scheme import Scheme, ShardIndex, rows_in
+from checkpoint_assets.engine.settings import OnInputChange, RunStats, Settings
+from checkpoint_assets.engine.storage import Store
+from checkpoint_assets.integration import metadata as md
+from checkpoint_assets.integration.advice import advise
 from checkpoint_assets.integration.global_resume import global_resume_key
-from checkpoint_assets.integration.io_manager import (
-    DEFAULT_TAG,
-    ID_COLUMN_KEY,
-    CheckpointIOManager,
-    checkpoint_io_manager,
-)
-from checkpoint_assets.integration.partitions import parse_shard
+from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
 
 SourceSpec = str | dg.AssetKey | dg.AssetsDefinition | Sequence[str]
-# Object stores charge per request: flushes there wait at least this long since the previous one.
-DEFAULT_MIN_FLUSH_SECONDS_OBJECT_STORE = 5.0
 JOB_FORMAT = 1
-# Definition metadata read by the sensor and the asset checks.
-SOURCE_KEY = "checkpoint_assets/source"
-RETRY_FAILED_KEY = "checkpoint_assets/retry_failed"
-
-
-class InputChange(enum.Enum):
-    """What to do with finished rows whose input changed."""
-
-    fail = "fail"
-    recompute = "recompute"
 
 
 class CheckpointRunConfig(dg.Config):
@@ -74,7 +58,7 @@ class CheckpointRunConfig(dg.Config):
     retry_failed: bool | None = Field(
         default=None, description="Compute rows stored as failed again (default: the asset's)."
     )
-    on_input_change: InputChange | None = Field(
+    on_input_change: OnInputChange | None = Field(
         default=None,
         description="fail or recompute finished rows whose input changed (default: the asset's).",
     )
@@ -86,16 +70,16 @@ def checkpointed_asset(
     id_column: str,
     input_columns: Sequence[str] | None = None,
     partitions_def: dg.PartitionsDefinition | None = None,
-    checkpoint_interval: int = 16,
-    flush_seconds: float = 30.0,
-    min_flush_seconds: float | None = None,
-    retry_failed: bool = True,
-    dedupe: bool = False,
-    max_failed_fraction: float = 0.0,
-    on_input_change: Literal["fail", "recompute"] = "fail",
-    max_concurrency: int = 1,
-    max_attempts: int = 3,
-    retry_delay_seconds: float = 1.0,
+    checkpoint_interval: int = Settings.checkpoint_interval,
+    flush_seconds: float = Settings.flush_seconds,
+    min_flush_seconds: float | None = Settings.min_flush_seconds,
+    retry_failed: bool = Settings.retry_failed,
+    dedupe: bool = Settings.dedupe,
+    max_failed_fraction: float = Settings.max_failed_fraction,
+    on_input_change: OnInputChange | Literal["fail", "recompute"] = Settings.on_input_change,
+    max_concurrency: int = Settings.max_concurrency,
+    max_attempts: int = Settings.max_attempts,
+    retry_delay_seconds: float = Settings.retry_delay_seconds,
     name: str | None = None,
     key_prefix: str | Sequence[str] | None = None,
     group_name: str | None = None,
@@ -149,9 +133,9 @@ def checkpointed_asset(
             input_columns=tuple(input_columns or ()),
             checkpoint_interval=checkpoint_interval,
             flush_seconds=flush_seconds,
-            min_flush_seconds=min_flush_seconds or 0.0,
+            min_flush_seconds=min_flush_seconds,
             retry_failed=retry_failed,
-            on_input_change=on_input_change,
+            on_input_change=OnInputChange(on_input_change),
             dedupe=dedupe,
             max_failed_fraction=max_failed_fraction,
             max_concurrency=max_concurrency,
@@ -160,9 +144,9 @@ def checkpointed_asset(
         )
         definition_metadata = {
             **(metadata or {}),
-            ID_COLUMN_KEY: id_column,
-            SOURCE_KEY: source_key.to_user_string(),
-            RETRY_FAILED_KEY: retry_failed,
+            md.ID_COLUMN: id_column,
+            md.SOURCE: source_key.to_user_string(),
+            md.RETRY_FAILED: retry_failed,
         }
 
         def body(
@@ -174,9 +158,9 @@ def checkpointed_asset(
                 if context.has_partition_key_range or context.has_partition_key
                 else [None]
             )
-            table = _to_polars(source)
+            table = to_polars(source)
             store = io_manager.store()
-            settings = _settings(base, config, table, store, min_flush_seconds)
+            settings = _settings(base, config, table)
             job = {
                 "format": JOB_FORMAT,
                 "asset": context.asset_key.to_user_string(),
@@ -187,32 +171,34 @@ def checkpointed_asset(
             imported = None  # read once for every shard of a ranged run
             if config.global_resume and config.resume:
                 imported = _global_rows(io_manager, store, context.asset_key, job)
-            shards = _Shards(table, settings.id_column)
+            index = ShardIndex(table.get_column(id_column)) if id_column in table.columns else None
             frames: list[pl.DataFrame] = []
             stats: list[RunStats] = []
             too_many: list[TooManyFailuresError] = []
             for key in keys:
+                checkpoint = io_manager.checkpoint(
+                    context.asset_key, config.checkpoint_tag, key, store
+                )
+                rows = rows_in(table, id_column, [key], index)
                 try:
                     frame, one = _run_partition(
-                        context,
-                        config,
-                        fn,
-                        settings,
-                        io_manager.checkpoint(context.asset_key, config.checkpoint_tag, key, store),
-                        shards.rows_of(key),
-                        key,
-                        job,
-                        imported,
+                        context, config, fn, settings, checkpoint, rows, key, job, imported
                     )
                 except TooManyFailuresError as e:
                     # A ranged run still finishes its other shards, so their retries are free.
                     too_many.append(e)
                     continue
+                except CheckpointError as e:
+                    raise advise(e) from None
                 frames.append(frame)
                 stats.append(one)
             if too_many:
-                raise TooManyFailuresError(" ".join(str(e) for e in too_many))
-            context.add_output_metadata(_metadata(stats, config))
+                raise advise(TooManyFailuresError.of_several(too_many))
+            context.add_output_metadata(
+                md.materialization(
+                    stats, config.checkpoint_tag or DEFAULT_TAG, config.checkpointing
+                )
+            )
             return frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
 
         body.__doc__ = fn.__doc__
@@ -235,48 +221,17 @@ def checkpointed_asset(
     return decorator
 
 
-def _settings(
-    base: Settings,
-    config: CheckpointRunConfig,
-    source: pl.DataFrame,
-    store: Store,
-    min_flush_seconds: float | None,
-) -> Settings:
+def _settings(base: Settings, config: CheckpointRunConfig, source: pl.DataFrame) -> Settings:
     """The engine settings of this run: the decorator's, with the run config applied."""
-    if min_flush_seconds is None and isinstance(store, ObjectStore):
-        min_flush = DEFAULT_MIN_FLUSH_SECONDS_OBJECT_STORE
-    else:
-        min_flush = base.min_flush_seconds
     return dataclasses.replace(
         base,
         input_columns=base.input_columns or tuple(c for c in source.columns if c != base.id_column),
-        min_flush_seconds=min_flush,
         checkpoint_interval=config.checkpoint_interval or base.checkpoint_interval,
         resume=config.resume,
         checkpointing=config.checkpointing,
         retry_failed=base.retry_failed if config.retry_failed is None else config.retry_failed,
-        on_input_change=(
-            config.on_input_change.value if config.on_input_change else base.on_input_change
-        ),
+        on_input_change=config.on_input_change or base.on_input_change,
     )
-
-
-class _Shards:
-    """The input rows of each partition; ids are hashed once for all shards of a run."""
-
-    def __init__(self, source: pl.DataFrame, id_column: str) -> None:
-        self.source = source
-        self.id_column = id_column
-        self._of: tuple[int, np.ndarray] | None = None  # (shard count, shard of each row)
-
-    def rows_of(self, partition: str | None) -> pl.DataFrame:
-        shard = parse_shard(partition) if partition else None
-        if shard is None or self.id_column not in self.source.columns:
-            return self.source  # missing ids fail in prepare(), with a clear error
-        if self._of is None or self._of[0] != shard.count:
-            ids = self.source.get_column(self.id_column)
-            self._of = (shard.count, hashing.shard_of(ids, shard.count))
-        return self.source.filter(pl.Series(self._of[1] == shard.index))
 
 
 def _run_partition(
@@ -294,14 +249,6 @@ def _run_partition(
     if config.limit is not None:
         source = source.head(config.limit)
     inputs = runner.prepare(source, settings)
-    shard = parse_shard(partition) if partition else None
-    scheme: dict[str, Any]
-    if shard is not None:
-        scheme = {"kind": "shard", "index": shard.index, "count": shard.count}
-    elif partition is not None:
-        scheme = {"kind": "partition", "key": partition}
-    else:
-        scheme = {"kind": "all"}
     instance = context.instance
 
     def is_run_finished(run_id: str) -> bool:
@@ -315,8 +262,8 @@ def _run_partition(
         checkpoint,
         settings,
         job=job,
-        scheme=scheme,
-        run_id=context.run_id,
+        scheme=Scheme.of(partition),
+        run_id=context.run.run_id,
         is_run_finished=is_run_finished,
         logger=context.log,  # type: ignore[arg-type]
         label=label,
@@ -335,45 +282,14 @@ def _global_rows(
     except FileNotFoundError:
         raise CheckpointError(
             f"`global_resume: true` needs the table of {key.to_user_string()} at "
-            f"{store.display(path)}, which does not exist. Add global_resume_asset("
-            f"{asset_key.path[-1]}) to your Definitions and materialize it first."
+            f"{store.display(path)}, which does not exist.",
+            f"Add global_resume_asset({asset_key.path[-1]}) to your Definitions and materialize "
+            "it first.",
         ) from None
     table = pl.read_parquet(io.BytesIO(data))
     if table.height == 0:
         return table
     return table.filter(pl.col(JOB) == hashing.job_fingerprint(job)).drop(JOB)
-
-
-def _metadata(runs: Sequence[RunStats], config: CheckpointRunConfig) -> dict[str, Any]:
-    """Materialization metadata; a ranged run of several shards reports their sums."""
-    counts = (
-        "rows_total",
-        "rows_computed",
-        "rows_resumed",
-        "rows_failed",
-        "rows_reused",
-        "rows_dropped",
-    )
-    out: dict[str, Any] = {k: sum(getattr(r, k) for r in runs) for k in counts}
-    seconds = sum(r.seconds for r in runs)
-    out["rows_per_second"] = round(out["rows_computed"] / seconds, 2) if seconds else 0.0
-    out["input_fingerprint"] = ",".join(r.input_fingerprint for r in runs)
-    out["checkpoint_tag"] = config.checkpoint_tag or DEFAULT_TAG
-    out["checkpointing"] = config.checkpointing
-    paths = [r.checkpoint_path for r in runs if r.checkpoint_path]
-    if paths:
-        out["checkpoint_path"] = dg.MetadataValue.path(
-            paths[0] if len(paths) == 1 else ", ".join(paths)
-        )
-    requests: dict[str, int] = {}
-    for r in runs:
-        for k, v in r.requests.items():
-            requests[k] = requests.get(k, 0) + v
-    out["storage_requests"] = requests
-    out["storage_wait_seconds"] = round(sum(r.storage_wait_seconds for r in runs), 3)
-    out["calls"] = sum(r.calls for r in runs)
-    out["rows_imported"] = sum(r.rows_imported for r in runs)
-    return out
 
 
 def _source_key(source: SourceSpec) -> dg.AssetKey:
@@ -386,7 +302,8 @@ def _source_key(source: SourceSpec) -> dg.AssetKey:
     return dg.AssetKey(list(source))
 
 
-def _to_polars(value: Any) -> pl.DataFrame:
+def to_polars(value: Any) -> pl.DataFrame:
+    """The source asset's value as a polars DataFrame (polars, pyarrow or pandas)."""
     if isinstance(value, pl.DataFrame):
         return value
     if isinstance(value, pl.LazyFrame):
@@ -399,5 +316,6 @@ def _to_polars(value: Any) -> pl.DataFrame:
         return pl.from_pandas(value)
     raise CheckpointError(
         f"The source of a checkpointed asset must be a polars, pyarrow or pandas table; got "
-        f"{type(value).__name__}."
+        f"{type(value).__name__}.",
+        "Return a table from the source asset.",
     )

@@ -13,15 +13,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import dagster as dg
-import numpy as np
 import polars as pl
 
-from checkpoint_assets.engine.checkpoint import ERROR
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.hashing import shard_of
-from checkpoint_assets.integration.asset import SOURCE_KEY, _to_polars
-from checkpoint_assets.integration.io_manager import ID_COLUMN_KEY
-from checkpoint_assets.integration.partitions import parse_shard
+from checkpoint_assets.engine.resume import canonical_ids, validate_ids
+from checkpoint_assets.engine.rows import ERROR
+from checkpoint_assets.engine.scheme import rows_in
+from checkpoint_assets.integration import metadata as md
+from checkpoint_assets.integration.asset import to_polars
 
 SAMPLE = 5
 _ERROR_CHARS = 200
@@ -45,13 +44,14 @@ def checkpoint_checks(asset: dg.AssetsDefinition) -> list[dg.AssetChecksDefiniti
         )
     """
     metadata = asset.metadata_by_key.get(asset.key, {})
-    if ID_COLUMN_KEY not in metadata or SOURCE_KEY not in metadata:
+    if md.ID_COLUMN not in metadata or md.SOURCE not in metadata:
         raise CheckpointError(
             f"checkpoint_checks needs an asset built with @checkpointed_asset; "
-            f"{asset.key.to_user_string()} is not one."
+            f"{asset.key.to_user_string()} is not one.",
+            "Pass the asset that @checkpointed_asset returned.",
         )
-    id_column = str(_plain(metadata[ID_COLUMN_KEY]))
-    source_key = dg.AssetKey.from_user_string(str(_plain(metadata[SOURCE_KEY])))
+    id_column = str(md.plain(metadata[md.ID_COLUMN]))
+    source_key = dg.AssetKey.from_user_string(str(md.plain(metadata[md.SOURCE])))
     partitions_def = asset.partitions_def
     source_in = {"source": dg.AssetIn(key=source_key)}
 
@@ -161,26 +161,13 @@ def _partition_keys(
 
 
 def _input_ids(source: Any, id_column: str, keys: Sequence[str]) -> pl.Series:
-    """The ids the asset's run of these partitions processes (the same shard rule)."""
-    table = _to_polars(source)
-    if id_column not in table.columns:
-        raise CheckpointError(
-            f"The source has no id column {id_column!r} (columns: {table.columns})."
-        )
-    ids = table.get_column(id_column)
-    if ids.dtype.is_integer():
-        ids = ids.cast(pl.Int64)
-    shards = [parse_shard(k) for k in keys]
-    if not shards or any(s is None for s in shards):
-        return ids  # unpartitioned, or partitions of another kind: the source is the input
-    count = shards[0].count  # type: ignore[union-attr]
-    indexes = [s.index for s in shards if s is not None]
-    return ids.filter(pl.Series(np.isin(shard_of(ids, count), indexes)))
+    """The ids the asset's run of these partitions processes: the run's own rule and casts."""
+    table = to_polars(source)
+    partitions: list[str | None] = list(keys) or [None]
+    validate_ids(table, id_column)
+    rows = canonical_ids(rows_in(table, id_column, partitions).select(id_column), id_column)
+    return rows.get_column(id_column)
 
 
 def _sample(rows: pl.DataFrame, id_column: str) -> str:
     return ", ".join(str(i) for i in rows.get_column(id_column).head(SAMPLE).to_list())
-
-
-def _plain(value: Any) -> Any:
-    return value.value if isinstance(value, dg.MetadataValue) else value

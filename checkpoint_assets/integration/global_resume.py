@@ -6,7 +6,6 @@ so it can be materialized before any shard of a new scheme exists. A shard run w
 job) from its table into its own checkpoint and skips them.
 """
 
-import posixpath
 from typing import Any
 
 import dagster as dg
@@ -14,14 +13,10 @@ import polars as pl
 from pydantic import Field
 
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.reconcile import finished_rows
-from checkpoint_assets.integration.io_manager import (
-    DEFAULT_TAG,
-    ID_COLUMN_KEY,
-    checkpoint_io_manager,
-)
-
-GLOBAL_RESUME_OF_KEY = "checkpoint_assets/global_resume_of"
+from checkpoint_assets.engine.global_resume import finished_rows
+from checkpoint_assets.engine.layout import DEFAULT_TAG, asset_folder
+from checkpoint_assets.integration import metadata as md
+from checkpoint_assets.integration.io_manager import checkpoint_io_manager
 
 
 class GlobalResumeConfig(dg.Config):
@@ -51,19 +46,20 @@ def global_resume_asset(
     """
     key = asset.key
     metadata = asset.metadata_by_key.get(key, {})
-    if ID_COLUMN_KEY not in metadata:
+    if md.ID_COLUMN not in metadata:
         raise CheckpointError(
             f"global_resume_asset needs an asset built with @checkpointed_asset; "
-            f"{key.to_user_string()} is not one."
+            f"{key.to_user_string()} is not one.",
+            "Pass the asset that @checkpointed_asset returned.",
         )
-    id_column = str(metadata[ID_COLUMN_KEY])
+    id_column = str(md.plain(metadata[md.ID_COLUMN]))
 
     @dg.asset(
         key=global_resume_key(key),
         deps=[key],
         io_manager_key=io_manager_key,
         group_name=group_name or asset.group_names_by_key.get(key),
-        metadata={GLOBAL_RESUME_OF_KEY: key.to_user_string()},
+        metadata={md.GLOBAL_RESUME_OF: key.to_user_string()},
         description=(
             f"Finished rows of every checkpoint of {key.to_user_string()}, of every shard "
             "scheme on storage, for runs with `global_resume: true`."
@@ -74,7 +70,7 @@ def global_resume_asset(
         context: dg.AssetExecutionContext, config: GlobalResumeConfig
     ) -> pl.DataFrame:
         store = checkpoint_io_manager(context, io_manager_key).store()
-        folder = posixpath.join(*key.path, config.checkpoint_tag or DEFAULT_TAG)
+        folder = asset_folder(key.path, config.checkpoint_tag or DEFAULT_TAG)
         table, found = finished_rows(store, folder, id_column)
         details: dict[str, Any] = {
             "checkpoints": len(found.checkpoints),

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import os
-import posixpath
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,14 +28,11 @@ import pyarrow.parquet as pq
 from dagster_aws.s3 import S3Resource
 from pydantic import Field, PrivateAttr
 
+from checkpoint_assets.engine import layout
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.storage import Store, merge_options, open_store, s3_options
-
-# Definition metadata keys that mark a checkpointed asset.
-ID_COLUMN_KEY = "checkpoint_assets/id_column"
-DEFAULT_TAG = "default"
-UNPARTITIONED = "all"
+from checkpoint_assets.integration import metadata as md
 
 
 def resolve_env(value: Any) -> Any:
@@ -47,7 +43,8 @@ def resolve_env(value: Any) -> Any:
             if name not in os.environ:
                 raise CheckpointError(
                     f"storage_options refers to the environment variable {name!r}, which is "
-                    "not set in the process that runs the asset."
+                    "not set in the process that runs the asset.",
+                    "Set it there, or give the value directly.",
                 )
             return os.environ[name]
         return {k: resolve_env(v) for k, v in value.items()}
@@ -113,7 +110,8 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
             if fsspec.core.split_protocol(root)[0] not in ("s3", "s3a"):
                 raise CheckpointError(
                     f"CheckpointIOManager got an s3_resource, but base_dir {root!r} is not an "
-                    "s3:// URI. Point base_dir at s3://bucket/prefix, or drop s3_resource."
+                    "s3:// URI.",
+                    "Point base_dir at s3://bucket/prefix, or drop s3_resource.",
                 )
             options = merge_options(_s3_resource_options(self.s3_resource), options)
         return open_store(root, options)
@@ -126,12 +124,12 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
         store: Store | None = None,
     ) -> Checkpoint:
         """The checkpoint of one asset partition under one tag."""
-        name = posixpath.join(*asset_key.path, tag or DEFAULT_TAG, partition or UNPARTITIONED)
+        name = layout.checkpoint_name(asset_key.path, tag, partition)
         return Checkpoint(store or self.store(), name)
 
     # -- IOManager -----------------------------------------------------------------------
     def handle_output(self, context: dg.OutputContext, obj: Any) -> None:
-        if ID_COLUMN_KEY in (context.definition_metadata or {}):
+        if md.ID_COLUMN in (context.definition_metadata or {}):
             return  # the asset body wrote and finalized its checkpoint
         if obj is None:
             return
@@ -139,8 +137,8 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
         if table is None:
             raise CheckpointError(
                 f"CheckpointIOManager stores polars and pyarrow tables as Parquet; asset "
-                f"{context.asset_key.to_user_string()} returned {type(obj).__name__}. Return a "
-                "polars DataFrame, or give this asset another io_manager_key."
+                f"{context.asset_key.to_user_string()} returned {type(obj).__name__}.",
+                "Return a polars DataFrame, or give this asset another io_manager_key.",
             )
         store = self.store()
         path = self.output_path(store, context.asset_key, _partition_of(context))
@@ -158,8 +156,8 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
             list(context.asset_partition_keys) if context.has_asset_partitions else [None]
         )
         store = self.store()
-        if ID_COLUMN_KEY in metadata:
-            id_column = str(metadata[ID_COLUMN_KEY])
+        if md.ID_COLUMN in metadata:
+            id_column = str(md.plain(metadata[md.ID_COLUMN]))
             frames = [self._load_checkpoint(context, store, id_column, k) for k in keys]
         else:
             frames = [self._load_output(context, store, k) for k in keys]
@@ -171,9 +169,7 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
     # -- helpers -------------------------------------------------------------------------
     def output_path(self, store: Store, asset_key: dg.AssetKey, partition: str | None) -> str:
         """Where an ordinary (not checkpointed) output of an asset partition is stored."""
-        if partition is None:
-            return store.path(*asset_key.path[:-1], f"{asset_key.path[-1]}.parquet")
-        return store.path(*asset_key.path, f"{partition}.parquet")
+        return store.path(layout.output_name(asset_key.path, partition))
 
     def _load_output(
         self, context: dg.InputContext, store: Store, partition: str | None
@@ -184,8 +180,8 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
         except FileNotFoundError:
             raise CheckpointError(
                 f"No stored output for {context.asset_key.to_user_string()}"
-                f"{f' partition {partition}' if partition else ''} at {store.display(path)}. "
-                "Materialize it first (with the same io_manager base_dir)."
+                f"{f' partition {partition}' if partition else ''} at {store.display(path)}.",
+                "Materialize it first (with the same io_manager base_dir).",
             ) from None
         return pl.read_parquet(io.BytesIO(data))
 
@@ -198,8 +194,8 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
         if meta is None:
             raise CheckpointError(
                 f"No checkpoint for {context.asset_key.to_user_string()}"
-                f"{f' partition {partition}' if partition else ''} at {checkpoint.url}. "
-                "Materialize it first; a run with `checkpointing: false` stores nothing to load."
+                f"{f' partition {partition}' if partition else ''} at {checkpoint.url}.",
+                "Materialize it first; a run with `checkpointing: false` stores nothing to load.",
             )
         return checkpoint.read_result(id_column, list(meta.output_schema or {}), meta=meta)
 
@@ -213,8 +209,9 @@ def checkpoint_io_manager(
         raise CheckpointError(
             f"Asset {context.asset_key.to_user_string()} stores checkpoints: its "
             f"io_manager_key {io_manager_key!r} must be a CheckpointIOManager, not "
-            f"{type(io_manager).__name__}. Bind that key to CheckpointIOManager(...) in your "
-            "Definitions' resources, or pass io_manager_key= naming one that is."
+            f"{type(io_manager).__name__}.",
+            "Bind that key to CheckpointIOManager(...) in your Definitions' resources, or pass "
+            "io_manager_key= naming one that is.",
         )
     return io_manager
 
@@ -241,9 +238,9 @@ def _partition_of(context: dg.OutputContext) -> str | None:
     if len(keys) != 1:
         raise CheckpointError(
             f"CheckpointIOManager stores one partition per output; asset "
-            f"{context.asset_key.to_user_string()} produced {len(keys)} at once. Give the "
-            "asset backfill_policy=BackfillPolicy.multi_run(1), or another io_manager_key for "
-            "its output."
+            f"{context.asset_key.to_user_string()} produced {len(keys)} at once.",
+            "Give the asset backfill_policy=BackfillPolicy.multi_run(1), or another "
+            "io_manager_key for its output.",
         )
     return keys[0]
 
@@ -267,14 +264,14 @@ def _latest_tag(context: dg.InputContext, partition: str | None) -> str | None:
     if not records or records[0].asset_materialization is None:
         return None
     metadata = records[0].asset_materialization.metadata
-    checkpointing = metadata.get("checkpointing")
+    checkpointing = metadata.get(md.CHECKPOINTING)
     if checkpointing is not None and checkpointing.value is False:
         context.log.warning(
             f"The latest materialization of {context.asset_key.to_user_string()}"
             f"{f' partition {partition}' if partition else ''} ran with `checkpointing: false`, "
             "which stores nothing: loading the checkpoint that earlier runs stored instead."
         )
-    value = metadata.get("checkpoint_tag")
+    value = metadata.get(md.CHECKPOINT_TAG)
     return str(value.value) if value is not None else None
 
 

@@ -1,30 +1,15 @@
 """Shard partitions: a plain ``StaticPartitionsDefinition`` whose keys say ``<i>-of-<n>``.
 
 Dagster rejects custom ``PartitionsDefinition`` subclasses and rebuilds static ones from a
-snapshot in the webserver and daemon, so everything a shard needs is in its key.
+snapshot in the webserver and daemon, so everything a shard needs is in its key (see
+``checkpoint_assets.engine.scheme``).
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-
 import dagster as dg
 
-_KEY = re.compile(r"^(\d+)-of-(\d+)$")
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Shard ``index`` of ``count``."""
-
-    index: int
-    count: int
-
-    @property
-    def key(self) -> str:
-        width = len(str(self.count))
-        return f"{self.index:0{width}d}-of-{self.count}"
+from checkpoint_assets.engine.scheme import Shard
 
 
 def shard_partitions(n: int) -> dg.StaticPartitionsDefinition:
@@ -40,14 +25,3 @@ def shard_partitions(n: int) -> dg.StaticPartitionsDefinition:
     if n < 1:
         raise ValueError(f"shard_partitions needs at least one shard, got {n}")
     return dg.StaticPartitionsDefinition([Shard(i, n).key for i in range(n)])
-
-
-def parse_shard(key: str) -> Shard | None:
-    """The shard a partition key names, or None for keys of other partition schemes."""
-    match = _KEY.match(key)
-    if not match:
-        return None
-    index, count = int(match[1]), int(match[2])
-    if count < 1 or index >= count:
-        return None
-    return Shard(index, count)

@@ -27,18 +27,17 @@ from typing import Any
 
 import dagster as dg
 
-from checkpoint_assets.integration.asset import RETRY_FAILED_KEY
+from checkpoint_assets.engine.layout import UNPARTITIONED
+from checkpoint_assets.integration import metadata as md
 
 RANGE_START_TAG = "dagster/asset_partition_range_start"
 RANGE_END_TAG = "dagster/asset_partition_range_end"
 RETRY_OF_TAG = "checkpoint_assets/retry_of"
 RETRY_ATTEMPT_TAG = "checkpoint_assets/retry_attempt"
-# The cursor's name for the one "partition" of an unpartitioned asset.
-WHOLE_ASSET = "__all__"
 # Failed runs read per tick when looking for ranged backfill runs of the asset.
 RECENT_FAILED_RUNS = 100
 _PAGE = 1000
-_CURSOR_VERSION = 1
+_CURSOR_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -144,7 +143,7 @@ def failed_partitions_sensor(
         raise ValueError(f"backoff_seconds must be 0 or more, got {backoff_seconds}")
     key = asset.key
     partitions_def = asset.partitions_def
-    retry_failed = _flag(asset.metadata_by_key.get(key, {}).get(RETRY_FAILED_KEY))
+    retry_failed = bool(md.plain(asset.metadata_by_key.get(key, {}).get(md.RETRY_FAILED)))
     label = key.to_user_string()
 
     @dg.sensor(
@@ -179,7 +178,7 @@ def failed_partitions_sensor(
             )
         requests = [
             dg.RunRequest(
-                partition_key=None if partition == WHOLE_ASSET else partition,
+                partition_key=None if partition == UNPARTITIONED else partition,
                 run_key=f"{partition}:{failure.run_id}",
                 tags={RETRY_OF_TAG: failure.run_id, RETRY_ATTEMPT_TAG: str(attempt)},
             )
@@ -204,7 +203,7 @@ def _statuses(
     instance: dg.DagsterInstance, key: dg.AssetKey, partitions_def: dg.PartitionsDefinition | None
 ) -> dict[str, dg.AssetPartitionStatus | None]:
     if partitions_def is None:
-        return {WHOLE_ASSET: _unpartitioned_status(instance, key)}
+        return {UNPARTITIONED: _unpartitioned_status(instance, key)}
     keys = partitions_def.get_partition_keys(dynamic_partitions_store=instance)
     return dict(instance.get_status_by_partition(key, keys, partitions_def) or {})
 
@@ -245,8 +244,8 @@ def _read_materializations(
             state.after = max(state.after, record.storage_id)
             if materialization is None:
                 continue
-            partition = materialization.partition or WHOLE_ASSET
-            failed = materialization.metadata.get("rows_failed")
+            partition = materialization.partition or UNPARTITIONED
+            failed = materialization.metadata.get(md.ROWS_FAILED)
             if failed is not None and _count(failed) > 0:
                 state.partial[partition] = Failure(record.run_id, record.timestamp, "rows failed")
             else:
@@ -291,7 +290,7 @@ def _failed_runs_of(
     runs: dict[str, str] = {}
     for partition in partitions:
         planned = instance.get_latest_planned_materialization_info(
-            key, None if partition == WHOLE_ASSET else partition
+            key, None if partition == UNPARTITIONED else partition
         )
         if planned is not None:
             runs[partition] = planned.run_id
@@ -430,15 +429,11 @@ def _skip_reason(label: str, decision: Decision, max_retries: int, now: float) -
 
 
 def _show(partition: str) -> str:
-    return "(unpartitioned)" if partition == WHOLE_ASSET else partition
-
-
-def _flag(value: Any) -> bool:
-    return bool(value.value if isinstance(value, dg.MetadataValue) else value)
+    return "(unpartitioned)" if partition == UNPARTITIONED else partition
 
 
 def _count(value: Any) -> float:
-    raw = value.value if isinstance(value, dg.MetadataValue) else value
+    raw = md.plain(value)
     try:
         return float(raw)
     except (TypeError, ValueError):

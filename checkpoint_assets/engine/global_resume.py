@@ -10,16 +10,16 @@ own job whose input is unchanged.
 
 from __future__ import annotations
 
-import posixpath
 from dataclasses import dataclass, field
 
 import polars as pl
 
-from checkpoint_assets.engine.checkpoint import CURRENT, ERROR, SEQ, Checkpoint
+from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.layout import names_in
+from checkpoint_assets.engine.rows import CURRENT, ERROR, SEQ
 from checkpoint_assets.engine.storage import Store
 
-JOB = "_job"
-META_SUFFIX = ".parquet.meta.json"
+JOB = "_job"  # the job fingerprint of each row's checkpoint, in the global resume table
 
 
 @dataclass
@@ -33,12 +33,7 @@ class Found:
 
 def checkpoint_names(store: Store, folder: str) -> list[str]:
     """Names (relative to the store root) of every checkpoint under ``folder``."""
-    names = []
-    for info in store.list_recursive(store.path(folder)):
-        if info.path.endswith(META_SUFFIX):
-            rel = posixpath.relpath(info.path, store.root)
-            names.append(rel[: -len(META_SUFFIX)])
-    return sorted(names)
+    return names_in((f.path for f in store.list_recursive(store.path(folder))), store.root)
 
 
 def finished_rows(store: Store, folder: str, id_column: str) -> tuple[pl.DataFrame, Found]:
@@ -52,7 +47,7 @@ def finished_rows(store: Store, folder: str, id_column: str) -> tuple[pl.DataFra
             continue
         rows = checkpoint.load(id_column, meta.base_seq).rows
         found.checkpoints.append(checkpoint.url)
-        found.schemes.append(_scheme_label(meta.scheme))
+        found.schemes.append(meta.scheme.label if meta.scheme else "unknown")
         found.rows_read += rows.height
         if rows.height == 0:
             continue
@@ -73,13 +68,3 @@ def finished_rows(store: Store, folder: str, id_column: str) -> tuple[pl.DataFra
         .drop("__finalized", "__order")
     )
     return table, found
-
-
-def _scheme_label(scheme: dict[str, object] | None) -> str:
-    if not scheme:
-        return "unknown"
-    if scheme.get("kind") == "shard":
-        return f"{scheme.get('count')} shards"
-    if scheme.get("kind") == "all":
-        return "unpartitioned"
-    return f"partition {scheme.get('key')}"

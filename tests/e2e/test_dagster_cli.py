@@ -16,10 +16,11 @@ import pytest
 from helpers.jobs import parts_by_partition
 
 from checkpoint_assets.cli import main as cli
-from checkpoint_assets.engine.checkpoint import SEQ, Checkpoint
+from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.rows import SEQ
 from checkpoint_assets.engine.storage import open_store
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def dagster(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -108,7 +109,7 @@ def test_operator_cli_lists_inspects_verifies_and_compacts(
     assert cli(["compact", base]) == 1  # the locked checkpoint is skipped, and said so
     assert "1-of-8: skipped" in capsys.readouterr().err
     assert len(checkpoint.list_parts()[0]) == 1
-    checkpoint.store.delete([checkpoint.lock_path])
+    checkpoint.store.delete([checkpoint.files.lock])
 
     assert cli(["compact", base]) == 0
     assert "1-of-8: merged 1 part(s)" in capsys.readouterr().err
@@ -126,4 +127,4 @@ def _write_live_lock(checkpoint: Checkpoint) -> None:
     now = time.time()
     holder = {"token": "t", "run_id": None, "host": socket.gethostname(), "pid": os.getpid()}
     holder |= {"since": now, "expires": now + 3600}
-    checkpoint.store.put(checkpoint.lock_path, json.dumps(holder).encode())
+    checkpoint.store.put(checkpoint.files.lock, json.dumps(holder).encode())

@@ -20,8 +20,10 @@ from helpers.jobs import Storage, build_job, tickets
 from checkpoint_assets import LockHeldError, OutageError
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 
-HELPERS = Path(__file__).parent / "helpers"
-SETTINGS = Settings(id_column="ticket_id", input_columns=("body",), retry_delay_seconds=0.0)
+HELPERS = Path(__file__).parents[1] / "helpers"
+SETTINGS = Settings(
+    id_column="ticket_id", input_columns=("body",), min_flush_seconds=0.0, retry_delay_seconds=0.0
+)
 
 
 def _checkpoint(storage: Storage) -> Checkpoint:
@@ -49,7 +51,7 @@ def _write_lock(checkpoint: Checkpoint, **holder: object) -> None:
         "expires": now + 3600,
     }
     fields.update(holder)
-    checkpoint.store.put(checkpoint.lock_path, json.dumps(fields).encode())
+    checkpoint.store.put(checkpoint.files.lock, json.dumps(fields).encode())
 
 
 @pytest.fixture
@@ -127,7 +129,7 @@ def test_lock_of_a_dead_process_is_taken_over_with_a_warning(
         "Taking over" in r.message and f"process {gone.pid} is gone" in r.message
         for r in caplog.records
     )
-    assert checkpoint.store.get_or_none(checkpoint.lock_path) is None
+    assert checkpoint.store.get_or_none(checkpoint.files.lock) is None
 
 
 def test_lock_with_an_expired_lease_is_taken_over_with_a_warning(
@@ -169,7 +171,7 @@ def test_lock_of_a_finished_dagster_run_is_taken_over(storage: Storage) -> None:
 def test_lock_is_released_after_success_and_after_failure(storage: Storage) -> None:
     checkpoint = _checkpoint(storage)
     _run(checkpoint, [])
-    assert checkpoint.store.get_or_none(checkpoint.lock_path) is None
+    assert checkpoint.store.get_or_none(checkpoint.files.lock) is None
 
     def endpoint_down(batch: pl.DataFrame) -> pl.DataFrame:
         raise ConnectionError("the endpoint is down")
@@ -177,7 +179,7 @@ def test_lock_is_released_after_success_and_after_failure(storage: Storage) -> N
     fresh = _checkpoint_named(checkpoint, "down")
     with pytest.raises(OutageError, match="endpoint is down"):
         run(endpoint_down, prepare(tickets(10), SETTINGS), fresh, SETTINGS, job={"v": 1})
-    assert fresh.store.get_or_none(fresh.lock_path) is None
+    assert fresh.store.get_or_none(fresh.files.lock) is None
 
 
 def _checkpoint_named(like: Checkpoint, name: str) -> Checkpoint:
@@ -194,14 +196,17 @@ def test_a_writer_whose_lock_was_taken_over_stops_and_leaves_the_new_lock_alone(
     def fn(batch: pl.DataFrame) -> pl.DataFrame:
         calls.append(batch.height)
         if len(calls) == 2:  # as if this run had been paused and another writer took over
-            _write_lock(checkpoint, host="another-host", pid=4242, run_id="the-taker")
-            time.sleep(1.0)  # about 20 heartbeats (one per 0.05 s) see the new holder
+            # Written a few times: a renewal in flight when the first one lands (its read before,
+            # its write after) would overwrite it, which a real takeover after expiry never meets.
+            for _ in range(5):
+                _write_lock(checkpoint, host="another-host", pid=4242, run_id="the-taker")
+                time.sleep(0.2)  # heartbeats (one per 0.05 s) see the new holder
         return batch.select("ticket_id", route=pl.col("body"))
 
     with pytest.raises(LockHeldError, match=r"taken over by another writer \(run the-taker"):
         run(fn, prepare(tickets(10), settings), checkpoint, settings, job={"v": 1})
 
     assert calls == [2, 2]  # it stopped at the flush after the takeover
-    holder = json.loads(checkpoint.store.get(checkpoint.lock_path))
+    holder = json.loads(checkpoint.store.get(checkpoint.files.lock))
     assert (holder["run_id"], holder["host"]) == ("the-taker", "another-host")
     assert sorted(checkpoint.load("ticket_id").rows["ticket_id"]) == [0, 1]  # flushed before

@@ -19,7 +19,7 @@ from typing import Any
 import dagster as dg
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODULE = "examples.ticket_routing.definitions"
 LAUNCH = """
 mutation($params: LaunchBackfillParams!) {

@@ -9,9 +9,8 @@ import pytest
 from helpers.jobs import Storage, build_job, stats, tickets
 
 from checkpoint_assets import JobMismatchError
-from checkpoint_assets.engine import hashing
-from checkpoint_assets.engine.checkpoint import INPUT_HASH
-from checkpoint_assets.engine.runner import Settings, prepare
+from checkpoint_assets.engine import Settings, hashing, prepare
+from checkpoint_assets.engine.rows import INPUT_HASH
 
 
 def _assert_names_remedies(message: str) -> None:
@@ -106,7 +105,7 @@ def test_settings_that_do_not_change_results_may_change_between_runs(storage: St
 def test_input_fingerprint_is_recorded_and_ignores_row_order(storage: Storage) -> None:
     job = build_job(storage, tickets(12))
     first = stats(job.materialize())
-    meta = json.loads(job.store().get(job.checkpoint().meta_path))
+    meta = json.loads(job.store().get(job.checkpoint().files.meta))
 
     assert meta["input_fingerprint"] == first["input_fingerprint"]
     job.set_input(tickets(12).reverse())

@@ -35,7 +35,8 @@ from checkpoint_assets.cli import main as cli
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare
 from checkpoint_assets.engine import run as run_engine
 
-TESTS = Path(__file__).parent
+HERE = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 NewStorage = Callable[[], Storage]
 
 
@@ -47,8 +48,8 @@ def _child(function: str, *args: str) -> subprocess.Popen[str]:
     """A Python process running ``test_s3.<function>(*args)``."""
     return subprocess.Popen(
         [sys.executable, "-c", f"import sys, test_s3; test_s3.{function}(*sys.argv[1:])", *args],
-        cwd=TESTS,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        cwd=HERE,
+        env={**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{TESTS}"},
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -87,7 +88,7 @@ def test_a_sigkilled_run_resumes_on_s3_from_what_it_flushed(new_s3_storage: NewS
     child.wait()
     stored = checkpoint.load("ticket_id").rows.get_column("ticket_id")
     assert 0 < stored.len() < 4000
-    assert checkpoint.store.get_or_none(checkpoint.lock_path) is not None  # the dead run's lock
+    assert checkpoint.store.get_or_none(checkpoint.files.lock) is not None  # the dead run's lock
 
     again = stats(job.materialize())
 
@@ -393,7 +394,11 @@ def test_operator_cli_on_s3_lists_compacts_and_verifies(
     base_dir, options = new_s3_storage()
     store = open_store(base_dir, options)
     settings = Settings(
-        id_column="ticket_id", input_columns=("body",), checkpoint_interval=4, retry_delay_seconds=0
+        id_column="ticket_id",
+        input_columns=("body",),
+        checkpoint_interval=4,
+        min_flush_seconds=0.0,
+        retry_delay_seconds=0,
     )
     finished = Checkpoint(store, "a/default/0-of-2")
     run_engine(route, prepare(tickets(12), settings), finished, settings, job={})

@@ -34,7 +34,7 @@ from checkpoint_assets.integration.sensor import (
 
 SHARDS = shard_partitions(4)
 KEYS = SHARDS.get_partition_keys()
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = {"overhead", "per_call", "resume", "memory", "compaction", "hashing", "ray"}
 
 

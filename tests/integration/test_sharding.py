@@ -12,7 +12,7 @@ from helpers.jobs import Storage, build_job, stats, tickets
 
 from checkpoint_assets import shard_partitions
 from checkpoint_assets.engine.hashing import shard_of
-from checkpoint_assets.integration.partitions import Shard, parse_shard
+from checkpoint_assets.engine.scheme import Shard
 
 
 def test_shard_keys_are_zero_padded_to_the_width_of_n() -> None:
@@ -27,10 +27,10 @@ def test_shard_keys_are_zero_padded_to_the_width_of_n() -> None:
 
 
 def test_shard_keys_parse_back_and_other_keys_are_not_shards() -> None:
-    assert parse_shard("03-of-16") == Shard(3, 16)
-    assert parse_shard("3-of-16") == Shard(3, 16)
-    assert parse_shard("2024-01-01") is None
-    assert parse_shard("16-of-16") is None
+    assert Shard.parse("03-of-16") == Shard(3, 16)
+    assert Shard.parse("3-of-16") == Shard(3, 16)
+    assert Shard.parse("2024-01-01") is None
+    assert Shard.parse("16-of-16") is None
     with pytest.raises(ValueError, match="at least one shard"):
         shard_partitions(0)
 

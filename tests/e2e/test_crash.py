@@ -20,9 +20,10 @@ import pytest
 from helpers.jobs import Storage
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
-from checkpoint_assets.engine.checkpoint import COMPACT_AT, COMPACT_FANOUT, SEQ
+from checkpoint_assets.engine.compaction import COMPACT_AT, COMPACT_FANOUT
+from checkpoint_assets.engine.rows import SEQ
 
-CHILD = Path(__file__).parent / "helpers" / "crash_child.py"
+CHILD = Path(__file__).parents[1] / "helpers" / "crash_child.py"
 ROWS = 240
 INTERVAL = 4
 
@@ -141,7 +142,7 @@ def _sigterm_then_resume(storage: Storage, tmp_path: Path, mode: str) -> dict[st
     assert len(stored_ids) >= len(logged) - INTERVAL  # at most the interrupted call is lost
     base_dir, options = storage
     checkpoint = Checkpoint(open_store(base_dir, options), "routed/default/all")
-    assert checkpoint.store.get_or_none(checkpoint.lock_path) is None, "lock released"
+    assert checkpoint.store.get_or_none(checkpoint.files.lock) is None, "lock released"
 
     again = _spec(storage, tmp_path, 2, mode=mode, rows=96)
     _finish(_start(again, tmp_path), tmp_path, again)
@@ -172,7 +173,11 @@ def test_sigterm_to_the_engine_outside_dagster_flushes_buffered_rows(
 # -- crash-safe finalize and sequence numbers (engine level, in process) ----------------------
 
 SETTINGS = Settings(
-    id_column="ticket_id", input_columns=("body",), checkpoint_interval=4, retry_delay_seconds=0.0
+    id_column="ticket_id",
+    input_columns=("body",),
+    checkpoint_interval=4,
+    min_flush_seconds=0.0,  # a flush every 4 rows on S3 too
+    retry_delay_seconds=0.0,
 )
 
 
@@ -207,7 +212,7 @@ def _crash_run(checkpoint: Checkpoint, n: int, calls: int, settings: Settings = 
 
 def _part_files(checkpoint: Checkpoint) -> dict[str, bytes]:
     return {
-        f.path: checkpoint.store.get(f.path) for f in checkpoint.store.list(checkpoint.parts_dir)
+        f.path: checkpoint.store.get(f.path) for f in checkpoint.store.list(checkpoint.files.parts)
     }
 
 
@@ -305,7 +310,7 @@ def test_the_last_rows_go_into_the_merged_file_without_a_part(storage: Storage) 
 
 def test_a_failed_finalize_still_stores_the_last_rows_as_a_part(tmp_path: Path) -> None:
     checkpoint = Checkpoint(open_store(str(tmp_path)), "job")
-    blocker = Path(checkpoint.merged_path)
+    blocker = Path(checkpoint.files.merged)
     route = _fn([])
 
     def fn(batch: pl.DataFrame) -> pl.DataFrame:

@@ -1,0 +1,121 @@
+"""Where things live under a checkpoint root: the one home of every file-name rule.
+
+One checkpoint per (asset, checkpoint tag, partition), named ``<asset path>/<tag>/<partition>``
+relative to the root (``UNPARTITIONED`` for an unpartitioned asset)::
+
+    <name>.parquet                     merged result of all finalized work
+    <name>.parquet.parts/part-<first>-<last>-<uuid>.parquet
+                                       unmerged rows of flushes <first>..<last>
+    <name>.parquet.meta.json           job and input fingerprints, scheme, schema
+    <name>.parquet.lock                the single writer's lease
+
+Ordinary (not checkpointed) outputs of the IO manager go to ``<asset path>.parquet``, or
+``<asset path>/<partition>.parquet`` for a partition.
+
+Every component of a name (each part of the asset key, the tag, the partition key) is encoded so
+that no name can reach outside the root: characters other than letters, digits and ``-_.=+,@`` are
+percent-encoded (``/`` becomes ``%2F``), and ``.`` or ``..`` alone become ``%2E`` / ``%2E%2E``.
+Names of ordinary shard keys and tags (``03-of-16``, ``default``) are unchanged.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from urllib.parse import quote, unquote
+
+DEFAULT_TAG = "default"
+# The partition of an unpartitioned asset's checkpoint (and the sensor's name for it).
+UNPARTITIONED = "all"
+
+MERGED = ".parquet"
+PARTS = ".parquet.parts"
+META = ".parquet.meta.json"
+LOCK = ".parquet.lock"
+_PART = re.compile(r"^part-(\d+)-(\d+)-[0-9a-f]+\.parquet$")
+_SAFE = "-_.=+,@"
+
+
+def encode(component: str, what: str = "name") -> str:
+    """``component`` as one safe path component (see the module docstring)."""
+    if not component:
+        raise ValueError(f"A checkpoint {what} cannot be empty.")
+    out = quote(component, safe=_SAFE)
+    if out in (".", ".."):
+        out = out.replace(".", "%2E")
+    return out
+
+
+def decode(component: str) -> str:
+    return unquote(component)
+
+
+def checkpoint_name(asset_path: Sequence[str], tag: str | None, partition: str | None) -> str:
+    """The name of the checkpoint of one asset partition under one tag."""
+    return posixpath.join(
+        *(encode(p, "asset key") for p in asset_path),
+        encode(tag or DEFAULT_TAG, "tag"),
+        encode(partition, "partition key") if partition is not None else UNPARTITIONED,
+    )
+
+
+def asset_folder(asset_path: Sequence[str], tag: str | None = None) -> str:
+    """The folder of every checkpoint of an asset (of one tag, when given)."""
+    parts = [encode(p, "asset key") for p in asset_path]
+    if tag is not None:
+        parts.append(encode(tag, "tag"))
+    return posixpath.join(*parts)
+
+
+def output_name(asset_path: Sequence[str], partition: str | None) -> str:
+    """Where an ordinary (not checkpointed) output of an asset partition is stored."""
+    parts = [encode(p, "asset key") for p in asset_path]
+    if partition is None:
+        return posixpath.join(*parts[:-1], f"{parts[-1]}.parquet")
+    return posixpath.join(*parts, f"{encode(partition, 'partition key')}.parquet")
+
+
+def split_name(name: str) -> tuple[str, str, str]:
+    """(asset, tag, partition) of a checkpoint name, decoded for display."""
+    parts = name.split("/")
+    if len(parts) < 3:
+        return decode(name), "-", "-"
+    return "/".join(decode(p) for p in parts[:-2]), decode(parts[-2]), decode(parts[-1])
+
+
+@dataclass(frozen=True)
+class Files:
+    """The full paths of one checkpoint's files (under a store's root)."""
+
+    merged: str
+    parts: str
+    meta: str
+    lock: str
+
+    @classmethod
+    def under(cls, root: str, name: str) -> Files:
+        base = posixpath.join(root, name)
+        return cls(base + MERGED, base + PARTS, base + META, base + LOCK)
+
+    def owns(self, path: str) -> bool:
+        """Is ``path`` one of this checkpoint's files (merged, meta, lock, parts)?"""
+        return path == self.merged or path.startswith(self.merged + ".")
+
+    def new_part(self, first: int, last: int) -> str:
+        return posixpath.join(
+            self.parts, f"part-{first:012d}-{last:012d}-{uuid.uuid4().hex[:12]}.parquet"
+        )
+
+
+def part_range(file_name: str) -> tuple[int, int] | None:
+    """(first, last) flush of a part file's name; None for anything else (temporary files)."""
+    match = _PART.match(file_name)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def names_in(paths: Iterable[str], root: str) -> list[str]:
+    """Names of the checkpoints whose meta file is among ``paths`` (full paths under ``root``)."""
+    return sorted(posixpath.relpath(p, root)[: -len(META)] for p in paths if p.endswith(META))

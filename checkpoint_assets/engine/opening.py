@@ -1,0 +1,236 @@
+"""Opening a run: check the stored job, load what is stored, start a generation, import finished
+rows of other checkpoints (global resume), and plan what is left to compute.
+
+``open_run`` returns an ``Opened`` value; nothing here keeps state between runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from checkpoint_assets.engine import hashing, rows
+from checkpoint_assets.engine.checkpoint import Checkpoint, Stored
+from checkpoint_assets.engine.compaction import Part
+from checkpoint_assets.engine.errors import CorruptCheckpointError, JobMismatchError
+from checkpoint_assets.engine.meta import Meta
+from checkpoint_assets.engine.resume import Copies, Plan, dedupe, plan
+from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH, SEQ
+from checkpoint_assets.engine.scheme import Scheme
+from checkpoint_assets.engine.settings import Settings
+
+Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
+
+
+@dataclass(kw_only=True)
+class Start:
+    """The state of the checkpoint a run starts from (empty without checkpointing)."""
+
+    meta: Meta | None = None
+    known: Stored | None = None  # what was loaded, reused by finalize while nothing is written
+    base_seq: int = 0  # the first flush of the current generation
+    next_seq: int = 1
+    parts: list[Part] = field(default_factory=list)
+    imported: int = 0  # rows copied from other checkpoints (global resume)
+
+
+@dataclass(kw_only=True)
+class Opened(Start):
+    """What a run starts from, and what it has to compute."""
+
+    plan: Plan
+    todo: pl.DataFrame  # the rows to call the function on (one per distinct input with dedupe)
+    copies: Copies | None = None  # rows that take the result of a row in ``todo`` (dedupe)
+
+
+@dataclass(frozen=True)
+class Job:
+    """The job a run belongs to: its result-changing settings and their fingerprint."""
+
+    settings: dict[str, object]
+
+    @property
+    def fingerprint(self) -> str:
+        return hashing.job_fingerprint(self.settings)
+
+
+def open_run(
+    inputs: pl.DataFrame,
+    settings: Settings,
+    checkpoint: Checkpoint | None,
+    *,
+    job: Job,
+    scheme: Scheme | None,
+    imported: pl.DataFrame | None,
+    log: Logger,
+    label: str,
+) -> Opened:
+    """Everything a run needs before its first call (``checkpoint`` None: checkpointing off)."""
+    start = Start()
+    stored = rows.empty(settings.id_column)
+    if checkpoint is not None:
+        stored = _load(start, inputs, settings, checkpoint, job, scheme)
+        if imported is not None and settings.resume:
+            stored = _import(start, stored, imported, inputs, settings, checkpoint, log, label)
+    found = plan(
+        inputs,
+        stored,
+        settings.id_column,
+        resume=settings.resume,
+        retry_failed=settings.retry_failed,
+        on_input_change=settings.on_input_change,
+    )
+    _log_plan(found, log, label)
+    todo, copies = found.todo, None
+    if settings.dedupe and todo.height:
+        todo, copies = dedupe(todo, settings.id_column, list(settings.input_columns))
+    return Opened(**vars(start), plan=found, todo=todo, copies=copies)
+
+
+def _load(
+    opened: Start,
+    inputs: pl.DataFrame,
+    settings: Settings,
+    checkpoint: Checkpoint,
+    job: Job,
+    scheme: Scheme | None,
+) -> pl.DataFrame:
+    """Check the stored job and load its rows; a new generation when they are not to be used."""
+    id_column = settings.id_column
+    id_dtype = str(inputs.schema[id_column])
+    meta = checkpoint.read_meta()
+    if meta is not None:
+        _check_job(meta, job, id_column, id_dtype, settings.resume, checkpoint.url)
+    same_job = meta is not None and meta.job_fingerprint == job.fingerprint
+    outputs = list(meta.output_schema) if meta and same_job and meta.output_schema else None
+    loaded = checkpoint.load(id_column, meta.base_seq if meta else 0, outputs)
+    opened.next_seq = loaded.next_seq
+    opened.parts = list(loaded.parts)
+    stored = loaded.rows
+    fresh = not settings.resume or (meta is not None and not same_job)
+    if meta is not None and fresh:
+        # resume: false ignores what is stored (which may even be another job's, with other
+        # output columns): start a new generation.
+        opened.base_seq = opened.next_seq
+        stored = stored.clear()
+    else:
+        opened.base_seq = meta.base_seq if meta else 0
+        opened.known = loaded
+    if meta is not None and meta.output_schema and stored.height:
+        _check_stored_columns(stored, list(meta.output_schema), checkpoint.url)
+    if meta is None or fresh:
+        meta = Meta(
+            job_fingerprint=job.fingerprint,
+            job=dict(job.settings),
+            id_column=id_column,
+            id_dtype=id_dtype,
+            scheme=scheme,
+            base_seq=opened.base_seq,
+        )
+        checkpoint.write_meta(meta)
+    opened.meta = meta
+    return stored
+
+
+def _check_job(
+    meta: Meta, job: Job, id_column: str, id_dtype: str, resume: bool, where: str
+) -> None:
+    if meta.id_column != id_column or (meta.job_fingerprint != job.fingerprint and resume):
+        changed = sorted(
+            k for k in set(meta.job) | set(job.settings) if meta.job.get(k) != job.settings.get(k)
+        )
+        raise JobMismatchError(
+            where,
+            f"Checkpoint {where} was written by a different job (settings that differ: "
+            f"{', '.join(changed) or 'id column'}). Results of one job are never mixed with "
+            "another's.",
+        )
+    if meta.id_dtype != id_dtype and resume:
+        error = JobMismatchError(
+            where,
+            f"Checkpoint {where} stores ids of type {meta.id_dtype}, but the input's "
+            f"{id_column!r} is {id_dtype}.",
+        )
+        raise error.advise(
+            f"Cast the id column back to {meta.id_dtype}, or use a new checkpoint tag."
+        )
+
+
+def _check_stored_columns(stored: pl.DataFrame, outputs: list[str], where: str) -> None:
+    missing = [c for c in outputs if c not in stored.columns]
+    if missing and stored.filter(pl.col(ERROR).is_null()).height:
+        raise CorruptCheckpointError(where, f"lacks the output columns {missing}")
+
+
+def _import(
+    opened: Start,
+    stored: pl.DataFrame,
+    imported: pl.DataFrame,
+    inputs: pl.DataFrame,
+    settings: Settings,
+    checkpoint: Checkpoint,
+    log: Logger,
+    label: str,
+) -> pl.DataFrame:
+    """Copy matching finished rows of other checkpoints into this one (one part)."""
+    id_column = settings.id_column
+    if id_column not in imported.columns or imported.height == 0:
+        return stored
+    imported = imported.with_columns(pl.col(id_column).cast(inputs.schema[id_column]))
+    wanted = imported.join(
+        inputs.select(id_column, INPUT_HASH), on=[id_column, INPUT_HASH], how="semi"
+    )
+    if stored.height:
+        done = stored.filter(pl.col(ERROR).is_null()).select(id_column, INPUT_HASH)
+        wanted = wanted.join(done, on=[id_column, INPUT_HASH], how="anti")
+    if wanted.height == 0:
+        return stored
+    assert opened.meta is not None
+    outputs = {c: str(wanted.schema[c]) for c in rows.outputs_of(wanted, id_column)}
+    if not opened.meta.output_schema:
+        opened.meta.output_schema = outputs
+        checkpoint.write_meta(opened.meta)
+    elif list(outputs) != list(opened.meta.output_schema):
+        raise JobMismatchError(
+            checkpoint.url,
+            f"The global resume table holds the output columns {list(outputs)}, but the "
+            f"checkpoint {checkpoint.url} holds results with {list(opened.meta.output_schema)}.",
+        )
+    seq = opened.next_seq
+    found = wanted.with_columns(
+        pl.lit(None, pl.String).alias(ERROR),
+        pl.col(ATTEMPTS).fill_null(0).cast(pl.Int32),
+        pl.lit(seq, pl.Int64).alias(SEQ),
+    )
+    part = checkpoint.write_part(found, seq)
+    opened.next_seq += 1
+    opened.known = None
+    opened.parts = checkpoint.compact([*opened.parts, part], id_column)
+    opened.imported = found.height
+    log.info(
+        "%s: global resume took %d finished row(s) from other checkpoints.", label, found.height
+    )
+    merged = rows.concat([stored, found], checkpoint.url) if stored.height else found
+    return rows.pick_winners(merged, id_column)
+
+
+def _log_plan(p: Plan, log: Logger, label: str) -> None:
+    if p.dropped:
+        log.warning(
+            "%s: %d stored row(s) are not in the input and are left out of the result "
+            "(they stay stored and come back if their ids return).",
+            label,
+            p.dropped,
+        )
+    if p.changed:
+        log.warning("%s: recomputing %d row(s) whose input changed.", label, p.changed)
+    if p.resumed or p.kept_failed:
+        log.info(
+            "%s: resuming; %d of %d rows are done, %d to compute.",
+            label,
+            p.resumed,
+            p.total,
+            p.todo.height,
+        )

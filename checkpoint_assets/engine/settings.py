@@ -1,0 +1,96 @@
+"""How one run behaves, and what it did: ``Settings`` (the one source of defaults) and ``RunStats``.
+
+The decorator's defaults, the run config's "use the asset's" and the engine's behaviour all read
+the defaults declared here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+DEFAULT_LEASE_SECONDS = 300.0
+
+
+class OnInputChange(enum.StrEnum):
+    """What to do with finished rows whose input changed since their result was stored."""
+
+    fail = "fail"
+    recompute = "recompute"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How one run behaves.
+
+    ``min_flush_seconds=None`` takes the store's own minimum (0 on local disk, a few seconds on
+    object stores, where each flush costs requests).
+    """
+
+    id_column: str
+    input_columns: tuple[str, ...] = ()
+    checkpoint_interval: int = 16
+    flush_seconds: float = 30.0
+    min_flush_seconds: float | None = None
+    resume: bool = True
+    checkpointing: bool = True
+    retry_failed: bool = True
+    on_input_change: OnInputChange = OnInputChange.fail
+    dedupe: bool = False
+    max_failed_fraction: float = 0.0
+    max_concurrency: int = 1
+    max_attempts: int = 3
+    retry_delay_seconds: float = 1.0
+    progress_seconds: float = 10.0
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+
+    def __post_init__(self) -> None:
+        # Accept the plain strings "fail" / "recompute" as well as the enum.
+        object.__setattr__(self, "on_input_change", OnInputChange(self.on_input_change))
+        if self.checkpoint_interval < 1:
+            raise ValueError(
+                f"checkpoint_interval must be at least 1, got {self.checkpoint_interval}"
+            )
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be at least 1, got {self.max_concurrency}")
+
+
+@dataclass
+class RunStats:
+    """What a run did; becomes the materialization's metadata."""
+
+    rows_total: int = 0
+    rows_computed: int = 0
+    rows_resumed: int = 0
+    rows_failed: int = 0
+    rows_reused: int = 0
+    rows_dropped: int = 0
+    rows_changed: int = 0
+    rows_imported: int = 0
+    calls: int = 0
+    failed_calls: int = 0
+    flushes: int = 0
+    seconds: float = 0.0
+    # How long storage held the run up: waiting for the flush in flight, and finalize. The
+    # background writer's own time overlaps the calls and is not counted.
+    wait_seconds: float = 0.0
+    finalize_seconds: float = 0.0
+    input_fingerprint: str = ""
+    checkpoint_path: str = ""
+    requests: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def rows_per_second(self) -> float:
+        return round(self.rows_computed / self.seconds, 2) if self.seconds > 0 else 0.0
+
+    @property
+    def storage_wait_seconds(self) -> float:
+        """How long checkpointing held the run up: waits for flushes, then finalize."""
+        return round(self.wait_seconds + self.finalize_seconds, 3)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["rows_per_second"] = self.rows_per_second
+        out["storage_wait_seconds"] = self.storage_wait_seconds
+        return out

@@ -1,0 +1,133 @@
+"""Storage failures, said as what the user has to fix.
+
+A backend's low-level failure becomes a ``StorageError`` naming the problem: a missing bucket,
+denied access, rejected or missing credentials, an unreachable endpoint. A missing file
+(``FileNotFoundError``) and an existing one (``FileExistsError``) pass through for the caller to
+handle, except a missing bucket, which s3fs also reports as ``FileNotFoundError`` and which must
+never read as "no checkpoint yet". A failed request changes nothing that is stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from checkpoint_assets.engine.errors import StorageError
+
+if TYPE_CHECKING:
+    from checkpoint_assets.engine.storage.base import Store
+
+# S3 error codes, by what the user has to fix.
+_DENIED = {"AccessDenied", "AllAccessDisabled", "AccountProblem", "403"}
+_REJECTED = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
+_UNREACHABLE = {
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ConnectionClosedError",
+    "ProxyConnectionError",
+    "ClientConnectorError",
+    "ServerDisconnectedError",
+    "ConnectionError",
+    "TimeoutError",
+}
+
+
+def chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from (s3fs keeps botocore's as the cause)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def error_codes(exc: BaseException) -> set[str]:
+    """S3 error codes (``NoSuchBucket``, ``AccessDenied``...) found along the chain."""
+    codes = set()
+    for e in chain(exc):
+        response = getattr(e, "response", None)
+        if isinstance(response, Mapping):
+            error = response.get("Error") or {}
+            if error.get("Code"):
+                codes.add(str(error["Code"]))
+    return codes
+
+
+def why_code(code: str) -> str | None:
+    if code == "NoSuchBucket":
+        return "the bucket does not exist; create it or fix base_dir"
+    if code in _REJECTED:
+        return (
+            f"the credentials were rejected ({code}): the access key is unknown, the secret "
+            "is wrong or the session token expired; check them"
+        )
+    if code in _DENIED:
+        return (
+            "access was denied; check the credentials and that their policy allows "
+            "s3:GetObject, s3:PutObject, s3:DeleteObject and s3:ListBucket on this prefix"
+        )
+    return None
+
+
+def _why(store: Store, exc: BaseException) -> str | None:
+    """What the user has to fix, or None when ``exc`` is not a storage problem we know."""
+    for code in sorted(error_codes(exc)):
+        why = why_code(code)
+        if why:
+            return why
+    names = {cls.__name__ for e in chain(exc) for cls in type(e).__mro__}
+    text = " ".join(str(e) for e in chain(exc)).lower()
+    if "specified bucket does not exist" in text:
+        return why_code("NoSuchBucket")
+    if isinstance(exc, FileNotFoundError):
+        return None  # a missing file: the caller decides what that means
+    if names & _NO_CREDENTIALS or "unable to locate credentials" in text:
+        return (
+            "no credentials were found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a "
+            "profile or role), pass key and secret in storage_options, or give an S3Resource"
+        )
+    if "PermissionError" in names or "accessdenied" in text or "forbidden" in text:
+        if store.local:
+            return "permission denied; check the folder's permissions"
+        return why_code("AccessDenied")
+    if names & _UNREACHABLE or "could not connect" in text:
+        return (
+            "the storage endpoint cannot be reached or does not answer; check the endpoint URL "
+            "(endpoint_url, AWS_ENDPOINT_URL_S3) and the network"
+        )
+    return None
+
+
+class translate:
+    """Turn a backend's low-level failure into a StorageError that says what to fix.
+
+    A missing file (FileNotFoundError) and an existing one (FileExistsError) pass through for
+    the caller to handle, except a missing bucket, which s3fs also reports as FileNotFoundError
+    and which must never read as "no checkpoint yet".
+    """
+
+    def __init__(self, store: Store, path: str, action: str) -> None:
+        self.store = store
+        self.path = path
+        self.action = action
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> Literal[False]:
+        if exc is None or not isinstance(exc, Exception):
+            return False
+        if isinstance(exc, (FileExistsError, StorageError)):
+            return False
+        why = _why(self.store, exc)
+        if why is None:
+            return False
+        raise StorageError(
+            f"Checkpoint storage error while {self.action} {self.store.display(self.path)}: "
+            f"{why} ({type(exc).__name__}: {exc}). Stored work is unchanged."
+        ) from exc

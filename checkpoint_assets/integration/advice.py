@@ -1,0 +1,50 @@
+"""What to do about an engine error, in Dagster's terms: run config keys, ``code_version``, the
+sensor. The engine's errors carry the facts and a remedy in its own terms; this replaces it."""
+
+from __future__ import annotations
+
+from checkpoint_assets.engine.errors import (
+    SHARED_CHECKPOINT,
+    CheckpointError,
+    CorruptCheckpointError,
+    InputChangedError,
+    JobMismatchError,
+    MissingColumnsError,
+    OutageError,
+    TooManyFailuresError,
+)
+
+_RERUN = "Materialize the partition again, or let failed_partitions_sensor retry it: it resumes."
+
+
+def advise(error: CheckpointError) -> CheckpointError:
+    """``error`` with its remedy worded for a Dagster user (returned for ``raise advise(e)``)."""
+    if isinstance(error, InputChangedError):
+        error.advise(
+            "Run with `on_input_change: recompute` in run config to recompute just the changed "
+            "rows, `resume: false` to recompute everything, or set a new `checkpoint_tag`."
+        )
+    elif isinstance(error, JobMismatchError) and error.remedy == JobMismatchError.REMEDY:
+        error.advise(
+            "For a new job, change the asset's `code_version` or set a new `checkpoint_tag` in "
+            "run config; to replace the stored results, run with `resume: false`."
+        )
+    elif isinstance(error, CorruptCheckpointError) and error.remedy == SHARED_CHECKPOINT:
+        error.advise(
+            "Two different jobs probably share this checkpoint: give each its own "
+            "`checkpoint_tag` in run config, or start over with `resume: false`."
+        )
+    elif isinstance(error, MissingColumnsError):
+        error.advise(
+            "Set the checkpointed asset's `input_columns=` to columns of its source asset, or "
+            "add the missing columns to the source."
+        )
+    elif isinstance(error, TooManyFailuresError):
+        error.advise(
+            "The failed rows are retried on the next run while `retry_failed` is on (materialize "
+            "the partition again, or let failed_partitions_sensor do it); raise "
+            "`max_failed_fraction` to tolerate them."
+        )
+    elif isinstance(error, OutageError):
+        error.advise(f"When the endpoint is back: {_RERUN}")
+    return error
