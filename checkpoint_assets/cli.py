@@ -32,7 +32,6 @@ from rich.console import Console
 from rich.filesize import decimal
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from rich.text import Text
 
 from checkpoint_assets.engine.checkpoint import BOOKKEEPING, CURRENT, ERROR, Checkpoint, Meta
 from checkpoint_assets.engine.errors import CheckpointError, LockHeldError
@@ -243,7 +242,7 @@ def _steps(total: int) -> Iterator[_Steps]:
 
 
 # -- status ----------------------------------------------------------------------------------
-@cli.command()
+@cli.command(short_help="One row per checkpoint: rows, parts, size, lock.")
 @click.argument("base_dir", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, for scripts.")
 @_storage_options
@@ -350,7 +349,7 @@ def _counts(rows: pl.DataFrame) -> tuple[int, int]:
 
 
 # -- inspect ---------------------------------------------------------------------------------
-@cli.command()
+@cli.command(short_help="Meta, schema, counts, top errors, sample rows.")
 @click.argument("base_dir")
 @click.argument("name", callback=_checkpoint_name)
 @click.option("--failed", is_flag=True, help="Print only the ids of failed rows, one per line.")
@@ -376,9 +375,6 @@ def inspect(base_dir: str, name: str, failed: bool, options: dict[str, Any]) -> 
     n_failed = errors.height if errors is not None else 0
     old = stored.rows.height - current.height
     gone = f"; {old:,} more stored for ids no longer in the input" if old else ""
-    about = Table.grid(padding=(0, 2))
-    about.add_column(style="bold")
-    about.add_column(overflow="fold")
     for key, value in [
         ("checkpoint", checkpoint.url),
         ("job", f"{meta.job_fingerprint}  {json.dumps(meta.job, sort_keys=True)}"),
@@ -388,8 +384,7 @@ def inspect(base_dir: str, name: str, failed: bool, options: dict[str, Any]) -> 
         ("parts", f"{len(stored.parts)} unmerged (merged up to flush {stored.watermark})"),
         ("rows", f"{current.height - n_failed:,} ok, {n_failed:,} failed" + gone),
     ]:
-        about.add_row(key, Text(value))
-    console.print(about)
+        click.echo(f"{key:<11} {value}")
     console.print()
     console.print(_schema(meta))
     if errors is not None and errors.height:
@@ -431,7 +426,7 @@ def _sample(current: pl.DataFrame, id_column: str) -> Table:
 
 
 # -- verify ----------------------------------------------------------------------------------
-@cli.command()
+@cli.command(short_help="Check invariants; exit status 1 on any problem.")
 @click.argument("base_dir")
 @click.argument("name", required=False, callback=_checkpoint_name)
 @_storage_options
@@ -459,7 +454,7 @@ def verify(base_dir: str, name: str | None, options: dict[str, Any]) -> int:
 
 
 # -- compact ---------------------------------------------------------------------------------
-@cli.command()
+@cli.command(short_help="Merge unmerged parts, under each lock.")
 @click.argument("base_dir")
 @click.argument("name", required=False, callback=_checkpoint_name)
 @_storage_options
@@ -508,7 +503,7 @@ def _compact_one(checkpoint: Checkpoint) -> int:
 
 
 # -- clean -----------------------------------------------------------------------------------
-@cli.command()
+@cli.command(short_help="Delete the checkpoints of a tag.")
 @click.argument("base_dir")
 @click.option("--tag", required=True, help="The checkpoint tag whose checkpoints to delete.")
 @click.option("--asset", help="Only the checkpoints of this asset (as `status` shows it).")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import shutil
 import signal
 import subprocess
@@ -353,3 +354,34 @@ def test_status_json_on_s3(new_s3_storage: Callable[[], tuple[str, dict[str, Any
         "routed/flaky/all": (16, 4, 0),
     }
     assert all(c["bytes"] > 0 and c["last_write"] and c["lock"] is None for c in listed.values())
+
+
+def test_clean_on_a_terminal_asks_first(copy_of: Callable[[], Path]) -> None:
+    base = copy_of()
+    flaky = files_of(base, "routed/flaky/all")
+
+    def answering(answer: bytes) -> subprocess.CompletedProcess[str]:
+        main, terminal = pty.openpty()  # stdin is a terminal, as for someone at a shell
+        try:
+            os.write(main, answer)
+            return subprocess.run(
+                [CLI, "clean", str(base), "--tag", "flaky"],
+                stdin=terminal,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            os.close(terminal)
+            os.close(main)
+
+    declined = answering(b"n\n")
+    assert declined.returncode == 1 and "Nothing deleted." in declined.stderr
+    assert "Delete 1 checkpoint(s) of tag 'flaky'" in declined.stderr
+    assert all(p.exists() for p in flaky)
+
+    accepted = answering(b"y\n")
+    assert accepted.returncode == 0, accepted.stderr
+    assert accepted.stdout.startswith(f"Deleted 1 checkpoint(s) of tag 'flaky': {len(flaky)} files")
+    assert not any(p.exists() for p in flaky) and not (base / "routed" / "flaky").exists()
+    assert (base / "routed" / "default" / "all.parquet").exists()
