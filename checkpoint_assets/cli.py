@@ -35,7 +35,7 @@ from rich.table import Table
 
 from checkpoint_assets.engine.checkpoint import BOOKKEEPING, CURRENT, ERROR, Checkpoint, Meta
 from checkpoint_assets.engine.errors import CheckpointError, LockHeldError
-from checkpoint_assets.engine.layout import MERGED, belongs, names_in, split_name
+from checkpoint_assets.engine.layout import MERGED, belongs, files_by_name, names_in, split_name
 from checkpoint_assets.engine.lock import Lease
 from checkpoint_assets.engine.storage import FileInfo, LocalStore, Store, open_store
 from checkpoint_assets.engine.verify import problems
@@ -267,7 +267,8 @@ def status(base_dir: str | None, as_json: bool, options: dict[str, Any]) -> None
         base_dir = os.path.join(home, "checkpoints")
     store = open_store(base_dir, options)
     listing = store.list_recursive(store.root)  # one listing for every checkpoint's files
-    summaries = [_summary(store, name, listing) for name in names_in(store, listing)]
+    by_name = files_by_name(store, listing)
+    summaries = [_summary(store, name, files) for name, files in by_name.items()]
     if as_json:
         click.echo(json.dumps(summaries, indent=2))
         return
@@ -296,10 +297,10 @@ def status(base_dir: str | None, as_json: bool, options: dict[str, Any]) -> None
             click.echo(f"{name}: {s['error']}", err=True)
 
 
-def _summary(store: Store, name: str, listing: Sequence[FileInfo]) -> dict[str, Any]:
-    """What ``status`` shows of one checkpoint; reads beyond the listing only when needed."""
+def _summary(store: Store, name: str, files: Sequence[FileInfo]) -> dict[str, Any]:
+    """What ``status`` shows of one checkpoint (``files``, as listed); reads beyond the listing
+    only when needed."""
     checkpoint = Checkpoint(store, name)
-    files = [f for f in listing if belongs(f.path, checkpoint)]
     asset, tag, partition = split_name(name)
     parts = checkpoint.list_parts(files)[0]
     ok: int | None = None
@@ -516,17 +517,17 @@ def clean(base_dir: str, tag: str, asset: str | None, yes: bool, options: dict[s
     run holds is skipped (exit status 1); a lock left by a dead run is taken over.
     """
     store = open_store(base_dir, options)
-    listing = store.list_recursive(store.root)
+    by_name = files_by_name(store, store.list_recursive(store.root))
     names = [
         n
-        for n in names_in(store, listing)
+        for n in by_name
         if split_name(n)[1] == tag and (asset is None or split_name(n)[0] == asset)
     ]
     of = f"tag {tag!r}" + (f" of asset {asset!r}" if asset else "")
     if not names:
         click.echo(f"No checkpoints of {of} under {store.url}.", err=True)
         return 0
-    files = [f for f in listing if any(belongs(f.path, Checkpoint(store, n)) for n in names)]
+    files = [f for n in names for f in by_name[n]]
     what = (
         f"{len(names)} checkpoint(s) of {of} under {store.url} "
         f"({len(files)} files, {decimal(sum(f.size for f in files))})"

@@ -52,3 +52,21 @@ def names_in(store: Store, listing: Iterable[FileInfo]) -> list[str]:
         for f in listing
         if f.path.endswith(META)
     )
+
+
+def files_by_name(store: Store, listing: Iterable[FileInfo]) -> dict[str, list[FileInfo]]:
+    """The files of every checkpoint in ``listing``, by name (see ``belongs``), in one pass:
+    comparing each file with each checkpoint would take minutes for thousands of shards."""
+    listing = list(listing)
+    found: dict[str, list[FileInfo]] = {name: [] for name in names_in(store, listing)}
+    by_merged = {store.path(name + MERGED): name for name in found}
+    for info in listing:
+        at = info.path.find(MERGED)
+        while at >= 0:  # the merged path is the file's path up to one of its ".parquet"
+            end = at + len(MERGED)
+            name = by_merged.get(info.path[:end])
+            if name is not None and info.path[end : end + 1] in ("", "."):
+                found[name].append(info)
+                break
+            at = info.path.find(MERGED, at + 1)
+    return found
