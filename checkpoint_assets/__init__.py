@@ -5,6 +5,9 @@
 ['0-of-4', '1-of-4', '2-of-4', '3-of-4']
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from checkpoint_assets.engine.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -18,12 +21,36 @@ from checkpoint_assets.engine.errors import (
     TooManyFailuresError,
 )
 from checkpoint_assets.engine.settings import OnInputChange
-from checkpoint_assets.integration.asset import CheckpointRunConfig, checkpointed_asset
-from checkpoint_assets.integration.checks import checkpoint_checks
-from checkpoint_assets.integration.global_resume import global_resume_asset
-from checkpoint_assets.integration.io_manager import CheckpointIOManager
-from checkpoint_assets.integration.partitions import shard_partitions
-from checkpoint_assets.integration.sensor import failed_partitions_sensor
+
+if TYPE_CHECKING:
+    from checkpoint_assets.integration.asset import CheckpointRunConfig, checkpointed_asset
+    from checkpoint_assets.integration.checks import checkpoint_checks
+    from checkpoint_assets.integration.global_resume import global_resume_asset
+    from checkpoint_assets.integration.io_manager import CheckpointIOManager
+    from checkpoint_assets.integration.partitions import shard_partitions
+    from checkpoint_assets.integration.sensor import failed_partitions_sensor
+
+# The Dagster glue is imported on first use, so that the engine and the `checkpoint-assets` CLI
+# start without importing Dagster (seconds of start-up).
+_LAZY = {
+    "CheckpointRunConfig": "checkpoint_assets.integration.asset",
+    "checkpointed_asset": "checkpoint_assets.integration.asset",
+    "checkpoint_checks": "checkpoint_assets.integration.checks",
+    "global_resume_asset": "checkpoint_assets.integration.global_resume",
+    "CheckpointIOManager": "checkpoint_assets.integration.io_manager",
+    "shard_partitions": "checkpoint_assets.integration.partitions",
+    "failed_partitions_sensor": "checkpoint_assets.integration.sensor",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'checkpoint_assets' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CheckpointError",

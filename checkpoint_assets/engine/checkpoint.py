@@ -242,6 +242,12 @@ class Checkpoint:
         self.cache.clear()
         return frame
 
+    def list_files(self) -> list[FileInfo]:
+        """Every file of this checkpoint: merged, meta, lock and parts."""
+        folder = self.files.merged.rsplit("/", 1)[0]
+        found = [f for f in self.store.list(folder) if self.files.owns(f.path)]
+        return found + self.store.list(self.files.parts)
+
     # -- result --------------------------------------------------------------------------
     def read_result(
         self, id_column: str, output_columns: Sequence[str] | None, *, meta: Meta | None = None

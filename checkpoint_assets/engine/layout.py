@@ -25,7 +25,10 @@ import re
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import quote, unquote
+
+T = TypeVar("T")
 
 DEFAULT_TAG = "default"
 # The partition of an unpartitioned asset's checkpoint (and the sensor's name for it).
@@ -119,3 +122,21 @@ def part_range(file_name: str) -> tuple[int, int] | None:
 def names_in(paths: Iterable[str], root: str) -> list[str]:
     """Names of the checkpoints whose meta file is among ``paths`` (full paths under ``root``)."""
     return sorted(posixpath.relpath(p, root)[: -len(META)] for p in paths if p.endswith(META))
+
+
+def files_by_name(paths: Iterable[tuple[str, T]], root: str) -> dict[str, list[T]]:
+    """Group listed files (``(full path, info)`` pairs) by the checkpoint that owns them, in one
+    pass: comparing each file with each checkpoint would take minutes for thousands of shards."""
+    listing = list(paths)
+    found: dict[str, list[T]] = {name: [] for name in names_in((p for p, _ in listing), root)}
+    by_merged = {posixpath.join(root, name) + MERGED: name for name in found}
+    for path, info in listing:
+        at = path.find(MERGED)
+        while at >= 0:  # the merged path is the file's path up to one of its ".parquet"
+            end = at + len(MERGED)
+            name = by_merged.get(path[:end])
+            if name is not None and path[end : end + 1] in ("", "."):
+                found[name].append(info)
+                break
+            at = path.find(MERGED, at + 1)
+    return found

@@ -104,7 +104,8 @@ class Lease:
             # A lock file we cannot parse was written by something else; treat as expired.
             return Holder("?", None, "?", -1, 0.0, 0.0)
 
-    def _dead_reason(self, holder: Holder) -> str | None:
+    def dead_reason(self, holder: Holder) -> str | None:
+        """Why ``holder`` is dead (its lock may be taken over), or None while it lives."""
         if holder.expires < time.time():
             return "its lease expired"
         if holder.host == socket.gethostname() and not _pid_alive(holder.pid):
@@ -124,7 +125,7 @@ class Lease:
             current = self.read()
             if current is None:
                 continue  # released between our attempt and the read: try again
-            reason = self._dead_reason(current)
+            reason = self.dead_reason(current)
             if reason is None:
                 error = LockHeldError(
                     f"Checkpoint {self.store.display(self.path)} is being written by another "

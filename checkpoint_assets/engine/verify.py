@@ -1,0 +1,76 @@
+"""What is wrong with a checkpoint: every invariant a reader relies on, checked file by file.
+
+A checkpoint is sound when its meta file is readable, its merged file and every unmerged part
+are readable Parquet, each of them has the id column (of the type the meta records), unique ids
+and, where it holds successes, the output columns, and the files agree on their columns and
+types. Unlike a resume, which stops at the first problem, ``problems`` reports all of them, and
+reads each file once. Parts already merged (at or below the merged file's watermark) are left
+for the next writer to delete and are not checked.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.errors import CheckpointError
+from checkpoint_assets.engine.rows import resolve
+
+
+def problems(checkpoint: Checkpoint) -> list[str]:
+    """Every problem found in ``checkpoint``, one message each; empty when it is sound.
+
+    Example::
+
+        found = problems(Checkpoint(open_store("s3://bucket/checkpoints"), "a/default/all"))
+    """
+    try:
+        meta = checkpoint.read_meta()
+    except CheckpointError as e:
+        return [str(e)]
+    if meta is None:
+        return [
+            f"No checkpoint {checkpoint.name!r} under {checkpoint.store.url}: it has no meta file."
+        ]
+    found: list[str] = []
+    files: list[tuple[str, pl.DataFrame]] = []
+    watermark = 0
+    try:
+        merged, watermark = checkpoint.read_merged()
+        if merged is not None:
+            files.append((checkpoint.files.merged, merged))
+    except CheckpointError as e:
+        found.append(str(e))
+    for part in checkpoint.list_parts()[0]:
+        if part.last <= watermark:
+            continue  # merged already; the next writer deletes it
+        try:
+            files.append((part.path, checkpoint.read_file(part.path)))
+        except CheckpointError as e:
+            found.append(str(e))
+    outputs = list(meta.output_schema or {})
+    frames = []
+    for path, frame in files:
+        try:
+            checkpoint.check_file(frame, meta.id_column, path, outputs)
+        except CheckpointError as e:
+            found.append(str(e))
+            continue
+        id_dtype = str(frame.schema[meta.id_column])
+        if id_dtype != meta.id_dtype:
+            found.append(
+                f"Checkpoint file {checkpoint.store.display(path)} stores ids of type {id_dtype}, "
+                f"but the checkpoint's meta says {meta.id_dtype}. Two different jobs probably "
+                "share this checkpoint: give each its own checkpoint_tag, or start over with "
+                "`resume: false`."
+            )
+            continue
+        frames.append(frame)
+    if frames and not found:
+        try:
+            resolve(
+                frames, meta.id_column, checkpoint.url
+            )  # the files agree on their columns and types
+        except CheckpointError as e:
+            found.append(str(e))
+    return found
