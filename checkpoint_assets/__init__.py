@@ -18,6 +18,7 @@ from checkpoint_assets.engine.errors import (
 )
 from checkpoint_assets.integration.asset import CheckpointRunConfig, checkpointed_asset
 from checkpoint_assets.integration.checks import checkpoint_checks
+from checkpoint_assets.integration.component import CheckpointedAssetComponent
 from checkpoint_assets.integration.global_resume import global_resume_asset
 from checkpoint_assets.integration.io_manager import CheckpointIOManager
 from checkpoint_assets.integration.partitions import shard_partitions
@@ -27,6 +28,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointIOManager",
     "CheckpointRunConfig",
+    "CheckpointedAssetComponent",
     "CorruptCheckpointError",
     "InputChangedError",
     "InvalidIdsError",
