@@ -46,30 +46,8 @@ def _doc(description: str) -> dg.Resolver:
 
 _ASSET = _defaults(checkpointed_asset)
 _SENSOR = _defaults(failed_partitions_sensor)
-# Attributes passed to checkpointed_asset under the same name.
-_PASSED_ON = (
-    "source",
-    "id_column",
-    "input_columns",
-    "checkpoint_interval",
-    "flush_seconds",
-    "min_flush_seconds",
-    "retry_failed",
-    "dedupe",
-    "max_failed_fraction",
-    "on_input_change",
-    "max_concurrency",
-    "max_attempts",
-    "retry_delay_seconds",
-    "name",
-    "key_prefix",
-    "group_name",
-    "code_version",
-    "pool",
-    "tags",
-    "description",
-    "io_manager_key",
-)
+# Attributes named like a parameter of checkpointed_asset are passed on to it.
+_ASSET_PARAMETERS = inspect.signature(checkpointed_asset).parameters
 
 
 def _import_function(context: dg.ResolutionContext, reference: str) -> Callable[..., Any]:
@@ -343,12 +321,16 @@ class CheckpointedAssetComponent(dg.Component, dg.Resolvable, dg.Model):
         )
 
     def _asset_arguments(self) -> dict[str, Any]:
-        arguments = {key: getattr(self, key) for key in _PASSED_ON}
+        arguments = {
+            key: getattr(self, key)
+            for key in type(self).model_fields
+            if key in _ASSET_PARAMETERS and key != "batch_size"
+        }
         if self.shards is not None:
             arguments["partitions_def"] = shard_partitions(self.shards)
         if self.batch_size is not None:
             # batch_size: passed on once checkpointed_asset takes it.
-            if "batch_size" not in inspect.signature(checkpointed_asset).parameters:
+            if "batch_size" not in _ASSET_PARAMETERS:
                 raise CheckpointError(
                     "batch_size is not supported by this version of checkpoint-assets: remove "
                     "it; checkpoint_interval sets the rows per call and per flush."
