@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -94,6 +95,8 @@ def test_scaffolded_component_loads_its_batch_stub_and_materializes(tmp_path: Pa
         assert "\n  # checkpoint_interval: 16\n" in text
         assert "\n  # failed_partitions_sensor: false\n" in text
         assert (path / "batch.py").exists()
+        with pytest.raises(CheckpointError, match=r"scaffolds a defs\.yaml"):
+            sandbox.scaffold_component(CheckpointedAssetComponent, scaffold_format="python")
 
         with sandbox.load_component_and_build_defs(defs_path=path) as (component, defs):
             assert isinstance(component, CheckpointedAssetComponent)
@@ -191,7 +194,7 @@ def test_fn_reference_errors_say_what_to_write() -> None:
         "helpers.jobs:ASSET": "has a non-callable 'ASSET'",
     }
     for reference, message in cases.items():
-        with pytest.raises(ResolutionException, match=message):
+        with pytest.raises(ResolutionException, match=re.escape(message)):
             CheckpointedAssetComponent.resolve_from_yaml(
                 f"fn: {reference}\nsource: tickets\nid_column: ticket_id\n"
             )
