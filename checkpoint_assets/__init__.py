@@ -25,6 +25,7 @@ from checkpoint_assets.engine.settings import OnInputChange
 if TYPE_CHECKING:
     from checkpoint_assets.integration.asset import CheckpointRunConfig, checkpointed_asset
     from checkpoint_assets.integration.checks import checkpoint_checks
+    from checkpoint_assets.integration.component import CheckpointedAssetComponent
     from checkpoint_assets.integration.global_resume import global_resume_asset
     from checkpoint_assets.integration.io_manager import CheckpointIOManager
     from checkpoint_assets.integration.partitions import shard_partitions
@@ -36,6 +37,7 @@ _LAZY = {
     "CheckpointRunConfig": "checkpoint_assets.integration.asset",
     "checkpointed_asset": "checkpoint_assets.integration.asset",
     "checkpoint_checks": "checkpoint_assets.integration.checks",
+    "CheckpointedAssetComponent": "checkpoint_assets.integration.component",
     "global_resume_asset": "checkpoint_assets.integration.global_resume",
     "CheckpointIOManager": "checkpoint_assets.integration.io_manager",
     "shard_partitions": "checkpoint_assets.integration.partitions",
@@ -52,10 +54,16 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+def __dir__() -> list[str]:
+    # `dg` finds the Component by listing this module's members: list the lazy ones too.
+    return sorted(set(globals()) | set(__all__))
+
+
 __all__ = [
     "CheckpointError",
     "CheckpointIOManager",
     "CheckpointRunConfig",
+    "CheckpointedAssetComponent",
     "CorruptCheckpointError",
     "InputChangedError",
     "InvalidIdsError",

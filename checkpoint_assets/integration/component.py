@@ -1,0 +1,339 @@
+"""``CheckpointedAssetComponent``: a checkpointed asset declared in a ``defs.yaml`` for ``dg``.
+
+``build_defs`` calls the public API (``checkpointed_asset``, ``shard_partitions``,
+``checkpoint_checks``, ``failed_partitions_sensor``, ``global_resume_asset``), so an asset
+declared in YAML behaves exactly like one declared in Python. Defaults are read from those
+functions' signatures, so they live in one place.
+
+No ``from __future__ import annotations`` here: Dagster derives the YAML schema from the
+annotations at runtime.
+"""
+
+import enum
+import importlib
+import inspect
+import json
+import re
+import textwrap
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+import dagster as dg
+from pydantic import BaseModel, Field
+
+from checkpoint_assets.engine.errors import CheckpointError
+from checkpoint_assets.integration.asset import checkpointed_asset
+from checkpoint_assets.integration.checks import checkpoint_checks
+from checkpoint_assets.integration.global_resume import global_resume_asset
+from checkpoint_assets.integration.io_manager import CheckpointIOManager
+from checkpoint_assets.integration.partitions import shard_partitions
+from checkpoint_assets.integration.sensor import failed_partitions_sensor
+
+
+def _defaults(fn: Callable[..., Any]) -> dict[str, Any]:
+    return {
+        name: p.default
+        for name, p in inspect.signature(fn).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+
+
+def _doc(description: str) -> dg.Resolver:
+    """The field's description in the YAML schema (``dg`` shows it; pydantic's is not used)."""
+    resolver: dg.Resolver = dg.Resolver.default(description=description)
+    return resolver
+
+
+_ASSET = _defaults(checkpointed_asset)
+_SENSOR = _defaults(failed_partitions_sensor)
+# Attributes named like a parameter of checkpointed_asset are passed on to it.
+_ASSET_PARAMETERS = inspect.signature(checkpointed_asset).parameters
+
+
+def _import_function(context: dg.ResolutionContext, reference: str) -> Callable[..., Any]:
+    """``package.module:function``; ``.module:function`` is a module beside the defs.yaml."""
+    module_name, sep, attr = reference.partition(":")
+    if not sep or not module_name or not attr:
+        raise CheckpointError(
+            f"fn must be 'module:function' (e.g. my_project.routing:route_batch, or "
+            f".routing:route_batch for routing.py beside the defs.yaml); got {reference!r}."
+        )
+    if module_name.startswith("."):
+        module_name = _component_module(context) + module_name
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not f"{module_name}.".startswith(f"{e.name}."):
+            raise  # the module exists, something it imports does not
+        raise CheckpointError(
+            f"fn {reference!r}: there is no module {module_name!r}. Is the package installed "
+            "in this environment, and is the module name spelled right?"
+        ) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        found = "has no attribute" if fn is None else "has a non-callable"
+        raise CheckpointError(
+            f"fn {reference!r}: module {module_name!r} {found} {attr!r}; point fn at the batch "
+            "function (batch: pl.DataFrame) -> pl.DataFrame."
+        )
+    return fn  # type: ignore[no-any-return]
+
+
+def _component_module(context: dg.ResolutionContext) -> str:
+    """The module name of the folder that holds the component's defs.yaml."""
+    try:
+        load = dg.ComponentLoadContext.from_resolution_context(context)
+    except Exception:
+        raise CheckpointError(
+            "A relative fn (.module:function) needs the component to be loaded from a defs "
+            "folder; use the absolute form package.module:function."
+        ) from None
+    folder = load.path if load.path.is_dir() else load.path.parent
+    return load.defs_relative_module_name(folder)
+
+
+BatchFunction = Annotated[
+    Callable[..., Any],
+    dg.Resolver(
+        lambda context, value: _import_function(context, value),
+        model_field_type=str,
+        description=(
+            "The batch function, as module:function (.module:function for a module beside this "
+            "defs.yaml). It gets a polars DataFrame of up to checkpoint_interval rows (the id and "
+            "the input columns) and returns the id and the output columns of those rows."
+        ),
+        examples=["my_project.routing:route_batch", ".batch:process_batch"],
+    ),
+]
+
+
+class FailedPartitionsSensor(dg.Resolvable, dg.Model):
+    """Settings of the failed-partitions sensor."""
+
+    max_retries: Annotated[int, _doc("Runs requested per failed shard at most.")] = _SENSOR[
+        "max_retries"
+    ]
+    backoff_seconds: Annotated[
+        float, _doc("Wait after a failure before its retry, doubled for every attempt.")
+    ] = _SENSOR["backoff_seconds"]
+    minimum_interval_seconds: Annotated[int, _doc("Time between sensor ticks.")] = _SENSOR[
+        "minimum_interval_seconds"
+    ]
+    name: Annotated[str | None, _doc("Sensor name (default: <asset>_failed_partitions).")] = None
+    default_status: Annotated[
+        dg.DefaultSensorStatus,
+        _doc("RUNNING starts the sensor when the code loads; STOPPED: turn it on in the UI."),
+    ] = _SENSOR["default_status"]
+
+
+class CheckpointedAssetScaffoldParams(BaseModel):
+    """What ``dg scaffold defs checkpoint_assets.CheckpointedAssetComponent NAME`` may fill in."""
+
+    source: str | None = Field(default=None, description="The upstream asset with the rows.")
+    id_column: str | None = Field(default=None, description="Unique integer or string id.")
+    fn: str | None = Field(
+        default=None,
+        description="The batch function as module:function (default: a stub in batch.py).",
+    )
+    shards: int | None = Field(default=None, description="Number of shards.")
+
+
+class CheckpointedAssetScaffolder(dg.Scaffolder[CheckpointedAssetScaffoldParams]):
+    """Writes a ``defs.yaml`` (every optional attribute listed, commented out, with its default)
+    and, unless ``--fn`` names a function, a ``batch.py`` stub beside it."""
+
+    @classmethod
+    def get_scaffold_params(cls) -> type[CheckpointedAssetScaffoldParams]:
+        return CheckpointedAssetScaffoldParams
+
+    def scaffold(self, request: dg.ScaffoldRequest[CheckpointedAssetScaffoldParams]) -> None:
+        if request.scaffold_format != "yaml":
+            raise CheckpointError(
+                "CheckpointedAssetComponent scaffolds a defs.yaml (--format yaml); in Python, use "
+                "the checkpointed_asset decorator instead."
+            )
+        params = request.params
+        id_column = params.id_column or "id"
+        if params.fn is None:
+            (request.target_path / "batch.py").write_text(_BATCH_STUB.format(id_column=id_column))
+        values: dict[str, Any] = {
+            "fn": params.fn or ".batch:process_batch",
+            "source": params.source or "my_source",
+            "id_column": id_column,
+            "name": request.target_path.name,
+        }
+        if params.shards is not None:
+            values["shards"] = params.shards
+        # A placeholder source fails `dg check defs` until it names a real asset; say so.
+        notes = {"source": "  # TODO: the upstream asset" if params.source is None else ""}
+        lines = [f"type: {request.type_name}", "", "attributes:"]
+        schema = CheckpointedAssetComponent.model().model_fields
+        for key, field in CheckpointedAssetComponent.model_fields.items():
+            lines += [f"  # {text}" for text in textwrap.wrap(schema[key].description or "", 94)]
+            if key in values:
+                lines.append(f"  {key}: {_yaml_value(values[key])}{notes.get(key, '')}")
+            else:
+                lines.append(f"  # {key}: {_yaml_value(field.default)}")
+        (request.target_path / "defs.yaml").write_text("\n".join(lines) + "\n")
+
+
+_BATCH_STUB = '''\
+"""The batch function of this checkpointed asset (fn: .batch:process_batch in defs.yaml)."""
+
+import polars as pl
+
+
+def process_batch(batch: pl.DataFrame) -> pl.DataFrame:
+    """Called with up to checkpoint_interval rows: the id and the input columns.
+
+    Return the id and the output columns of those rows, in any order. Replace the body with
+    the call to your model or API; results are checkpointed as each batch completes.
+    """
+    return batch.select("{id_column}", output=pl.lit("todo"))
+'''
+
+
+def _yaml_value(value: Any) -> str:
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, str) and re.fullmatch(r"[\w.:/-]+", value):
+        return value
+    return json.dumps(value)  # JSON is YAML: null, true, 1.0, "quoted text"
+
+
+@dg.scaffold_with(CheckpointedAssetScaffolder)
+class CheckpointedAssetComponent(dg.Component, dg.Resolvable, dg.Model):
+    """A resumable, sharded, row-wise batch job as a checkpointed Dagster asset.
+
+    Results are flushed to Parquet as they are computed and an interrupted run resumes by row id;
+    each shard is a partition. The same asset as ``checkpointed_asset`` declares in Python::
+
+        type: checkpoint_assets.CheckpointedAssetComponent
+        attributes:
+          fn: my_project.routing:route_batch
+          source: tickets
+          id_column: ticket_id
+          shards: 8
+          checkpoint_checks: true
+          failed_partitions_sensor: {max_retries: 3}
+
+    The component binds no resources: the project binds ``io_manager`` to a
+    ``CheckpointIOManager`` (e.g. in ``defs/resources.py``), unless ``base_dir`` is set.
+    """
+
+    fn: BatchFunction
+    source: Annotated[str, _doc("The upstream asset with the rows (its key; a/b for a prefix).")]
+    id_column: Annotated[str, _doc("Unique integer or string id of each row.")]
+    name: Annotated[str | None, _doc("Asset name (default: the function's name).")] = None
+    input_columns: Annotated[
+        list[str] | None,
+        _doc("Columns fn reads and that fingerprint a row (default: all but the id)."),
+    ] = None
+    shards: Annotated[
+        int | None,
+        _doc("Split the rows into this many shards, one partition each (default: one checkpoint)."),
+    ] = None
+    checkpoint_interval: Annotated[int, _doc("Rows per call and per flush.")] = _ASSET[
+        "checkpoint_interval"
+    ]
+    batch_size: Annotated[
+        int | None, _doc("Rows per call, when it should differ from checkpoint_interval.")
+    ] = None
+    flush_seconds: Annotated[float, _doc("Flush at least this often while rows are done.")] = (
+        _ASSET["flush_seconds"]
+    )
+    min_flush_seconds: Annotated[
+        float | None,
+        _doc("Never flush more often than this (default 0 locally, 5 on object stores)."),
+    ] = _ASSET["min_flush_seconds"]
+    retry_failed: Annotated[bool, _doc("Compute rows stored as failed again on the next run.")] = (
+        _ASSET["retry_failed"]
+    )
+    dedupe: Annotated[bool, _doc("Call fn once per distinct input; copies share the result.")] = (
+        _ASSET["dedupe"]
+    )
+    max_failed_fraction: Annotated[
+        float, _doc("Above this fraction of failed rows the run fails (after checkpointing).")
+    ] = _ASSET["max_failed_fraction"]
+    on_input_change: Annotated[
+        Literal["fail", "recompute"], _doc("fail, or recompute finished rows whose input changed.")
+    ] = _ASSET["on_input_change"]
+    max_concurrency: Annotated[int, _doc("Batches in flight at once.")] = _ASSET["max_concurrency"]
+    max_attempts: Annotated[
+        int, _doc("Calls of a failing batch before it is split to isolate poison rows.")
+    ] = _ASSET["max_attempts"]
+    retry_delay_seconds: Annotated[
+        float, _doc("First delay between attempts, doubled each time.")
+    ] = _ASSET["retry_delay_seconds"]
+    key_prefix: Annotated[str | list[str] | None, _doc("Asset key prefix.")] = None
+    group_name: Annotated[str | None, _doc("Asset group.")] = None
+    code_version: Annotated[
+        str | None, _doc("Change it when results would change: stored results are then refused.")
+    ] = None
+    pool: Annotated[str | None, _doc("Dagster concurrency pool that limits calls.")] = None
+    tags: Annotated[dict[str, str] | None, _doc("Asset tags.")] = None
+    description: Annotated[
+        str | None, _doc("Asset description (default: the function's docstring).")
+    ] = None
+    io_manager_key: Annotated[
+        str, _doc("Resource key of the CheckpointIOManager that stores the checkpoints.")
+    ] = _ASSET["io_manager_key"]
+    base_dir: Annotated[
+        str | None,
+        _doc(
+            "Bind a CheckpointIOManager with this base_dir (a local path or fsspec URI) under "
+            "io_manager_key (default: bind nothing; the project binds it)."
+        ),
+    ] = None
+    checkpoint_checks: Annotated[
+        bool, _doc("Add the completeness and failed_rows asset checks.")
+    ] = False
+    global_resume_asset: Annotated[
+        bool, _doc("Add <name>_global_resume, to resume across shard counts after a reshard.")
+    ] = False
+    failed_partitions_sensor: Annotated[
+        bool | FailedPartitionsSensor,
+        _doc(
+            "true, or {max_retries, backoff_seconds, minimum_interval_seconds, name, "
+            "default_status}: add a sensor that re-runs failed shards."
+        ),
+    ] = False
+
+    def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
+        asset = checkpointed_asset(**self._asset_arguments())(self.fn)
+        assets = [asset]
+        if self.global_resume_asset:
+            assets.append(global_resume_asset(asset, io_manager_key=self.io_manager_key))
+        sensors = []
+        if self.failed_partitions_sensor:
+            sensor = self.failed_partitions_sensor
+            if not isinstance(sensor, FailedPartitionsSensor):
+                sensor = FailedPartitionsSensor()
+            sensors.append(failed_partitions_sensor(asset, **sensor.model_dump()))
+        resources = {}
+        if self.base_dir is not None:
+            resources[self.io_manager_key] = CheckpointIOManager(base_dir=self.base_dir)
+        return dg.Definitions(
+            assets=assets,
+            asset_checks=checkpoint_checks(asset) if self.checkpoint_checks else None,
+            sensors=sensors,
+            resources=resources,
+        )
+
+    def _asset_arguments(self) -> dict[str, Any]:
+        arguments = {
+            key: getattr(self, key)
+            for key in type(self).model_fields
+            if key in _ASSET_PARAMETERS and key != "batch_size"
+        }
+        if self.shards is not None:
+            arguments["partitions_def"] = shard_partitions(self.shards)
+        if self.batch_size is not None:
+            # batch_size: passed on once checkpointed_asset takes it.
+            if "batch_size" not in _ASSET_PARAMETERS:
+                raise CheckpointError(
+                    "batch_size is not supported by this version of checkpoint-assets: remove "
+                    "it; checkpoint_interval sets the rows per call and per flush."
+                )
+            arguments["batch_size"] = self.batch_size
+        return arguments

@@ -1,0 +1,305 @@
+"""CheckpointedAssetComponent: a checkpointed asset declared in a defs.yaml, the way a `dg`
+project uses it. In process: the example project's definitions and a scaffolded component
+materialize real shards. In subprocesses (slow): `dg list components`, `dg scaffold defs`,
+`dg check defs` and `dg launch` on a copy of examples/dg_project."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import polars as pl
+import pytest
+from dagster.components.resolved.errors import ResolutionException
+from dagster.components.testing import create_defs_folder_sandbox
+from helpers.jobs import ids_in_shard
+
+from checkpoint_assets import (
+    CheckpointedAssetComponent,
+    CheckpointError,
+    CheckpointIOManager,
+    checkpointed_asset,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "dg_project"
+COMPONENT = "checkpoint_assets.CheckpointedAssetComponent"
+CHECKS = ("completeness", "failed_rows")
+
+
+@pytest.fixture
+def example_on_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The example project importable, as `pip install -e examples/dg_project` makes it."""
+    monkeypatch.syspath_prepend(str(EXAMPLE / "src"))
+    yield
+    for name in [m for m in sys.modules if m == "dg_project" or m.startswith("dg_project.")]:
+        del sys.modules[name]
+
+
+def test_example_project_materializes_a_shard_in_process(
+    example_on_path: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))  # the project's CheckpointIOManager()
+    defs = dg.load_from_defs_folder(project_root=EXAMPLE)
+    routing = defs.resolve_assets_def("ticket_routing")
+    tickets = defs.resolve_assets_def("tickets")
+    assert routing.partitions_def is not None
+    assert routing.partitions_def.get_partition_keys() == [f"{i}-of-4" for i in range(4)]
+    assert routing.group_names_by_key[routing.key] == "support"
+    assert isinstance(defs.resources["io_manager"], CheckpointIOManager)
+
+    result = dg.materialize(
+        [tickets, routing], partition_key="2-of-4", instance=dg.DagsterInstance.ephemeral()
+    )
+
+    assert result.success
+    rows = pl.read_parquet(tmp_path / "checkpoints" / "tickets.parquet")
+    expected = ids_in_shard(rows, 2, 4)
+    stored = pl.read_parquet(tmp_path / "checkpoints" / "ticket_routing/default/2-of-4.parquet")
+    assert sorted(stored["ticket_id"]) == sorted(expected)
+    [event] = [
+        e.materialization
+        for e in result.get_asset_materialization_events()
+        if e.materialization.asset_key == routing.key
+    ]
+    assert event.metadata["rows_computed"].value == len(expected)
+    departments = dict(zip(stored["ticket_id"], stored["department"], strict=True))
+    subjects = dict(zip(rows["ticket_id"], rows["subject"], strict=True))
+    by_subject = {"Refund request": "billing", "App crash on start": "technical"}
+    for ticket_id, department in departments.items():
+        assert department == by_subject.get(subjects[ticket_id], department)
+    assert {"billing", "technical"} <= set(departments.values())
+
+
+def test_scaffolded_component_loads_its_batch_stub_and_materializes(tmp_path: Path) -> None:
+    with create_defs_folder_sandbox() as sandbox:
+        path = sandbox.scaffold_component(
+            component_cls=CheckpointedAssetComponent,
+            defs_path="scored",
+            scaffold_params={"source": "tickets", "id_column": "ticket_id", "shards": 2},
+        )
+        text = (path / "defs.yaml").read_text()
+        assert text.startswith("type: checkpoint_assets.") and "CheckpointedAssetComponent" in text
+        for line in ("fn: .batch:process_batch", "source: tickets", "shards: 2", "name: scored"):
+            assert f"\n  {line}\n" in text
+        # Every other attribute is listed, commented out, with the decorator's default.
+        assert "\n  # checkpoint_interval: 16\n" in text
+        assert "\n  # failed_partitions_sensor: false\n" in text
+        assert (path / "batch.py").exists()
+        with pytest.raises(CheckpointError, match=r"scaffolds a defs\.yaml"):
+            sandbox.scaffold_component(CheckpointedAssetComponent, scaffold_format="python")
+
+        with sandbox.load_component_and_build_defs(defs_path=path) as (component, defs):
+            assert isinstance(component, CheckpointedAssetComponent)
+            assert not defs.resources  # the project binds the IO manager
+            rows = pl.DataFrame({"ticket_id": range(40), "body": [f"b{i}" for i in range(40)]})
+            defs = with_tickets(defs, rows, tmp_path)
+            result = dg.materialize(
+                [defs.resolve_assets_def("tickets"), defs.resolve_assets_def("scored")],
+                partition_key="1-of-2",
+                instance=dg.DagsterInstance.ephemeral(),
+            )
+
+    assert result.success
+    stored = pl.read_parquet(tmp_path / "scored" / "default" / "1-of-2.parquet")
+    assert sorted(stored["ticket_id"]) == sorted(ids_in_shard(rows, 1, 2))
+    assert set(stored["output"]) == {"todo"}
+
+
+def with_tickets(
+    defs: dg.Definitions, rows: pl.DataFrame, base_dir: Path | None = None
+) -> dg.Definitions:
+    """``defs`` with the source asset its component reads, and the project's IO manager."""
+
+    @dg.asset
+    def tickets() -> pl.DataFrame:
+        return rows
+
+    resources = {"io_manager": CheckpointIOManager(base_dir=str(base_dir))} if base_dir else {}
+    return dg.Definitions.merge(defs, dg.Definitions(assets=[tickets], resources=resources))
+
+
+def _component(yaml: str) -> CheckpointedAssetComponent:
+    base = "fn: helpers.jobs:route\nsource: tickets\nid_column: ticket_id\n"
+    component = CheckpointedAssetComponent.resolve_from_yaml(base + yaml)
+    assert isinstance(component, CheckpointedAssetComponent)
+    return component
+
+
+def _defs(yaml: str) -> dg.Definitions:
+    """The component's own definitions (resolving them needs the source: ``_resolved``)."""
+    return _component(yaml).build_defs(dg.ComponentTree.for_test().load_context)
+
+
+def _resolved(defs: dg.Definitions, name: str) -> dg.AssetsDefinition:
+    return with_tickets(defs, pl.DataFrame({"ticket_id": [1]})).resolve_assets_def(name)
+
+
+def test_attributes_add_checks_sensor_global_resume_and_their_own_io_manager(
+    tmp_path: Path,
+) -> None:
+    own = _defs(
+        f"name: routed\nshards: 8\ncode_version: v2\nbase_dir: {tmp_path}\n"
+        "io_manager_key: checkpoints\ncheckpoint_checks: true\nglobal_resume_asset: true\n"
+        "failed_partitions_sensor: {max_retries: 5, backoff_seconds: 0, default_status: RUNNING}\n"
+    )
+    assert set(own.resources or {}) == {"checkpoints"}
+    assert {key.name for c in own.asset_checks or [] for key in c.check_keys} == set(CHECKS)
+    [sensor] = own.sensors or []
+    assert sensor.name == "routed_failed_partitions"
+    assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
+
+    rows = pl.DataFrame({"ticket_id": range(50), "body": [f"b{i}" for i in range(50)]})
+    defs = with_tickets(own, rows)  # the project's io_manager stays Dagster's default
+    routed = defs.resolve_assets_def("routed")
+    assert routed.partitions_def is not None
+    assert len(routed.partitions_def.get_partition_keys()) == 8
+    assert routed.code_versions_by_key[routed.key] == "v2"
+    global_resume = defs.resolve_assets_def("routed_global_resume")
+    assert routed.key in global_resume.asset_deps[global_resume.key]
+    result = dg.materialize(
+        [defs.resolve_assets_def("tickets"), routed, *(own.asset_checks or [])],
+        partition_key="3-of-8",
+        instance=dg.DagsterInstance.ephemeral(),
+    )
+    assert result.success
+    stored = pl.read_parquet(tmp_path / "routed" / "default" / "3-of-8.parquet")
+    assert sorted(stored["ticket_id"]) == sorted(ids_in_shard(rows, 3, 8))
+    assert all(e.passed for e in result.get_asset_check_evaluations())
+    assert len(result.get_asset_check_evaluations()) == 2
+
+
+def test_without_flags_it_adds_the_asset_alone() -> None:
+    bare = _defs("name: routed\n")
+    assert not bare.sensors and not bare.asset_checks and not bare.resources
+    assert [a.key for a in bare.assets or []] == [dg.AssetKey("routed")]
+    assert _resolved(bare, "routed").partitions_def is None
+    assert _defs("failed_partitions_sensor: true\n").sensors
+
+
+def test_fn_reference_errors_say_what_to_write() -> None:
+    cases = {
+        "helpers.jobs.route": "fn must be 'module:function'",
+        "helpers.no_such_module:route": "there is no module 'helpers.no_such_module'",
+        "helpers.jobs:no_such_function": "has no attribute 'no_such_function'",
+        "helpers.jobs:ASSET": "has a non-callable 'ASSET'",
+    }
+    for reference, message in cases.items():
+        with pytest.raises(ResolutionException, match=re.escape(message)):
+            CheckpointedAssetComponent.resolve_from_yaml(
+                f"fn: {reference}\nsource: tickets\nid_column: ticket_id\n"
+            )
+
+
+def test_batch_size_is_passed_on_only_when_the_decorator_takes_it() -> None:
+    if "batch_size" in inspect.signature(checkpointed_asset).parameters:
+        assert _resolved(_defs("name: routed\nbatch_size: 4\n"), "routed")
+    else:
+        with pytest.raises(CheckpointError, match="batch_size is not supported"):
+            _defs("batch_size: 4\n")
+
+
+# --- the dg CLI, in subprocesses ---------------------------------------------------------------
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A copy of the example project, with its package importable and a fresh DAGSTER_HOME."""
+    copy = tmp_path / "dg_project"
+    shutil.copytree(EXAMPLE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    return copy
+
+
+def dg_cli(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["DAGSTER_HOME"] = str(project.parent / "dagster_home")
+    env["PYTHONPATH"] = os.pathsep.join([str(project / "src"), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "dagster_dg_cli.cli", *args],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.slow
+def test_dg_list_components_shows_it(project: Path) -> None:
+    listed = dg_cli(project, "list", "components", "--json")
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    keys = {item["key"]: item for item in json.loads(listed.stdout)["items"]}
+    assert COMPONENT in keys
+    assert "checkpointed" in keys[COMPONENT]["summary"]
+
+
+@pytest.mark.slow
+def test_dg_check_accepts_the_example_and_a_scaffolded_component(project: Path) -> None:
+    checked = dg_cli(project, "check", "defs")
+    assert checked.returncode == 0, checked.stderr[-3000:]
+
+    scaffolded = dg_cli(
+        project, "scaffold", "defs", COMPONENT, "ticket_priority",
+        "--source", "tickets", "--id-column", "ticket_id",
+    )  # fmt: skip
+    assert scaffolded.returncode == 0, scaffolded.stderr[-3000:]
+    folder = project / "src" / "dg_project" / "defs" / "ticket_priority"
+    assert "source: tickets" in (folder / "defs.yaml").read_text()
+    assert (folder / "batch.py").exists()
+
+    checked = dg_cli(project, "check", "defs")
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    listed = dg_cli(project, "list", "defs", "--json")
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    assets = {a["asset_key"] for a in json.loads(listed.stdout)["assets"]}
+    assert {"tickets", "ticket_routing", "ticket_priority"} <= assets
+
+    (folder / "defs.yaml").write_text(
+        (folder / "defs.yaml").read_text().replace("fn: .batch:", "fn: .no_such_module:")
+    )
+    broken = dg_cli(project, "check", "defs")
+    assert broken.returncode != 0
+    assert "there is no module 'dg_project.defs.ticket_priority.no_such_module'" in (
+        broken.stdout + broken.stderr
+    )
+
+
+@pytest.mark.slow
+def test_dg_launch_materializes_a_shard(project: Path) -> None:
+    # One process for the run's steps (the shard and its checks): seconds faster in a test.
+    in_process = json.dumps({"execution": {"config": {"in_process": {}}}})
+    launched = dg_cli(
+        project, "launch", "--assets", "tickets,ticket_routing", "--partition", "1-of-4",
+        "--config-json", in_process,
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stderr[-3000:]
+
+    home = project.parent / "dagster_home"
+    tickets = pl.read_parquet(home / "checkpoints" / "tickets.parquet")
+    stored = pl.read_parquet(home / "checkpoints" / "ticket_routing" / "default" / "1-of-4.parquet")
+    expected = ids_in_shard(tickets, 1, 4)
+    assert sorted(stored["ticket_id"]) == sorted(expected)
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        [record] = instance.fetch_materializations(
+            dg.AssetRecordsFilter(dg.AssetKey("ticket_routing"), asset_partitions=["1-of-4"]), 1
+        ).records
+        metadata: Any = record.asset_materialization.metadata
+        assert metadata["rows_computed"].value == len(expected)
+        assert metadata["rows_failed"].value == 0
+        keys = [dg.AssetCheckKey(dg.AssetKey("ticket_routing"), n) for n in CHECKS]
+        checks = instance.event_log_storage.get_latest_asset_check_execution_by_key(keys)
+        assert {k.name: c.status.value for k, c in checks.items()} == dict.fromkeys(
+            CHECKS, "SUCCEEDED"
+        )
