@@ -19,7 +19,8 @@ counts the requests seen with the same messages, so a run is reproducible whatev
 concurrent requests arrive in, and a retried prompt eventually gets through.
 
 ``GET /stats`` returns what was served so far, by outcome (see :data:`OUTCOMES`), with the peak
-number of requests in flight and the token counts. ``GET /v1/models`` lists the one model.
+number of requests in flight, the token counts and the server process's CPU time.
+``GET /v1/models`` lists the one model.
 
 Start it from a shell (the first line printed is the base URL to give the client)::
 
@@ -212,13 +213,17 @@ class ChatServer:
         return None
 
     def snapshot(self) -> dict[str, int]:
-        """What ``/stats`` returns: requests by outcome, the total, peak in flight, tokens."""
+        """What ``/stats`` returns: requests by outcome, the total, peak in flight, tokens.
+
+        ``cpu_ms`` is the CPU time of the server's whole process, for benchmarks.
+        """
         return {
             **{outcome: self.counts[outcome] for outcome in OUTCOMES},
             "requests": sum(self.counts.values()),
             "peak_in_flight": self.peak_in_flight,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "cpu_ms": round(time.process_time() * 1000),
         }
 
     async def _stats(self, request: Request) -> Response:
@@ -429,7 +434,7 @@ def serve_process(settings: Settings = _DEFAULTS, *, model: str = DEFAULT_MODEL)
 
 
 def stats(base_url: str) -> dict[str, int]:
-    """The server's ``/stats``: requests served so far by outcome, peak in flight, tokens."""
+    """The server's ``/stats``: requests served so far by outcome, peak in flight, tokens, CPU."""
     url = base_url.removesuffix("/").removesuffix("/v1") + "/stats"
     with urllib.request.urlopen(url, timeout=10) as response:
         result: dict[str, int] = json.load(response)

@@ -31,7 +31,7 @@ def test_one_client_per_event_loop_serves_every_run() -> None:
     async def two_calls(chat: OpenAIChat) -> tuple[openai.AsyncOpenAI, list[str | None]]:
         answers = await asyncio.gather(route(chat, "refund please"), route(chat, "tracking?"))
         assert chat.client() is chat.client()
-        return chat.client(), answers
+        return chat.client(), list(answers)
 
     with serve() as base_url:
         chat = OpenAIChat(base_url=base_url, api_key="local", model="m")
