@@ -352,6 +352,9 @@ def _server(app: ChatServer, log_level: str, own_logging: bool) -> uvicorn.Serve
         log_level=log_level,
         log_config=uvicorn.config.LOGGING_CONFIG if own_logging else None,
         backlog=2048,
+        # Longer than a client's pause between calls (uvicorn's default is 5 s), so an idle
+        # pooled connection is not closed just as the client reuses it: no spurious drops.
+        timeout_keep_alive=120,
         timeout_graceful_shutdown=5,
     )
     logging.getLogger("uvicorn.error").addFilter(_QUIET_DROPS)
