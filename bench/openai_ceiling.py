@@ -49,6 +49,7 @@ class Ceiling:
     seconds: float
     client_cpu_seconds: float  # of this whole process (with the server, in thread mode)
     server_cpu_seconds: float  # of the server's process (this one, in thread mode)
+    peak_in_flight: int  # the most requests the server saw at once
 
     @property
     def per_second(self) -> float:
@@ -82,7 +83,7 @@ async def _drive(base_url: str, texts: list[str], concurrency: int) -> Ceiling:
         cpu, start = time.process_time(), time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return Ceiling(len(texts), concurrency, seconds, cpu, server_cpu_seconds=0.0)
+    return Ceiling(len(texts), concurrency, seconds, cpu, server_cpu_seconds=0.0, peak_in_flight=0)
 
 
 async def _one(client: openai.AsyncOpenAI, text: str) -> None:
@@ -104,7 +105,9 @@ def measure(base_url: str, texts: list[str], concurrency: int = 32) -> Ceiling:
         raise RuntimeError(f"the server refused or failed {failed} requests: {after}")
     # Includes the warm-up requests, a few percent of the total.
     server_cpu = (after["cpu_ms"] - before["cpu_ms"]) / 1000
-    return dataclasses.replace(result, server_cpu_seconds=server_cpu)
+    return dataclasses.replace(
+        result, server_cpu_seconds=server_cpu, peak_in_flight=after["peak_in_flight"]
+    )
 
 
 def _server(kind: str, latency_ms: float) -> AbstractContextManager[str]:
@@ -151,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             f"server in a {kind:7}: median {statistics.median(rates):4.0f} req/s "
             f"(runs: {', '.join(f'{r:.0f}' for r in rates)}); CPU per request: "
             f"{client_us:.0f} µs client process, {server_us:.0f} µs server process; "
+            f"peak {max(r.peak_in_flight for r in runs)} in flight; "
             f"with a whole core the client would do {min(1e6 / client_us, ideal):.0f} req/s"
         )
     print(f"load average {_load()}")

@@ -170,8 +170,15 @@ class _Drop(Exception):
     """Raised by the handler to have the connection closed without an answer."""
 
 
-def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+def _error(
+    status: int,
+    message: str,
+    kind: str,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """An error in the OpenAI API's shape, which the openai client puts in ``error.body``."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -320,7 +327,9 @@ class ChatServer:
             "retry-after": str(math.ceil(delay)),
             "retry-after-ms": str(round(delay * 1000)),
         }
-        return _error(429, f"{why}; retry after {delay:g} s", "requests", headers)
+        return _error(
+            429, f"{why}; retry after {delay:g} s", "requests", "rate_limit_exceeded", headers
+        )
 
 
 class _QuietDrops(logging.Filter):

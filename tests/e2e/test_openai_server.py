@@ -108,6 +108,7 @@ def test_a_rate_limit_arrives_as_rate_limit_error_with_retry_after() -> None:
     headers = raised.value.response.headers
     assert headers["retry-after"] == "3"  # whole seconds, rounded up, as HTTP allows
     assert headers["retry-after-ms"] == "2500"
+    assert raised.value.code == "rate_limit_exceeded"
     assert served["rate_limited"] == served["requests"] == 1  # no retry hidden in the client
 
 
