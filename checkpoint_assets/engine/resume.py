@@ -19,6 +19,9 @@ log = logging.getLogger("checkpoint_assets")
 
 OnInputChange = Literal["fail", "recompute"]
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_FIT_INT64 = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32)
+
 
 def validate_ids(df: pl.DataFrame, id_column: str) -> None:
     """Refuse ids that cannot identify rows, before any call of the user's function."""
@@ -34,6 +37,19 @@ def validate_ids(df: pl.DataFrame, id_column: str) -> None:
             f"strings. Sample values: {ids.head(5).to_list()}. Cast it, or derive a stable "
             "string id, in the source asset."
         )
+    if ids.dtype.is_integer() and ids.dtype not in _FIT_INT64:
+        # Integer ids are stored as Int64: a wider value would fail, or wrap, later on.
+        too_big = ids > _INT64_MAX
+        wide = ids.filter(
+            too_big if ids.dtype.is_unsigned_integer() else too_big | (ids < _INT64_MIN)
+        )
+        if wide.len():
+            raise InvalidIdsError(
+                f"The id column {id_column!r} ({ids.dtype}) has {wide.len()} value(s) outside "
+                f"the range of Int64, e.g. {wide.head(5).to_list()}. Integer ids are stored as "
+                "Int64: cast the ids to string in the source asset (pl.col(...).cast(pl.String)) "
+                "to keep them exact."
+            )
     nulls = ids.null_count()
     if nulls:
         positions = df.with_row_index("__row").filter(pl.col(id_column).is_null())["__row"]
