@@ -422,11 +422,23 @@ def test_any_function_behaviour_leaves_every_id_stored_once_or_resumable(
         again = box.attempt(df, fn, s, retry_failed=False)
         assert again.error is None and again.calls == 0, repr(again.error)
         assert again.result is not None
-        assert_frame_equal(again.result.sort(ID), first.result.sort(ID), check_exact=True)
+        # A 'reordered' result stores its columns in another order than the later reads
+        # give them (see test_output_columns_out_of_alphabetical_order_resume): values only.
+        assert_frame_equal(
+            again.result.sort(ID), first.result.sort(ID), check_exact=True, check_column_order=False
+        )
         # The fixed function is called with exactly the failed rows, and then all is done.
         fixed = box.attempt(df, good, s)
         if unstorable and fixed.error is not None:  # no success so far; the first is refused
             assert type(fixed.error) is CheckpointError and "cannot store" in str(fixed.error)
+            return
+        if isinstance(fixed.error, JobMismatchError):
+            # The function's surprise columns were the first result stored: the checkpoint
+            # holds that schema, and the well-behaved function is rightly another job.
+            surprise = set(first.result.columns) - {ERROR}
+            assert surprise != set(good.outputs(df.head(0)).columns), repr(fixed.error)
+            assert fixed.calls <= len(failed)
+            finish_with(box, df, good, s)
             return
         assert fixed.error is None, repr(fixed.error)
         assert fixed.result is not None
