@@ -21,9 +21,10 @@ from typing import Any
 import dagster as dg
 import pytest
 from dagster._serdes import serialize_value
+from dagster_aws.s3 import S3Resource
 from helpers.jobs import ASSET, build_job, tickets
 
-from checkpoint_assets import CheckpointError
+from checkpoint_assets import CheckpointError, CheckpointIOManager
 
 KEY_ID = "AKIDFUZZQ7X3K2LEAKCHECK"
 SECRET = "sEcReT-fuzz-9f8e7d6c5b4a-do-not-log"
@@ -230,3 +231,26 @@ def test_a_mistyped_cli_option_does_not_echo_its_value(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert "key=value" in out.stderr
     assert_hidden(out.stdout, out.stderr)
+
+
+def test_the_keys_of_an_s3_resource_show_nowhere(
+    new_s3_storage: NewStorage, s3_server: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    base_dir, _ = new_s3_storage()
+    s3 = S3Resource(
+        endpoint_url=s3_server,
+        region_name="us-east-1",
+        aws_access_key_id=KEY_ID,
+        aws_secret_access_key=SECRET,
+    )
+    job = build_job((base_dir, {}), tickets(8))
+    resources = {
+        "io_manager": CheckpointIOManager(base_dir=base_dir, s3_resource=s3),
+        "source_io": dg.InMemoryIOManager(),  # type: ignore[no-untyped-call]
+    }
+
+    result = dg.materialize([job.source, job.asset], resources=resources, instance=job.instance)
+
+    metadata = result.asset_materializations_for_node(ASSET)[0].metadata
+    assert metadata["rows_computed"].value == 8
+    assert_hidden(repr(metadata), *_run_texts(job.instance), *capfd.readouterr())
