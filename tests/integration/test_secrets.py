@@ -200,6 +200,43 @@ def test_the_cli_on_failing_storage_shows_no_credentials(
     assert_hidden(out.stdout, out.stderr)
 
 
+@pytest.mark.parametrize(
+    "case, says",
+    [
+        pytest.param(
+            "endpoint-with-userinfo",
+            "endpoint",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="botocore's refusal of an endpoint URL with user:password@ reaches the "
+                "user as a bare HTTPClientError, not a StorageError saying to use key/secret",
+            ),
+        ),
+        pytest.param(
+            "unknown-option",
+            "sekret",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="s3fs checks its options at the first request, not in its constructor, "
+                "so open_store's 'Invalid storage_options' error never fires: a bare TypeError",
+            ),
+        ),
+    ],
+)
+def test_bad_storage_settings_are_refused_with_a_clear_error(
+    case: str, says: str, new_s3_storage: NewStorage, s3_server: str
+) -> None:
+    base_dir, _ = new_s3_storage()
+    storage = _storage_failures(s3_server, base_dir)[case]
+    job = build_job(storage, tickets(5))
+
+    _result, error = _materialize(job)
+
+    assert isinstance(error, CheckpointError), repr(error)
+    assert says in str(error)
+    assert_hidden(*(f"{type(e).__name__}: {e}" for e in _chain(error)))
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="open_store keeps the URI as given: credentials written into base_dir "
