@@ -4,7 +4,9 @@ Everything here is specified by bytes, not by a library's internal hash, so the 
 the same values on every machine, version and process (``tests/test_hashing.py`` pins them):
 
 - The *text* of a value is its UTF-8 string; integers in decimal (``42`` → ``b"42"``), other
-  scalars as polars casts them to ``String``, nested values as polars' JSON encoding.
+  scalars as polars casts them to ``String`` (times of day with their fraction of a second,
+  ``01:02:03.5``; durations in ISO 8601, ``PT1.5S``), binary values in hex, nested values as polars'
+  JSON encoding (with binary values inside them in hex, since JSON has no bytes).
 - ``XXH3-64`` (seed 0) of that text, computed by the ``polars-hash`` plugin, is a value's hash.
 - The shard of an id is ``xxh3_64(text(id)) % n``. It depends on the id alone: not on the row's
   position, the input's length, or ``limit``. Reproduce it with the ``xxhash`` package:
@@ -42,13 +44,50 @@ def value_text(column: str, dtype: pl.DataType) -> pl.Expr:
     """The canonical text of a column's values (see the module docstring)."""
     if dtype == pl.String:
         return pl.col(column)
-    if dtype.is_numeric() or dtype in (pl.Boolean, pl.Date, pl.Datetime, pl.Time, pl.Duration):
+    if dtype == pl.Time:
+        # Not a cast: polars' cast drops the fraction of a second (01:02:03.5 -> "01:02:03").
+        # ``%.f`` prints no fraction when there is none, as the cast did.
+        return pl.col(column).dt.to_string("%H:%M:%S%.f")
+    if dtype == pl.Duration:
+        return pl.col(column).dt.to_string("iso")  # polars cannot cast it; JSON writes the same
+    if dtype.is_numeric() or dtype in (pl.Boolean, pl.Date, pl.Datetime):
         return pl.col(column).cast(pl.String)
     if dtype in (pl.Binary,):
         return pl.col(column).bin.encode("hex")
     if dtype == pl.Categorical or isinstance(dtype, pl.Enum):
         return pl.col(column).cast(pl.String)
-    return pl.struct(pl.col(column).alias("v")).struct.json_encode()
+    value = _binary_as_hex(pl.col(column), dtype) if _holds_binary(dtype) else pl.col(column)
+    return pl.struct(value.alias("v")).struct.json_encode()
+
+
+def _holds_binary(dtype: pl.DataType) -> bool:
+    if dtype == pl.Binary:
+        return True
+    if isinstance(dtype, pl.List | pl.Array):
+        return _holds_binary(dtype.inner)  # type: ignore[arg-type]
+    if isinstance(dtype, pl.Struct):
+        return any(_holds_binary(f.dtype) for f in dtype.fields)  # type: ignore[arg-type]
+    return False
+
+
+def _binary_as_hex(expr: pl.Expr, dtype: pl.DataType) -> pl.Expr:
+    """``expr`` with every binary value inside it as hex text (polars cannot JSON bytes)."""
+    if not _holds_binary(dtype):
+        return expr
+    if dtype == pl.Binary:
+        return expr.bin.encode("hex")
+    if isinstance(dtype, pl.List):
+        return expr.list.eval(_binary_as_hex(pl.element(), dtype.inner))  # type: ignore[arg-type]
+    if isinstance(dtype, pl.Array):
+        inner = _binary_as_hex(pl.element(), dtype.inner)  # type: ignore[arg-type]
+        return expr.arr.to_list().list.eval(inner)
+    assert isinstance(dtype, pl.Struct)
+    fields = [
+        _binary_as_hex(expr.struct.field(f.name), f.dtype).alias(f.name)  # type: ignore[arg-type]
+        for f in dtype.fields
+    ]
+    # A null struct stays null, not a struct of null fields: they are different values.
+    return pl.when(expr.is_null()).then(None).otherwise(pl.struct(fields))
 
 
 def xxh3(df: pl.DataFrame, column: str) -> np.ndarray:

@@ -15,6 +15,9 @@ from checkpoint_assets.engine.errors import InputChangedError, InvalidIdsError
 from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH, distinct_count
 from checkpoint_assets.engine.settings import OnInputChange
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_FIT_INT64 = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32)
+
 
 def validate_ids(df: pl.DataFrame, id_column: str) -> None:
     """Refuse ids that cannot identify rows, before any call of the user's function."""
@@ -28,6 +31,20 @@ def validate_ids(df: pl.DataFrame, id_column: str) -> None:
             "stable string id, in the source asset)",
             ids.head(5).to_list(),
         )
+    if ids.dtype.is_integer() and ids.dtype not in _FIT_INT64:
+        # Integer ids are stored as Int64: a wider value would fail, or wrap, later on.
+        too_big = ids > _INT64_MAX
+        wide = ids.filter(
+            too_big if ids.dtype.is_unsigned_integer() else too_big | (ids < _INT64_MIN)
+        )
+        if wide.len():
+            raise InvalidIdsError(
+                id_column,
+                f"({ids.dtype}) has {wide.len()} value(s) outside the range of Int64; integer "
+                "ids are stored as Int64: cast them to string in the source asset "
+                "(pl.col(...).cast(pl.String)) to keep them exact",
+                wide.head(5).to_list(),
+            )
     nulls = ids.null_count()
     if nulls:
         positions = df.with_row_index("__row").filter(pl.col(id_column).is_null())["__row"]
