@@ -184,8 +184,18 @@ def test_backfill_runs_each_shard_as_a_ray_job_and_a_stopped_job_resumes_on_retr
                         and r.status == dg.DagsterRunStatus.FAILURE
                     ]
                     if len(failed) > MAX_RETRIES:  # the instance gave up on this shard
+                        errors = [
+                            e.dagster_event.step_failure_data.error.to_string()
+                            for e in instance.all_logs(
+                                failed[0].run_id, of_type=dg.DagsterEventType.STEP_FAILURE
+                            )
+                            if e.dagster_event and e.dagster_event.step_failure_data.error
+                        ]
                         logs = ray.get_job_logs(f"dagster-run-{failed[0].run_id}")
-                        pytest.fail(f"shard {shard} failed {len(failed)} times:\n{logs[-4000:]}")
+                        pytest.fail(
+                            f"shard {shard} failed {len(failed)} times: {errors}\n"
+                            f"Ray job log:\n{logs[-3000:]}"
+                        )
                 done = succeeded == set(SHARDS) and all(r.is_finished for r in runs)
                 return runs if done else None
 
