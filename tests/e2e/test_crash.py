@@ -1,4 +1,4 @@
-"""Crashes (SPEC sections 2 and 4): real processes killed for real lose at most one flush.
+"""Crashes: real processes killed for real lose at most one flush.
 
 The child process (``helpers/crash_child.py``) runs a checkpointed job whose function appends
 the ids it computed to a log file, so the test can count how often each id was computed.

@@ -1,4 +1,4 @@
-"""Stable hashes (SPEC section 1): the same bytes give the same values everywhere, forever.
+"""Stable hashes: the same bytes give the same values everywhere, forever.
 
 The values below were computed once and are pinned: a change here moves rows between shards
 and invalidates every stored checkpoint, so it must be a deliberate, documented format change.

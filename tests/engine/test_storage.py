@@ -1,4 +1,4 @@
-"""The storage contract (SPEC sections 2 and 6): the five operations behave the same on local
+"""The storage contract: the five operations behave the same on local
 disk and on S3, and a scheme that cannot be used fails with an error that says what to install.
 """
 

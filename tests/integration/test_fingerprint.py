@@ -1,4 +1,4 @@
-"""Fingerprints (SPEC section 3): results of one job are never mixed with another's."""
+"""Fingerprints: results of one job are never mixed with another's."""
 
 from __future__ import annotations
 

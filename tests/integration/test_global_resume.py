@@ -1,4 +1,4 @@
-"""Resharding (SPEC section 5): finished rows survive any change of shard scheme."""
+"""Resharding: finished rows survive any change of shard scheme."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Ids (SPEC section 3): ids that cannot identify rows are refused before any call."""
+"""Ids: ids that cannot identify rows are refused before any call."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Loading results (SPEC section 1): downstream assets read one table, never a dict."""
+"""Loading results: downstream assets read one table, never a dict."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One writer per checkpoint (SPEC section 4): a live holder is named, a dead one replaced."""
+"""One writer per checkpoint: a live holder is named, a dead one replaced."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Resume (SPEC section 3): a run computes only what the checkpoint does not hold, by id."""
+"""Resume: a run computes only what the checkpoint does not hold, by id."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Checkpoints on S3 (SPEC sections 6 and 7), over real HTTP to moto's server mode on 127.0.0.1.
+"""Checkpoints on S3, over real HTTP to moto's server mode on 127.0.0.1.
 
 Crash and resume, finalize and lock contention with real processes; credentials from
 storage_options, ``{"env": ...}`` references, the AWS environment chain and a dagster-aws

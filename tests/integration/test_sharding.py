@@ -1,4 +1,4 @@
-"""Shards (SPEC section 1): stable keys, every row in exactly one shard, rows never move."""
+"""Shards: stable keys, every row in exactly one shard, rows never move."""
 
 from __future__ import annotations
 

@@ -1,0 +1,208 @@
+"""The configurations in deploy/ load with the schemas of the Dagster packages they name.
+
+What can be checked without a cluster: each instance config (deploy/ray/dagster.yaml, the
+dagster.yaml of deploy/ecs.md, and the one Dagster's Helm chart renders from
+deploy/kubernetes/values.yaml) passes Dagster's own instance validation, every configurable
+class in it (run launcher, run coordinator, storage) accepts its config with that class's own
+schema, and SQLAlchemy loads the Postgres driver the storage URL names. Helm itself is not
+installed here (no Python or Debian package): the chart's rendering of the few values used is
+mirrored below, and the Kubernetes parts are checked with dagster-k8s's models.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from dagster._config import process_config
+from dagster._core.instance.config import dagster_instance_config
+from dagster._core.instance.ref import InstanceRef
+from dagster._serdes import ConfigurableClassData
+from deploy_services import ROOT, unavailable
+
+DEPLOY = ROOT / "deploy"
+# Every variable the configs read, so env-sourced fields resolve as they would in production.
+ENV = {
+    "RAY_ADDRESS": "http://ray-head:8265",
+    "DAGSTER_PG_HOST": "postgres.internal",
+    "DAGSTER_PG_PORT": "5432",
+    "DAGSTER_PG_USER": "dagster",
+    "DAGSTER_PG_PASSWORD": "secret",
+    "DAGSTER_PG_DB": "dagster",
+}
+
+
+def _require(module: str, extra: str) -> None:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        unavailable(f'{module} is not installed (pip install -e ".[{extra}]")')
+
+
+def _load_instance(text: str, home: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Validate an instance config as Dagster does when it starts, and each configurable class in
+    it with its own schema (what instantiating it would check, without connecting anywhere).
+    Returns the validated config."""
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    home.mkdir()
+    (home / "dagster.yaml").write_text(text)
+    config, _ = dagster_instance_config(str(home))
+    ref = InstanceRef.from_dir(str(home))
+    classes = [
+        ref.run_launcher_data,
+        ref.run_coordinator_data,
+        ref.storage_data,
+        ref.compute_logs_data,
+        ref.local_artifact_storage_data,
+    ]
+    for data in classes:
+        assert isinstance(data, ConfigurableClassData)
+        klass = getattr(importlib.import_module(data.module_name), data.class_name)
+        result = process_config(klass.config_type(), yaml.safe_load(data.config_yaml) or {})
+        assert result.success, f"{data.class_name}: {[e.message for e in result.errors or []]}"
+    return config
+
+
+def _postgres_url_loads_its_driver(storage: dict[str, Any]) -> str:
+    import sqlalchemy
+    from dagster_postgres.utils import pg_url_from_config
+
+    db = {k: v for k, v in storage["postgres"]["postgres_db"].items()}
+    db = {k: ENV[v["env"]] if isinstance(v, dict) else v for k, v in db.items()}
+    url = pg_url_from_config({"postgres_db": db})
+    # create_engine imports the DBAPI the URL names, without connecting.
+    sqlalchemy.create_engine(url)
+    return url
+
+
+def test_ray_instance_config_runs_every_run_as_a_ray_job_with_postgres_storage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _require("dagster_ray", "ray")
+    _require("dagster_postgres", "postgres")
+    config = _load_instance(
+        (DEPLOY / "ray" / "dagster.yaml").read_text(), tmp_path / "home", monkeypatch
+    )
+
+    assert config["run_launcher"]["class"] == "RayRunLauncher"
+    assert config["run_coordinator"]["class"] == "QueuedRunCoordinator"
+    assert config["run_monitoring"]["enabled"] and config["run_retries"]["enabled"]
+    assert config["concurrency"]["pools"]["default_limit"] > 0
+    # Each Ray job gets what a run needs to reach the instance and the checkpoints.
+    passed = set(config["run_launcher"]["config"]["ray"]["env_vars"])
+    assert {*ENV} - {"RAY_ADDRESS"} <= passed
+    assert {"CHECKPOINT_BASE_DIR", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= passed
+    assert _postgres_url_loads_its_driver(config["storage"]).startswith("postgresql+psycopg2://")
+
+
+def test_ecs_page_config_is_a_valid_ecs_run_launcher_instance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _require("dagster_postgres", "postgres")
+    page = (DEPLOY / "ecs.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", page, flags=re.DOTALL)
+    assert len(blocks) == 1, "deploy/ecs.md should hold exactly one dagster.yaml block"
+    monkeypatch.setenv("CHECKPOINT_BASE_DIR", "s3://bucket/checkpoints")
+    config = _load_instance(blocks[0], tmp_path / "home", monkeypatch)
+
+    assert config["run_launcher"]["class"] == "EcsRunLauncher"
+    assert config["run_monitoring"]["enabled"] and config["run_retries"]["enabled"]
+    assert _postgres_url_loads_its_driver(config["storage"]).startswith("postgresql+psycopg2://")
+
+
+def _chart_instance_yaml(values: dict[str, Any]) -> str:
+    """The dagster.yaml Dagster's Helm chart renders from these values (its instance ConfigMap),
+    for the keys deploy/kubernetes/values.yaml sets."""
+    pg = values["postgresql"]
+    launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
+    daemon = values["dagsterDaemon"]
+    monitoring, retries = daemon["runMonitoring"], daemon["runRetries"]
+    concurrency = values["concurrency"]
+    instance = {
+        "run_launcher": {
+            "module": "dagster_k8s",
+            "class": "K8sRunLauncher",
+            "config": {
+                "load_incluster_config": True,
+                "job_namespace": "dagster",
+                "image_pull_policy": "Always",
+                "service_account_name": "dagster",
+                "dagster_home": "/opt/dagster/dagster_home",
+                "instance_config_map": "dagster-instance",
+                "postgres_password_secret": values["global"]["postgresqlSecretName"],
+                "env_secrets": [s["name"] for s in launcher["envSecrets"]],
+                "fail_pod_on_run_failure": launcher["failPodOnRunFailure"],
+                "run_k8s_config": {
+                    "container_config": launcher["runK8sConfig"]["containerConfig"],
+                },
+            },
+        },
+        "run_coordinator": {
+            "module": "dagster.core.run_coordinator",
+            "class": "QueuedRunCoordinator",
+            "config": daemon["runCoordinator"]["config"]["queuedRunCoordinator"],
+        },
+        "concurrency": {
+            "runs": {"max_concurrent_runs": concurrency["runs"]["maxConcurrentRuns"]},
+            "pools": {"default_limit": concurrency["pools"]["defaultLimit"]},
+        },
+        "run_monitoring": {
+            "enabled": monitoring["enabled"],
+            "poll_interval_seconds": monitoring["pollIntervalSeconds"],
+            "start_timeout_seconds": monitoring["startTimeoutSeconds"],
+            "max_resume_run_attempts": monitoring["maxResumeRunAttempts"],
+        },
+        "run_retries": {"enabled": retries["enabled"], "max_retries": retries["maxRetries"]},
+        "storage": {
+            "postgres": {
+                "postgres_db": {
+                    "username": pg["postgresqlUsername"],
+                    "password": {"env": "DAGSTER_PG_PASSWORD"},
+                    "hostname": pg["postgresqlHost"],
+                    "db_name": pg["postgresqlDatabase"],
+                    "port": pg["service"]["port"],
+                    "scheme": pg["postgresqlScheme"],
+                }
+            }
+        },
+        "telemetry": {"enabled": values["telemetry"]["enabled"]},
+    }
+    return yaml.safe_dump(instance)
+
+
+def test_kubernetes_values_give_a_valid_k8s_run_launcher_instance_and_pod_resources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _require("dagster_k8s", "k8s")
+    _require("dagster_postgres", "postgres")
+    import kubernetes.client
+    from dagster_k8s.models import k8s_model_from_dict
+
+    values = yaml.safe_load((DEPLOY / "kubernetes" / "values.yaml").read_text())
+    config = _load_instance(_chart_instance_yaml(values), tmp_path / "home", monkeypatch)
+    assert config["run_launcher"]["class"] == "K8sRunLauncher"
+    assert _postgres_url_loads_its_driver(config["storage"]).startswith("postgresql+psycopg2://")
+
+    # The run pod's container config is a valid Kubernetes container (keys and quantities).
+    container = values["runLauncher"]["config"]["k8sRunLauncher"]["runK8sConfig"]
+    model = k8s_model_from_dict(
+        kubernetes.client.V1Container, {"name": "run", **container["containerConfig"]}
+    )
+    assert model.resources.requests["cpu"] == "500m"
+
+    # The code location's module exists, and the env it sets is what the definitions read.
+    (deployment,) = values["dagster-user-deployments"]["deployments"]
+    args = deployment["dagsterApiGrpcArgs"]
+    module = args[args.index("--module-name") + 1]
+    assert importlib.util.find_spec(module) is not None, module
+    assert {e["name"] for e in deployment["env"]} >= {"CHECKPOINT_BASE_DIR"}
+    assert "CHECKPOINT_BASE_DIR" in (ROOT / Path(*module.split("."))).with_suffix(".py").read_text()
+    # The image installs what run pods need to load the instance and the launcher.
+    dockerfile = (DEPLOY / "kubernetes" / "Dockerfile").read_text()
+    assert re.search(r'pip install .*"\.\[[^\]]*k8s[^\]]*postgres[^\]]*\]"', dockerfile)
