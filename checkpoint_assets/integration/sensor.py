@@ -286,7 +286,11 @@ def _failures(
 def _failed_runs_of(
     instance: dg.DagsterInstance, key: dg.AssetKey, partitions: Sequence[str]
 ) -> dict[str, Failure]:
-    """The failed run behind each FAILED partition: its latest planned materialization's run."""
+    """The failed run behind each FAILED partition: its latest planned materialization's run.
+
+    A run that Dagster's own run retries will re-execute (``dagster/will_retry``, retry not yet
+    launched) is left to them: retrying it here too would run the shard twice.
+    """
     runs: dict[str, str] = {}
     for partition in partitions:
         planned = instance.get_latest_planned_materialization_info(
@@ -294,16 +298,23 @@ def _failed_runs_of(
         )
         if planned is not None:
             runs[partition] = planned.run_id
-    ended = _end_times(instance, set(runs.values()))
-    return {p: Failure(run, ended.get(run, time.time()), "run failed") for p, run in runs.items()}
+    ended = _ended(instance, set(runs.values()))
+    return {
+        p: Failure(run, ended[run][0] if run in ended else time.time(), "run failed")
+        for p, run in runs.items()
+        if not (run in ended and ended[run][1])
+    }
 
 
-def _end_times(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> dict[str, float]:
+def _ended(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> dict[str, tuple[float, bool]]:
+    """When each run ended, and whether Dagster's run retries will re-execute it."""
     ids = sorted(run_ids)
-    out: dict[str, float] = {}
+    out: dict[str, tuple[float, bool]] = {}
     for start in range(0, len(ids), 100):
         for record in instance.get_run_records(dg.RunsFilter(run_ids=ids[start : start + 100])):
-            out[record.dagster_run.run_id] = record.end_time or record.update_timestamp.timestamp()
+            run = record.dagster_run
+            ended = record.end_time or record.update_timestamp.timestamp()
+            out[run.run_id] = (ended, run.is_complete_and_waiting_to_retry)
     return out
 
 
@@ -323,7 +334,9 @@ def _failed_range_runs(
     for record in records:
         run = record.dagster_run
         start, end = run.tags.get(RANGE_START_TAG), run.tags.get(RANGE_END_TAG)
-        if start is None or end is None or not _targets(instance, run, key):
+        if start is None or end is None or run.is_complete_and_waiting_to_retry:
+            continue  # not a ranged run, or Dagster's run retries will re-execute it
+        if not _targets(instance, run, key):
             continue
         try:
             covered = partitions_def.get_partition_keys_in_range(dg.PartitionKeyRange(start, end))

@@ -154,6 +154,25 @@ def test_partitions_with_failed_rows_are_retried_while_retry_failed_is_on(
     assert ticker.budgets() == {}
 
 
+def test_a_run_that_dagster_will_retry_is_left_to_dagsters_run_retries(storage: Storage) -> None:
+    overrides = {"run_retries": {"enabled": True, "max_retries": 2}}
+    with dg.instance_for_test(overrides=overrides) as instance:
+        df = tickets(40)
+        poison = {ids_in_shard(df, 1, 4)[0]}
+        job = build_job(storage, df, fn=poisoned(poison), partitions_def=SHARDS, instance=instance)
+        assert not job.materialize("1-of-4", raise_on_error=False).success
+        failed = instance.get_runs(limit=1)[0]
+        assert failed.tags.get("dagster/will_retry") == "true"  # set by Dagster's run retries
+        ticker = Ticker(job, failed_partitions_sensor(job.asset, backoff_seconds=0))
+
+        assert ticker.tick()[0] == []  # Dagster's daemon will retry it: one retry, not two
+
+        # Once Dagster has given up on it (or launched its retry, which failed), the sensor acts.
+        instance.add_run_tags(failed.run_id, {"dagster/will_retry": "false"})
+        requests, _ = ticker.tick()
+        assert [r.partition_key for r in requests] == ["1-of-4"]
+
+
 def test_a_retry_waits_for_its_backoff(storage: Storage, instance: dg.DagsterInstance) -> None:
     df = tickets(40)
     job = build_job(
