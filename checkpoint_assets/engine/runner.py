@@ -76,24 +76,30 @@ def run(
     stats = RunStats(rows_total=inputs.height)
     stats.input_fingerprint = hashing.fingerprint(inputs.get_column(INPUT_HASH).to_numpy())
     label = label or "checkpoint"
-    if not settings.checkpointing:
-        opened = open_run(
+
+    def start(at: Checkpoint | None) -> Opened:
+        found = imported if at is not None else None
+        return open_run(
             inputs,
             settings,
-            None,
+            at,
             job=Job(dict(job)),
             scheme=scheme,
-            imported=None,
+            imported=found,
             log=log,
             label=label,
         )
+
+    if not settings.checkpointing:
+        opened = start(None)
         sink: Sink = MemorySink(
             settings.id_column,
             interval=settings.checkpoint_interval,
             flush_seconds=settings.flush_seconds,
         )
         return Run(fn, inputs, settings, opened, sink, stats, log, label).execute()
-    assert checkpoint is not None, "a run with checkpointing needs a checkpoint"
+    if checkpoint is None:
+        raise ValueError("A run with checkpointing needs a checkpoint (or checkpointing=False).")
     stats.checkpoint_path = checkpoint.url
     lease = Lease(
         checkpoint.store,
@@ -105,16 +111,7 @@ def run(
     )
     lease.acquire()
     try:
-        opened = open_run(
-            inputs,
-            settings,
-            checkpoint,
-            job=Job(dict(job)),
-            scheme=scheme,
-            imported=imported,
-            log=log,
-            label=label,
-        )
+        opened = start(checkpoint)
         min_flush = settings.min_flush_seconds
         sink = PartWriter(
             checkpoint,
