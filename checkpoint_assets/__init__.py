@@ -11,16 +11,19 @@ from typing import TYPE_CHECKING, Any
 from checkpoint_assets.engine.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    FunctionError,
     InputChangedError,
     InvalidIdsError,
     JobMismatchError,
     LockHeldError,
     MissingColumnsError,
     OutageError,
+    QuotaExhaustedError,
     StorageError,
     TooManyFailuresError,
 )
 from checkpoint_assets.engine.settings import OnInputChange
+from checkpoint_assets.engine.throttle import RetryAfter
 
 if TYPE_CHECKING:
     from checkpoint_assets.integration.asset import CheckpointRunConfig, checkpointed_asset
@@ -65,6 +68,7 @@ __all__ = [
     "CheckpointRunConfig",
     "CheckpointedAssetComponent",
     "CorruptCheckpointError",
+    "FunctionError",
     "InputChangedError",
     "InvalidIdsError",
     "JobMismatchError",
@@ -72,6 +76,8 @@ __all__ = [
     "MissingColumnsError",
     "OnInputChange",
     "OutageError",
+    "QuotaExhaustedError",
+    "RetryAfter",
     "StorageError",
     "TooManyFailuresError",
     "checkpoint_checks",

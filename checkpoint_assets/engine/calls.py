@@ -1,15 +1,24 @@
-"""Calling the user's function on a batch: validation, retries, poison-row isolation, outages.
+"""Calling the user's function on a batch: validation, rate limits, retries, poison rows, outages.
 
-A batch whose call raises is retried ``max_attempts`` times with a doubling delay. If it keeps
-failing it is split in halves, each tried once, recursively, until the rows that fail alone are
-found; those are stored as failures (``_error``, ``_attempts``) while their neighbours succeed.
+Three kinds of trouble, each handled its own way:
 
-An outage (endpoint down, quota spent) makes every call fail. Splitting would then call once per
-row, so the caller counts consecutive failed calls: at ``outage_threshold`` (more than a single
-poison row can cause) it declares an outage, every batch in flight stops, and the run stops with
-``OutageError``; the failures seen during that streak are not stored, since they say nothing about
-the rows. With several calls in flight, only a success of a call that started after the streak
-began ends it: a slow call that started before the endpoint went down proves nothing.
+- **Rate limits** (``RetryAfter``, HTTP 429/503; see throttle.py) pause the whole shard and call
+  the same batch again: not an attempt, not a failure, not part of an outage streak.
+- **A broken function** (called with a signature it does not have; a result that is not a table,
+  lacks the id column, repeats ids or returns ids that were not asked for; an ``AttributeError``
+  on a real object, a ``NameError``, an ``ImportError``) cannot be fixed by retrying: the first
+  occurrence stops the shard, after what is done is checkpointed.
+- **Anything else** may be transient. A batch whose call raises is retried ``max_attempts`` times
+  with a doubling delay. If it keeps failing it is split in halves, each tried once, recursively,
+  until the rows that fail alone are found; those are stored as failures (``_error``,
+  ``_attempts``) while their neighbours succeed.
+
+An outage (endpoint down) makes every call fail. Splitting would then call once per row, so the
+caller counts consecutive failed calls: at ``outage_threshold`` (more than a single poison row can
+cause) it declares an outage, every batch in flight stops, and the run stops with ``OutageError``;
+the failures seen during that streak are not stored, since they say nothing about the rows. With
+several calls in flight, only a success of a call that started after the streak began ends it: a
+slow call that started before the endpoint went down proves nothing.
 """
 
 from __future__ import annotations
@@ -27,13 +36,24 @@ import polars as pl
 import pyarrow as pa
 
 from checkpoint_assets.engine.rows import ATTEMPTS, BOOKKEEPING, ERROR, INPUT_HASH
+from checkpoint_assets.engine.throttle import Throttle, Throttled, throttled
 
 BatchFn = Callable[[pl.DataFrame], Any]
 _MAX_ERROR_CHARS = 2000
 
 
 class CallFailed(Exception):
-    """The function raised, or returned something that is not a result for its batch."""
+    """The function raised something that may be transient."""
+
+
+class Broken(Exception):
+    """The function is broken: retrying cannot help."""
+
+
+class _ThrottledCall(Exception):
+    def __init__(self, asked: Throttled) -> None:
+        super().__init__(asked.reason)
+        self.asked = asked
 
 
 def outage_threshold(max_attempts: int, batch_rows: int) -> int:
@@ -53,10 +73,11 @@ class Outcome:
     failed: list[pl.DataFrame] = field(default_factory=list)
     calls: int = 0
     failed_calls: int = 0
+    throttled_calls: int = 0
 
 
 class Caller:
-    """Calls ``fn`` on batches, sync or async, with retries and splitting."""
+    """Calls ``fn`` on batches, sync or async, with rate limits, retries and splitting."""
 
     def __init__(
         self,
@@ -66,22 +87,31 @@ class Caller:
         max_attempts: int = 3,
         retry_delay_seconds: float = 1.0,
         outage_after: int | None = None,
+        throttle: Throttle | None = None,
     ) -> None:
         self.fn = fn
         self.id_column = id_column
         self.max_attempts = max(1, max_attempts)
         self.retry_delay_seconds = retry_delay_seconds
         self.outage_after = outage_after  # consecutive failed calls that mean an outage
+        self.throttle = throttle or Throttle(1, max_seconds=math.inf)
         self.outage = False  # declared once; every batch in flight then stops
+        self.broken: str | None = None  # what is wrong with the function, once seen
         self.last_error = ""  # of the latest failed call, for messages
         self._lock = threading.Lock()
         self._started = 0  # calls started so far; each call's number orders it
         self._streak = 0  # consecutive failed calls
         self._streak_began = 0  # calls started when the streak's first failure was seen
+        self._columns: list[str] | None = None  # what the function sees of a batch
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         if inspect.iscoroutinefunction(fn):
             self._start_loop()
+
+    @property
+    def stopping(self) -> bool:
+        """The shard stops: an outage, a broken function, or the quota looks spent."""
+        return self.outage or self.broken is not None or self.throttle.spent is not None
 
     # -- async support -------------------------------------------------------------------
     def _start_loop(self) -> None:
@@ -106,43 +136,56 @@ class Caller:
 
     # -- one call ------------------------------------------------------------------------
     def call_once(self, batch: pl.DataFrame) -> pl.DataFrame:
-        """Call the function and check its result; raise ``CallFailed`` on any problem."""
+        """Call the function and check its result.
+
+        Raises ``_ThrottledCall`` (rate limited), ``Broken`` (retrying cannot help) or
+        ``CallFailed`` (may be transient).
+        """
+        if self._columns is None:
+            self._columns = [c for c in batch.columns if c not in BOOKKEEPING]
         try:
-            raw = self._invoke(batch)
+            raw = self._invoke(batch.select(self._columns))
         except Exception as e:
+            asked = throttled(e)
+            if asked is not None:
+                raise _ThrottledCall(asked) from e
+            if _is_bug(e):
+                raise Broken(_describe(e)) from e
             raise CallFailed(_describe(e)) from e
         return self._check(raw, batch)
 
     def _check(self, raw: Any, batch: pl.DataFrame) -> pl.DataFrame:
         out = _as_frame(raw)
         if out is None:
-            raise CallFailed(
-                f"the function returned {type(raw).__name__}; it must return a polars DataFrame "
+            raise Broken(
+                f"it returned {type(raw).__name__}; it must return a polars DataFrame "
                 f"with the id column {self.id_column!r} and the output columns"
             )
         if self.id_column not in out.columns:
-            raise CallFailed(
-                f"the function's result has no id column {self.id_column!r} "
+            raise Broken(
+                f"its result has no id column {self.id_column!r} "
                 f"(columns: {out.columns}); return the id with each result"
             )
         reserved = [c for c in out.columns if c in BOOKKEEPING]
         if reserved:
-            raise CallFailed(f"the function's result uses reserved column names {reserved}")
+            raise Broken(f"its result uses reserved column names {reserved}")
         ids = out.get_column(self.id_column)
         wanted = batch.get_column(self.id_column)
         if ids.dtype == wanted.dtype and ids.equals(wanted):
             return out  # the batch's own ids in its order (the usual case): nothing to check
+        if ids.null_count():
+            raise Broken("it returned results with a null id")
         if ids.n_unique() != out.height:
-            raise CallFailed("the function returned more than one result for some ids")
+            raise Broken("it returned more than one result for some ids")
         if ids.dtype != wanted.dtype:
             try:
                 out = out.with_columns(pl.col(self.id_column).cast(wanted.dtype, strict=True))
             except Exception as e:
-                raise CallFailed(f"the function returned ids of type {ids.dtype}: {e}") from e
+                raise Broken(f"it returned ids of type {ids.dtype}: {e}") from e
         unknown = out.join(batch.select(self.id_column), on=self.id_column, how="anti")
         if unknown.height:
             sample = unknown.get_column(self.id_column).head(5).to_list()
-            raise CallFailed(f"the function returned ids that were not in its batch: {sample}")
+            raise Broken(f"it returned ids that were not in its batch: {sample}")
         return out
 
     # -- the outage breaker --------------------------------------------------------------
@@ -160,16 +203,54 @@ class Caller:
                 if self._streak == 0:
                     self._streak_began = self._started
                 self._streak += 1
-                if self.outage_after is not None and self._streak >= self.outage_after:
+                outage = self.outage_after is not None and self._streak >= self.outage_after
+                if outage and not self.outage:
                     self.outage = True
+                    self.throttle.stop()
             return not self.outage
 
-    # -- a batch, with retries and splitting ---------------------------------------------
+    # -- a batch, with rate limits, retries and splitting --------------------------------
     def process(self, batch: pl.DataFrame) -> Outcome:
         """Results for every row of ``batch`` (rows the function skipped count as failed)."""
         outcome = Outcome()
         self._attempt(batch, self.max_attempts, 0, outcome)
         return outcome
+
+    def _call(self, batch: pl.DataFrame, outcome: Outcome) -> pl.DataFrame | CallFailed | None:
+        """One call through the shard's gate, again and again while it is rate limited.
+
+        Returns the result, the failure, or None when the shard stops.
+        """
+        while True:
+            started = self.throttle.acquire()
+            if started is None or self.stopping:
+                if started is not None:
+                    self.throttle.release(False)
+                return None
+            number = self._start()
+            try:
+                out = self.call_once(batch)
+            except _ThrottledCall as t:
+                outcome.throttled_calls += 1
+                self.throttle.throttle(started, t.asked)
+                continue
+            except Broken as e:
+                self.throttle.release(False)
+                with self._lock:
+                    if self.broken is None:
+                        self.broken = str(e)
+                self.throttle.stop()
+                return None
+            except CallFailed as e:
+                self.throttle.release(False)
+                outcome.calls += 1
+                outcome.failed_calls += 1
+                self.last_error = str(e)
+                return e if self._finish(False, number) else None
+            self.throttle.release(True)
+            outcome.calls += 1
+            self._finish(True, number)  # a result paid for is kept, outage or not
+            return out
 
     def _attempt(self, batch: pl.DataFrame, attempts: int, before: int, outcome: Outcome) -> bool:
         """Try ``batch`` up to ``attempts`` times, then split. False when the run must stop.
@@ -180,24 +261,19 @@ class Caller:
         for attempt in range(attempts):
             if attempt:
                 time.sleep(self.retry_delay_seconds * 2 ** (attempt - 1))
-            outcome.calls += 1
-            number = self._start()
-            try:
-                out = self.call_once(batch)
-            except CallFailed as e:
-                outcome.failed_calls += 1
-                error = self.last_error = str(e)
-                if not self._finish(False, number):
-                    return False
+            got = self._call(batch, outcome)
+            if got is None:
+                return False
+            if isinstance(got, CallFailed):
+                error = str(got)
                 continue
-            keep_going = self._finish(True, number)  # a result paid for is kept regardless
             used = before + attempt + 1
-            outcome.ok.append(_successes(out, batch, self.id_column, used))
-            if out.height < batch.height:  # its ids are unique and from the batch (checked)
-                missing = batch.join(out.select(self.id_column), on=self.id_column, how="anti")
+            outcome.ok.append(_successes(got, batch, self.id_column, used))
+            if got.height < batch.height:  # its ids are unique and from the batch (checked)
+                missing = batch.join(got.select(self.id_column), on=self.id_column, how="anti")
                 reason = "the function returned no result for this row"
                 outcome.failed.append(_failures(missing, self.id_column, reason, used))
-            return keep_going
+            return not self.stopping
         used = before + attempts
         if batch.height == 1:
             outcome.failed.append(_failures(batch, self.id_column, error, used))
@@ -206,6 +282,25 @@ class Caller:
         return self._attempt(batch.head(half), 1, used, outcome) and self._attempt(
             batch.slice(half), 1, used, outcome
         )
+
+
+def _is_bug(e: BaseException) -> bool:
+    """Whether an exception from the function cannot be transient."""
+    if isinstance(e, TypeError):
+        return _raised_by_the_call(e)  # the function was called with arguments it does not take
+    if isinstance(e, AttributeError):
+        return getattr(e, "obj", None) is not None  # a real object lacks it: a typo, a wrong API
+    return isinstance(e, NameError | ImportError)
+
+
+def _raised_by_the_call(e: BaseException) -> bool:
+    """Whether ``e`` was raised by calling the function, before any of its code ran."""
+    tb = e.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code is Caller._invoke.__code__
 
 
 def _as_frame(raw: Any) -> pl.DataFrame | None:

@@ -167,3 +167,32 @@ class OutageError(CheckpointError):
             "done before are checkpointed and the rest were not marked failed.",
             "Run again when it is back: the run resumes.",
         )
+
+
+class QuotaExhaustedError(CheckpointError):
+    """The endpoint kept rate limiting the shard for ``max_throttle_seconds``: the quota looks
+    spent."""
+
+    def __init__(self, label: str, why: str, done: int) -> None:
+        self.why = why
+        self.done = done
+        super().__init__(
+            f"{label}: stopped early, {why}. The quota looks spent; the {done:,} rows done "
+            "before are checkpointed and no row was marked failed.",
+            "Check the endpoint's quota or plan, or raise max_throttle_seconds; running again "
+            "resumes.",
+        )
+
+
+class FunctionError(CheckpointError):
+    """The function itself is broken (a bad signature, a result that is not a table for its
+    batch): retrying cannot help, so the run stops at the first occurrence."""
+
+    def __init__(self, label: str, problem: str, done: int) -> None:
+        self.problem = problem
+        self.done = done
+        super().__init__(
+            f"{label}: the function is broken, not the endpoint: {problem}. The run stopped "
+            f"at once; the {done:,} rows done before are checkpointed.",
+            "Fix the function and run again: the run resumes.",
+        )

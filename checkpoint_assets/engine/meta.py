@@ -27,6 +27,7 @@ class Meta:
     base_seq: int = 0
     input_fingerprint: str | None = None
     rows: dict[str, int] = field(default_factory=dict)  # at the last finalize: total, ok, failed
+    usage: dict[str, float] = field(default_factory=dict)  # usage_columns summed, same time
     finalized_at: float | None = None
     format_version: int = FORMAT_VERSION
 

@@ -4,12 +4,14 @@
 
     prepare()    validate ids and input columns, hash every input row
     open_run()   take the lock, check the job, load what is stored, plan the rest (opening.py)
-    Run.work     call the function on batches of ``checkpoint_interval`` rows (threads or
-                 asyncio when ``max_concurrency > 1``; retries, poison rows and outages in
-                 calls.py) and hand results to the sink, which flushes them (sink.py); on any
-                 exception, SIGTERM or SIGINT, flush what is done before leaving
+    Run.work     call the function on batches of ``batch_size`` rows (threads, or asyncio for an
+                 ``async def``, up to ``max_concurrency`` in flight; rate limits in throttle.py;
+                 retries, poison rows, broken functions and outages in calls.py) and hand
+                 results to the sink, which flushes every ``checkpoint_interval`` rows without
+                 holding up the calls (sink.py); on any exception, SIGTERM or SIGINT, flush what
+                 is done before leaving
     Run.close    finalize through the sink, count the result, apply the stop rules (an outage,
-                 too many failed rows)
+                 a broken function, a spent quota, too many failed rows)
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ import polars as pl
 from checkpoint_assets.engine import hashing
 from checkpoint_assets.engine.calls import BatchFn, Caller, Outcome, outage_threshold
 from checkpoint_assets.engine.checkpoint import Checkpoint
-from checkpoint_assets.engine.errors import MissingColumnsError, OutageError, TooManyFailuresError
+from checkpoint_assets.engine.errors import (
+    CheckpointError,
+    FunctionError,
+    MissingColumnsError,
+    OutageError,
+    QuotaExhaustedError,
+    TooManyFailuresError,
+)
 from checkpoint_assets.engine.lock import Lease
 from checkpoint_assets.engine.opening import Job, Opened, open_run
 from checkpoint_assets.engine.resume import canonical_ids, validate_ids
@@ -36,6 +45,7 @@ from checkpoint_assets.engine.rows import ERROR, INPUT_HASH, outputs_of
 from checkpoint_assets.engine.scheme import Scheme
 from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.sink import Logger, MemorySink, PartWriter, Sink
+from checkpoint_assets.engine.throttle import Throttle
 
 
 def prepare(df: pl.DataFrame, settings: Settings) -> pl.DataFrame:
@@ -123,6 +133,7 @@ def run(
             min_flush_seconds=checkpoint.store.min_flush_seconds
             if min_flush is None
             else min_flush,
+            max_unflushed=settings.max_unflushed_rows,
         )
         return Run(fn, inputs, settings, opened, sink, stats, log, label).execute()
     finally:
@@ -162,7 +173,13 @@ class Run:
         self.failed_rows = 0  # rows this run stored as failed (for progress lines)
         self.suspect: list[pl.DataFrame] = []  # failures that an outage may still disown
         self.last_error = ""
-        self.outage_at = outage_threshold(settings.max_attempts, settings.checkpoint_interval)
+        self.outage_at = outage_threshold(settings.max_attempts, settings.batch_rows)
+        self.throttle = Throttle(
+            settings.max_concurrency,
+            max_seconds=settings.max_throttle_seconds,
+            base_delay=settings.retry_delay_seconds,
+        )
+        self.usage = dict.fromkeys(settings.usage_columns, 0.0)
         self.started = time.monotonic()
         self.last_progress = self.started
 
@@ -180,16 +197,21 @@ class Run:
             self.stats.flushes = self.sink.flushes
             self.stats.wait_seconds = self.sink.wait_seconds
             self.stats.finalize_seconds = self.sink.finalize_seconds
+            self.stats.throttle_events = self.throttle.events
+            self.stats.throttled_seconds = round(self.throttle.throttled_seconds, 3)
+            self.stats.concurrency_final = self.throttle.limit
+            self.stats.usage = self.usage
 
     # -- the work loop -------------------------------------------------------------------
-    def work(self, todo: pl.DataFrame) -> str | None:
-        """Process ``todo``; returns why it stopped early (an outage), or None."""
+    def work(self, todo: pl.DataFrame) -> CheckpointError | None:
+        """Process ``todo``; returns why the shard stopped early, or None."""
         caller = Caller(
             self.fn,
             self.id,
             max_attempts=self.s.max_attempts,
             retry_delay_seconds=self.s.retry_delay_seconds,
             outage_after=self.outage_at,
+            throttle=self.throttle,
         )
         try:
             for outcome in self._outcomes(caller, todo):
@@ -203,35 +225,48 @@ class Run:
                 self._maybe_progress()
         finally:
             caller.close()
+        if caller.broken is not None:
+            self._commit(self.suspect)
+            return FunctionError(self.label, caller.broken, self.done_rows)
         if caller.outage:
             self.suspect.clear()
-            return caller.last_error or "every call failed"
+            last = caller.last_error or "every call failed"
+            return OutageError(self.label, self.outage_at, last, self.done_rows)
         self._commit(self.suspect)
         self.suspect = []
+        spent = self.throttle.quota_spent
+        if spent is not None:
+            return QuotaExhaustedError(self.label, spent, self.done_rows)
         return None
 
     def _outcomes(self, caller: Caller, todo: pl.DataFrame) -> Iterator[Outcome]:
-        size = self.s.checkpoint_interval
+        size = self.s.batch_rows
         batches = (todo.slice(i, size) for i in range(0, todo.height, size))
         if self.s.max_concurrency <= 1:
             for batch in batches:
                 yield caller.process(batch)
-                if caller.outage:
+                if caller.stopping:
                     return
             return
+        # One thread per batch in flight; the shard's throttle decides how many of them may be
+        # calling the function at a time (fewer while the endpoint rate limits).
         pool = cf.ThreadPoolExecutor(self.s.max_concurrency, thread_name_prefix="checkpoint")
         pending: set[cf.Future[Outcome]] = set()
         try:
             for batch in batches:
                 while len(pending) >= self.s.max_concurrency:
-                    done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+                    done, pending = cf.wait(
+                        pending, timeout=self._poll_seconds(), return_when=cf.FIRST_COMPLETED
+                    )
                     yield from (f.result() for f in done)
-                if caller.outage:
-                    break  # an outage: submit nothing more, collect the batches in flight
+                    if not done:
+                        self.sink.maybe_flush()
+                if caller.stopping:
+                    break  # submit nothing more, collect the batches in flight
                 pending.add(pool.submit(caller.process, batch))
             while pending:
                 done, pending = cf.wait(
-                    pending, timeout=self.s.flush_seconds, return_when=cf.FIRST_COMPLETED
+                    pending, timeout=self._poll_seconds(), return_when=cf.FIRST_COMPLETED
                 )
                 yield from (f.result() for f in done)
                 if not done:
@@ -239,10 +274,18 @@ class Run:
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
+    def _poll_seconds(self) -> float:
+        """How long to wait for a call before looking at the sink again: briefly while rows
+        wait for the writer to be free, else until a time-based flush could be due."""
+        return 0.05 if self.sink.buffered_rows else self.s.flush_seconds
+
     def _absorb(self, outcome: Outcome) -> None:
         self.stats.calls += outcome.calls
         self.stats.failed_calls += outcome.failed_calls
+        self.stats.throttled_calls += outcome.throttled_calls
         if outcome.ok:
+            if self.sink.outputs is None:
+                self._check_usage(outcome.ok[0])
             self.sink.learn_outputs(outcome.ok[0])
             self._commit(self.suspect + outcome.ok + outcome.failed)
             self.suspect = []
@@ -250,6 +293,20 @@ class Run:
             self.suspect.extend(outcome.failed)
         if outcome.failed:
             self.last_error = str(outcome.failed[-1].get_column(ERROR)[-1])
+
+    def _check_usage(self, sample: pl.DataFrame) -> None:
+        bad = [
+            c
+            for c in self.s.usage_columns
+            if c not in sample.columns or not sample.schema[c].is_numeric()
+        ]
+        if bad:
+            numeric = [c for c in outputs_of(sample, self.id) if sample.schema[c].is_numeric()]
+            raise CheckpointError(
+                f"{self.label}: usage_columns {bad} are not numeric output columns of the "
+                f"function (its numeric outputs: {numeric}).",
+                "Return them from the function, or remove them from usage_columns.",
+            )
 
     def _commit(self, frames: Sequence[pl.DataFrame]) -> None:
         frames = [f for f in frames if f.height]
@@ -261,6 +318,9 @@ class Run:
             copies = self.opened.copies.of(computed, self.id)
             done = pl.concat([computed, copies], how="diagonal_relaxed")
         self.stats.rows_computed += computed.height
+        for c in self.usage:
+            if c in computed.columns:
+                self.usage[c] += float(computed.get_column(c).sum() or 0)
         self.stats.rows_reused += done.height - computed.height
         self.done_rows += done.height
         self.failed_rows += done.height - done.get_column(ERROR).null_count()
@@ -286,17 +346,21 @@ class Run:
         )
 
     # -- the end -------------------------------------------------------------------------
-    def close(self, stopped: str | None) -> tuple[pl.DataFrame, RunStats]:
+    def close(self, stopped: CheckpointError | None) -> tuple[pl.DataFrame, RunStats]:
         stored = self.sink.finish(self.inputs.get_column(self.id))
         self.stats.seconds = time.monotonic() - self.started
         result = self._result(stored)
         failed = int(result.get_column(ERROR).is_not_null().sum())
         self.stats.rows_failed = failed
         counts = {"total": self.stats.rows_total, "ok": result.height - failed, "failed": failed}
-        self.sink.record_finish(self.stats.input_fingerprint, counts)
+        self.stats.usage_total = {
+            c: float(result.get_column(c).sum() or 0) if c in result.columns else 0.0
+            for c in self.s.usage_columns
+        }
+        self.sink.record_finish(self.stats.input_fingerprint, counts, self.stats.usage_total)
         self.log.info("%s", self.progress_line(time.monotonic()))
         if stopped is not None:
-            raise OutageError(self.label, self.outage_at, stopped, self.done_rows)
+            raise stopped
         if failed and failed / max(self.stats.rows_total, 1) > self.s.max_failed_fraction:
             raise TooManyFailuresError(
                 self.label,

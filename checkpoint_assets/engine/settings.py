@@ -24,13 +24,15 @@ class OnInputChange(enum.StrEnum):
 class Settings:
     """How one run behaves.
 
-    ``min_flush_seconds=None`` takes the store's own minimum (0 on local disk, a few seconds on
-    object stores, where each flush costs requests).
+    ``checkpoint_interval`` rows make a flush; ``batch_size`` rows make a call (None: one
+    interval). ``min_flush_seconds=None`` takes the store's own minimum (0 on local disk, a few
+    seconds on object stores, where each flush costs requests).
     """
 
     id_column: str
     input_columns: tuple[str, ...] = ()
     checkpoint_interval: int = 16
+    batch_size: int | None = None
     flush_seconds: float = 30.0
     min_flush_seconds: float | None = None
     resume: bool = True
@@ -42,6 +44,8 @@ class Settings:
     max_concurrency: int = 1
     max_attempts: int = 3
     retry_delay_seconds: float = 1.0
+    max_throttle_seconds: float = 600.0
+    usage_columns: tuple[str, ...] = ()
     progress_seconds: float = 10.0
     lease_seconds: float = DEFAULT_LEASE_SECONDS
 
@@ -52,8 +56,25 @@ class Settings:
             raise ValueError(
                 f"checkpoint_interval must be at least 1, got {self.checkpoint_interval}"
             )
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
+        if self.max_throttle_seconds <= 0:
+            raise ValueError(
+                f"max_throttle_seconds must be positive, got {self.max_throttle_seconds}"
+            )
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, got {self.max_concurrency}")
+
+    @property
+    def batch_rows(self) -> int:
+        """Rows per call."""
+        return self.batch_size or self.checkpoint_interval
+
+    @property
+    def max_unflushed_rows(self) -> int:
+        """Rows that may wait for storage before dispatching waits for it too: while a flush is
+        being written, rows done meanwhile join the next one (group commit) up to this bound."""
+        return 2 * self.checkpoint_interval + self.max_concurrency * self.batch_rows
 
 
 @dataclass
@@ -70,6 +91,10 @@ class RunStats:
     rows_imported: int = 0
     calls: int = 0
     failed_calls: int = 0
+    throttled_calls: int = 0
+    throttle_events: int = 0
+    throttled_seconds: float = 0.0
+    concurrency_final: int = 0
     flushes: int = 0
     seconds: float = 0.0
     # How long storage held the run up: waiting for the flush in flight, and finalize. The
@@ -79,6 +104,9 @@ class RunStats:
     input_fingerprint: str = ""
     checkpoint_path: str = ""
     requests: dict[str, int] = field(default_factory=dict)
+    # Sums of the ``usage_columns``: over the rows this run computed, and over every stored row.
+    usage: dict[str, float] = field(default_factory=dict)
+    usage_total: dict[str, float] = field(default_factory=dict)
 
     @property
     def rows_per_second(self) -> float:

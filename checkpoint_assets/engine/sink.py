@@ -5,19 +5,26 @@ Both take computed rows with ``add`` and flush every ``checkpoint_interval`` row
 row of the run's result. The run loop does not know which one it has.
 
 ``PartWriter`` hands each flush to a background thread that writes the part and compacts while
-the function works on. At most one flush is in flight: a flush first waits for the previous one
-(and raises its error); while it waits it encodes its own part, so a function faster than the
-writer keeps both threads busy. ``finish`` waits for the last one, then merges everything into the
+the function works on. At most one flush is in flight, and dispatching never waits for it
+(group commit): rows that complete while a part is being written stay in the buffer and go
+together into the next flush, as soon as the writer is free. Only when the buffer outgrows
+``max_unflushed`` rows (two intervals plus the rows of the calls in flight) does the run wait for
+storage, encoding its own part during the wait, which bounds memory and loss when storage is
+slower than the function. ``finish`` waits for the last write, then merges everything into the
 merged file: a run never succeeds before its rows are durable.
 
-Loss bound. A hard kill (SIGKILL, a lost node) loses the rows done since the last flush: at
-most ``max(checkpoint_interval, rows done in min_flush_seconds)`` rows, computed in at most
-``max(min_flush_seconds, min(flush_seconds, time to compute checkpoint_interval rows))`` seconds,
-plus the flush the background writer is writing (one at most, no larger) and the batches in
-flight (``max_concurrency``). With the defaults on S3 and a function doing 100 rows per second
-that is about 500 rows or 5 s of work, twice that if a write is under way; locally
-(``min_flush_seconds`` 0) it is one batch of 16 rows, or two. SIGTERM, SIGINT and exceptions
-flush before leaving and lose nothing.
+Loss bound. A hard kill (SIGKILL, a lost node) loses the rows that are not durable yet:
+
+- the buffer: the rows done since the last flush, at most one ``checkpoint_interval`` (or the
+  rows done in ``min_flush_seconds``, when that is more) while storage keeps up, and never more
+  than ``max_unflushed`` rows;
+- the flush being written (one at most, no larger than the buffer was);
+- the calls in flight: ``max_concurrency`` batches of ``batch_size`` rows.
+
+With one-row calls, ``checkpoint_interval=64`` and 32 calls in flight on local disk that is
+64 + 64 + 32 rows at most, usually far fewer. On S3 (``min_flush_seconds`` 5) with a function
+doing 100 rows per second it is about 500 rows or 5 s of work, twice that if a write is under
+way. SIGTERM, SIGINT and exceptions flush before leaving and lose nothing.
 """
 
 from __future__ import annotations
@@ -51,9 +58,11 @@ class Sink:
         min_flush_seconds: float,
         outputs: list[str] | None,
         where: str,
+        max_unflushed: int | None = None,
     ) -> None:
         self.id_column = id_column
         self.interval = interval
+        self.max_unflushed = max_unflushed or 2 * interval
         self.flush_seconds = flush_seconds
         self.min_flush_seconds = min_flush_seconds
         self.outputs = outputs  # the output columns, once known
@@ -85,10 +94,21 @@ class Sink:
         self.buffered_rows += computed.height
 
     def maybe_flush(self) -> None:
+        """Flush when due, unless the previous flush is still being written and the buffer is
+        within ``max_unflushed``: then these rows join the next flush (group commit)."""
+        if not self.buffered_rows:
+            return
         since = time.monotonic() - self.last_flush
         due = self.buffered_rows >= self.interval or since >= self.flush_seconds
-        if due and self.buffered_rows and since >= self.min_flush_seconds:
-            self.flush()
+        if not due or since < self.min_flush_seconds:
+            return
+        if self.busy() and self.buffered_rows < self.max_unflushed:
+            return
+        self.flush()
+
+    def busy(self) -> bool:
+        """Whether a flush is still being written."""
+        return False
 
     def buffered(self) -> pl.DataFrame:
         """The buffered rows as one frame (the buffer keeps them)."""
@@ -115,7 +135,9 @@ class Sink:
         """Every stored row of the result (bookkeeping columns included)."""
         raise NotImplementedError
 
-    def record_finish(self, input_fingerprint: str, counts: dict[str, int]) -> None:
+    def record_finish(
+        self, input_fingerprint: str, counts: dict[str, int], usage: dict[str, float]
+    ) -> None:
         """What the finished run holds, for status reports."""
 
     def close(self) -> None:
@@ -159,6 +181,7 @@ class PartWriter(Sink):
         interval: int,
         flush_seconds: float,
         min_flush_seconds: float,
+        max_unflushed: int | None = None,
     ) -> None:
         meta = start.meta
         super().__init__(
@@ -168,6 +191,7 @@ class PartWriter(Sink):
             min_flush_seconds=min_flush_seconds,
             outputs=list(meta.output_schema) if meta and meta.output_schema else None,
             where=checkpoint.url,
+            max_unflushed=max_unflushed,
         )
         self.checkpoint = checkpoint
         self.meta = meta
@@ -185,8 +209,12 @@ class PartWriter(Sink):
             self.meta.output_schema = outputs
             self.checkpoint.write_meta(self.meta)
 
+    def busy(self) -> bool:
+        return self._writing is not None and not self._writing.done()
+
     def flush(self) -> None:
-        """Hand the buffered rows to the background writer as one part."""
+        """Hand the buffered rows to the background writer as one part (waiting for the one
+        being written first)."""
         if not self.buffer:
             return
         seq = self.next_seq
@@ -261,11 +289,14 @@ class PartWriter(Sink):
         self.finalize_seconds = time.perf_counter() - started
         return stored
 
-    def record_finish(self, input_fingerprint: str, counts: dict[str, int]) -> None:
+    def record_finish(
+        self, input_fingerprint: str, counts: dict[str, int], usage: dict[str, float]
+    ) -> None:
         if self.meta is not None:
             self.meta.input_fingerprint = input_fingerprint
             self.meta.finalized_at = time.time()
             self.meta.rows = counts
+            self.meta.usage = usage
             self.checkpoint.write_meta(self.meta)
 
     def close(self) -> None:

@@ -7,10 +7,12 @@ from checkpoint_assets.engine.errors import (
     SHARED_CHECKPOINT,
     CheckpointError,
     CorruptCheckpointError,
+    FunctionError,
     InputChangedError,
     JobMismatchError,
     MissingColumnsError,
     OutageError,
+    QuotaExhaustedError,
     TooManyFailuresError,
 )
 
@@ -47,4 +49,11 @@ def advise(error: CheckpointError) -> CheckpointError:
         )
     elif isinstance(error, OutageError):
         error.advise(f"When the endpoint is back: {_RERUN}")
+    elif isinstance(error, QuotaExhaustedError):
+        error.advise(
+            "Check the endpoint's quota or plan, or raise the asset's `max_throttle_seconds`; "
+            f"then {_RERUN[0].lower()}{_RERUN[1:]}"
+        )
+    elif isinstance(error, FunctionError):
+        error.advise(f"Fix the function, then: {_RERUN}")
     return error

@@ -24,6 +24,7 @@ from checkpoint_assets.engine.settings import OnInputChange, RunStats, Settings
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.advice import advise
+from checkpoint_assets.integration.function import Signature
 from checkpoint_assets.integration.global_resume import global_resume_key
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
 
@@ -46,7 +47,11 @@ class CheckpointRunConfig(dg.Config):
         default=None, description="Name of the checkpoint, to keep separate runs apart."
     )
     checkpoint_interval: int | None = Field(
-        default=None, description="Rows per flush and per call (overrides the asset's)."
+        default=None, description="Rows per flush (overrides the asset's)."
+    )
+    batch_size: int | None = Field(
+        default=None,
+        description="Rows per call (overrides the asset's; default: the checkpoint interval).",
     )
     global_resume: bool = Field(
         default=False,
@@ -71,6 +76,7 @@ def checkpointed_asset(
     input_columns: Sequence[str] | None = None,
     partitions_def: dg.PartitionsDefinition | None = None,
     checkpoint_interval: int = Settings.checkpoint_interval,
+    batch_size: int | None = Settings.batch_size,
     flush_seconds: float = Settings.flush_seconds,
     min_flush_seconds: float | None = Settings.min_flush_seconds,
     retry_failed: bool = Settings.retry_failed,
@@ -80,6 +86,8 @@ def checkpointed_asset(
     max_concurrency: int = Settings.max_concurrency,
     max_attempts: int = Settings.max_attempts,
     retry_delay_seconds: float = Settings.retry_delay_seconds,
+    max_throttle_seconds: float = Settings.max_throttle_seconds,
+    usage_columns: Sequence[str] = (),
     name: str | None = None,
     key_prefix: str | Sequence[str] | None = None,
     group_name: str | None = None,
@@ -93,23 +101,30 @@ def checkpointed_asset(
 ) -> Callable[[Callable[..., Any]], dg.AssetsDefinition]:
     """Turn ``fn(batch: pl.DataFrame) -> pl.DataFrame`` into a checkpointed Dagster asset.
 
-    ``fn`` receives batches of ``checkpoint_interval`` rows (the id and the input columns) and
-    returns the id and its output columns for those rows, in any order. Results are flushed to
-    the checkpoint as Parquet parts; an interrupted run resumes by id. Partitions from
+    ``fn`` receives batches of ``batch_size`` rows (the id and the input columns) and returns the
+    id and its output columns for those rows, in any order; it may be an ``async def``. Its
+    other parameters are Dagster resources by name, and one named ``context`` gets the asset's
+    execution context. Results are flushed to the checkpoint as Parquet parts every
+    ``checkpoint_interval`` rows; an interrupted run resumes by id. Partitions from
     :func:`shard_partitions` split the input into shards that run in parallel.
+
+    Raise :class:`RetryAfter` (or let an HTTP 429/503 from ``httpx`` or ``openai`` through) when
+    the endpoint rate limits: the shard pauses and calls the same batch again.
 
     Example::
 
         @checkpointed_asset(source="tickets", id_column="ticket_id",
                             partitions_def=shard_partitions(4))
-        def ticket_routing(batch: pl.DataFrame) -> pl.DataFrame:
+        def ticket_routing(batch: pl.DataFrame, llm: LLMResource) -> pl.DataFrame:
             return batch.select("ticket_id", route=pl.lit("billing"))
 
     Args:
         source: the upstream asset with the rows.
         id_column: unique integer or string id of each row.
         input_columns: the columns ``fn`` reads and that fingerprint a row (default: all).
-        checkpoint_interval: rows per call and per flush.
+        checkpoint_interval: rows per flush (parts are written every this many rows).
+        batch_size: rows per call (default: ``checkpoint_interval``). One-row calls to a remote
+            model want ``batch_size=1`` with a larger ``checkpoint_interval``.
         flush_seconds: flush at least this often while rows are done.
         min_flush_seconds: never flush more often than this (default 0 locally, 5 s on object
             stores, where each flush costs requests).
@@ -120,7 +135,12 @@ def checkpointed_asset(
         on_input_change: "fail" or "recompute" finished rows whose input changed.
         max_concurrency: batches in flight at once (threads, or asyncio for ``async def``).
         max_attempts: calls of a failing batch before it is split to isolate poison rows.
-        retry_delay_seconds: first delay between attempts, doubled each time.
+        retry_delay_seconds: first delay between attempts, doubled each time (also the first
+            back-off of a rate limit that does not say how long to wait).
+        max_throttle_seconds: stop with :class:`QuotaExhaustedError` after being rate limited
+            this long without a single successful call.
+        usage_columns: numeric output columns (tokens, cost) summed into the metadata as
+            ``usage/<col>`` (this run) and ``usage_total/<col>`` (every stored row).
         name, key_prefix, group_name, code_version, pool, tags, description, metadata,
         io_manager_key, backfill_policy: passed on to ``dagster.asset``.
     """
@@ -128,10 +148,14 @@ def checkpointed_asset(
 
     def decorator(fn: Callable[..., Any]) -> dg.AssetsDefinition:
         asset_name = name or fn.__name__
+        signature = Signature.of(fn)
         base = Settings(
             id_column=id_column,
             input_columns=tuple(input_columns or ()),
             checkpoint_interval=checkpoint_interval,
+            batch_size=batch_size,
+            max_throttle_seconds=max_throttle_seconds,
+            usage_columns=tuple(usage_columns),
             flush_seconds=flush_seconds,
             min_flush_seconds=min_flush_seconds,
             retry_failed=retry_failed,
@@ -159,6 +183,7 @@ def checkpointed_asset(
                 else [None]
             )
             table = to_polars(source)
+            call = signature.bind(fn, context)
             store = io_manager.store()
             settings = _settings(base, config, table)
             job = {
@@ -182,7 +207,7 @@ def checkpointed_asset(
                 rows = rows_in(table, id_column, [key], index)
                 try:
                     frame, one = _run_partition(
-                        context, config, fn, settings, checkpoint, rows, key, job, imported
+                        context, config, call, settings, checkpoint, rows, key, job, imported
                     )
                 except TooManyFailuresError as e:
                     # A ranged run still finishes its other shards, so their retries are free.
@@ -214,6 +239,7 @@ def checkpointed_asset(
             description=description or inspect.getdoc(fn),
             metadata=definition_metadata,
             io_manager_key=io_manager_key,
+            required_resource_keys=set(signature.resources) or None,
             backfill_policy=backfill_policy,
             kinds={"polars", "parquet"},
         )(body)
@@ -227,6 +253,7 @@ def _settings(base: Settings, config: CheckpointRunConfig, source: pl.DataFrame)
         base,
         input_columns=base.input_columns or tuple(c for c in source.columns if c != base.id_column),
         checkpoint_interval=config.checkpoint_interval or base.checkpoint_interval,
+        batch_size=config.batch_size or base.batch_size,
         resume=config.resume,
         checkpointing=config.checkpointing,
         retry_failed=base.retry_failed if config.retry_failed is None else config.retry_failed,

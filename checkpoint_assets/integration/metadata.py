@@ -21,6 +21,11 @@ GLOBAL_RESUME_OF = "checkpoint_assets/global_resume_of"
 ROWS_FAILED = "rows_failed"
 CHECKPOINT_TAG = "checkpoint_tag"
 CHECKPOINTING = "checkpointing"
+THROTTLE_EVENTS = "throttle_events"
+THROTTLED_SECONDS = "throttled_seconds"
+CONCURRENCY_FINAL = "concurrency_final"
+USAGE = "usage/"  # + a usage column: its sum over the rows this run computed
+USAGE_TOTAL = "usage_total/"  # + a usage column: its sum over every stored row
 COUNTS = (
     "rows_total",
     "rows_computed",
@@ -52,6 +57,25 @@ def materialization(runs: Sequence[RunStats], tag: str, checkpointing: bool) -> 
             requests[k] = requests.get(k, 0) + v
     out["storage_requests"] = requests
     out["storage_wait_seconds"] = round(sum(r.storage_wait_seconds for r in runs), 3)
+    out.update(_throttling(runs))
+    out.update(_usage(runs))
+    return out
+
+
+def _throttling(runs: Sequence[RunStats]) -> dict[str, Any]:
+    return {
+        THROTTLE_EVENTS: sum(r.throttle_events for r in runs),
+        THROTTLED_SECONDS: round(sum(r.throttled_seconds for r in runs), 3),
+        CONCURRENCY_FINAL: min((r.concurrency_final for r in runs), default=0),
+    }
+
+
+def _usage(runs: Sequence[RunStats]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for r in runs:
+        for prefix, sums in ((USAGE, r.usage), (USAGE_TOTAL, r.usage_total)):
+            for column, value in sums.items():
+                out[prefix + column] = out.get(prefix + column, 0.0) + value
     return out
 
 

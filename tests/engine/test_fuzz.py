@@ -9,9 +9,10 @@ of another type, return zero rows, add columns), a run ends in one of two ways:
   or a failure with ``_error``; the next run resumes with no call; a run of the well-behaved
   function then calls exactly the failed ids; ``checkpoint-assets verify`` finds no problem.
 
-A function that fails on every call stops the run with ``OutageError`` and one whose output
-columns change stops it with ``JobMismatchError``; both are checked to leave a valid checkpoint
-that a later run finishes.
+A function that fails on every call stops the run with ``OutageError``, one whose output columns
+change stops it with ``JobMismatchError``, and one whose result is not a table for its batch (None,
+unknown, duplicate or null ids) stops it at once with ``FunctionError``; each is checked to leave
+a valid checkpoint that a later run finishes.
 
 The engine is driven directly (``prepare`` then ``run``) for speed. Examples per property are
 modest and derandomized so CI is fast and stable; ``HYPOTHESIS_PROFILE=long`` runs many more
@@ -44,6 +45,7 @@ from checkpoint_assets.engine import parquet, runner
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
     CheckpointError,
+    FunctionError,
     InputChangedError,
     InvalidIdsError,
     JobMismatchError,
@@ -402,14 +404,17 @@ def test_any_function_behaviour_leaves_every_id_stored_once_or_resumable(
         first = box.attempt(df, fn, s)
         if first.error is not None:
             # Only a run-level stop is allowed after calls: the function failed on every call
-            # (an outage) or changed its output columns (another job). Nothing is half-stored.
+            # (an outage), changed its output columns (another job) or returned something that
+            # is not a result for its batch (a broken function). Nothing is half-stored.
             box.verify()
             if unstorable and type(first.error) is CheckpointError:
                 # Refused at the first success, before it is flushed.
                 assert "cannot store" in str(first.error)
                 assert box.stored().filter(pl.col(ERROR).is_null()).height == 0
                 return
-            assert isinstance(first.error, OutageError | JobMismatchError), repr(first.error)
+            assert isinstance(first.error, OutageError | JobMismatchError | FunctionError), repr(
+                first.error
+            )
             stored = box.stored()
             if stored.height:
                 partial = stored.filter(pl.col(ERROR).is_null())
@@ -525,11 +530,6 @@ def test_an_output_type_changing_between_batches_is_never_coerced(
     assert_frame_equal(ok.filter(pl.col(ID) <= 2).select(ID, "y"), early)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the function's batch also carries the engine's _input_hash and _attempts columns; "
-    "a function that returns batch.with_columns(...) is then refused for reserved names",
-)
 def test_the_function_sees_only_the_id_and_input_columns(tmp_path: Path) -> None:
     df = pl.DataFrame({ID: [1, 2, 3], "text": ["a", "b", "c"]})
     seen: list[list[str]] = []

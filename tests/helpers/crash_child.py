@@ -2,8 +2,8 @@
 
 Usage: ``python crash_child.py SPEC_JSON`` where the spec holds ``mode`` ("materialize": the
 asset through Dagster's ``materialize``; "engine": ``checkpoint_assets.engine.run`` alone),
-``base_dir``, ``options`` (storage options), ``rows``, ``interval``, ``delay`` (seconds each call
-takes), ``flush_seconds``, ``min_flush_seconds``, ``log`` (a file each call appends
+``base_dir``, ``options`` (storage options), ``rows``, ``interval``, ``batch_size`` and
+``max_concurrency`` (optional), ``delay`` (seconds each call takes), ``flush_seconds``, ``min_flush_seconds``, ``log`` (a file each call appends
 ``<run>\\t<id>`` lines to, after computing and before returning) and ``run`` (a label), and
 ``report`` (a JSON file written when the run returns).
 """
@@ -54,6 +54,8 @@ def run_materialize(spec: dict[str, Any]) -> dict[str, Any]:
         id_column="ticket_id",
         name=CHECKPOINT,
         checkpoint_interval=spec["interval"],
+        batch_size=spec.get("batch_size"),
+        max_concurrency=spec.get("max_concurrency", 1),
         flush_seconds=spec["flush_seconds"],
         min_flush_seconds=spec["min_flush_seconds"],
         retry_delay_seconds=0.0,
@@ -87,6 +89,8 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         id_column="ticket_id",
         input_columns=("body",),
         checkpoint_interval=spec["interval"],
+        batch_size=spec.get("batch_size"),
+        max_concurrency=spec.get("max_concurrency", 1),
         flush_seconds=spec["flush_seconds"],
         min_flush_seconds=spec["min_flush_seconds"],
         retry_delay_seconds=0.0,
