@@ -118,7 +118,7 @@ def test_calls_do_not_wait_for_a_slow_store_and_rows_join_the_next_flush(
         time.sleep(0.01)
         return route(batch)
 
-    result, stats = run(fn, prepare(tickets(120), s), checkpoint, s, job={"test": 1})
+    result, _ = run(fn, prepare(tickets(120), s), checkpoint, s, job={"test": 1})
 
     assert result.get_column("_error").null_count() == 120
     # 120 rows in 10 ms calls, 4 at a time, take ~0.3 s: one part write. Rows done meanwhile
@@ -212,7 +212,7 @@ def test_a_throttle_pauses_every_worker_until_retry_after_and_marks_no_row_faile
 def test_a_throttle_without_retry_after_backs_off_exponentially(local: Storage) -> None:
     endpoint = Endpoint(admit=100, delay=0.0, error=_openai_503, throttle_first=3)
 
-    result, stats = _run(endpoint, 4, local, max_attempts=1, retry_delay_seconds=0.05)
+    result, _ = _run(endpoint, 4, local, max_attempts=1, retry_delay_seconds=0.05)
 
     assert result.get_column("_error").null_count() == 4
     gaps = [b - a for a, b in zip(endpoint.starts, endpoint.starts[1:], strict=False)][:3]

@@ -3,9 +3,10 @@
 Usage: ``python crash_child.py SPEC_JSON`` where the spec holds ``mode`` ("materialize": the
 asset through Dagster's ``materialize``; "engine": ``checkpoint_assets.engine.run`` alone),
 ``base_dir``, ``options`` (storage options), ``rows``, ``interval``, ``batch_size`` and
-``max_concurrency`` (optional), ``delay`` (seconds each call takes), ``flush_seconds``, ``min_flush_seconds``, ``log`` (a file each call appends
-``<run>\\t<id>`` lines to, after computing and before returning) and ``run`` (a label), and
-``report`` (a JSON file written when the run returns).
+``max_concurrency`` (optional), ``delay`` (seconds each call takes), ``flush_seconds``,
+``min_flush_seconds``, ``log`` (a file each call appends ``<run>\\t<id>`` lines to, after
+computing and before returning), ``run`` (a label) and ``report`` (a JSON file written when the
+run returns).
 """
 
 from __future__ import annotations
