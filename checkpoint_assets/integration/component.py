@@ -99,7 +99,7 @@ BatchFunction = Annotated[
         model_field_type=str,
         description=(
             "The batch function, as module:function (.module:function for a module beside this "
-            "defs.yaml). It gets a polars DataFrame of up to checkpoint_interval rows (the id and "
+            "defs.yaml). It gets a polars DataFrame of up to batch_size rows (the id and "
             "the input columns) and returns the id and the output columns of those rows."
         ),
         examples=["my_project.routing:route_batch", ".batch:process_batch"],
@@ -184,7 +184,7 @@ import polars as pl
 
 
 def process_batch(batch: pl.DataFrame) -> pl.DataFrame:
-    """Called with up to checkpoint_interval rows: the id and the input columns.
+    """Called with up to batch_size rows: the id and the input columns.
 
     Return the id and the output columns of those rows, in any order. Replace the body with
     the call to your model or API; results are checkpointed as each batch completes.
@@ -233,11 +233,9 @@ class CheckpointedAssetComponent(dg.Component, dg.Resolvable, dg.Model):
         int | None,
         _doc("Split the rows into this many shards, one partition each (default: one checkpoint)."),
     ] = None
-    checkpoint_interval: Annotated[int, _doc("Rows per call and per flush.")] = _ASSET[
-        "checkpoint_interval"
-    ]
+    checkpoint_interval: Annotated[int, _doc("Rows per flush.")] = _ASSET["checkpoint_interval"]
     batch_size: Annotated[
-        int | None, _doc("Rows per call, when it should differ from checkpoint_interval.")
+        int | None, _doc("Rows per call (default: checkpoint_interval; 1 for one-row prompts).")
     ] = None
     flush_seconds: Annotated[float, _doc("Flush at least this often while rows are done.")] = (
         _ASSET["flush_seconds"]
@@ -265,6 +263,13 @@ class CheckpointedAssetComponent(dg.Component, dg.Resolvable, dg.Model):
     retry_delay_seconds: Annotated[
         float, _doc("First delay between attempts, doubled each time.")
     ] = _ASSET["retry_delay_seconds"]
+    max_throttle_seconds: Annotated[
+        float, _doc("Stop after being rate limited this long without a successful call.")
+    ] = _ASSET["max_throttle_seconds"]
+    usage_columns: Annotated[
+        list[str] | None,
+        _doc("Numeric output columns (tokens, cost) summed into usage/<col> metadata."),
+    ] = None
     key_prefix: Annotated[str | list[str] | None, _doc("Asset key prefix.")] = None
     group_name: Annotated[str | None, _doc("Asset group.")] = None
     code_version: Annotated[
@@ -324,16 +329,9 @@ class CheckpointedAssetComponent(dg.Component, dg.Resolvable, dg.Model):
         arguments = {
             key: getattr(self, key)
             for key in type(self).model_fields
-            if key in _ASSET_PARAMETERS and key != "batch_size"
+            if key in _ASSET_PARAMETERS and key != "usage_columns"
         }
+        arguments["usage_columns"] = tuple(self.usage_columns or ())
         if self.shards is not None:
             arguments["partitions_def"] = shard_partitions(self.shards)
-        if self.batch_size is not None:
-            # batch_size: passed on once checkpointed_asset takes it.
-            if "batch_size" not in _ASSET_PARAMETERS:
-                raise CheckpointError(
-                    "batch_size is not supported by this version of checkpoint-assets: remove "
-                    "it; checkpoint_interval sets the rows per call and per flush."
-                )
-            arguments["batch_size"] = self.batch_size
         return arguments

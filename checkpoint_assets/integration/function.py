@@ -52,7 +52,7 @@ class Signature:
                 wants_context = True
                 continue
             annotation = hints.get(p.name, p.annotation)
-            if annotation is inspect.Parameter.empty or _is_resource(annotation):
+            if annotation in (inspect.Parameter.empty, Any) or _is_resource(annotation):
                 resources.append(p.name)
                 continue
             raise _error(
