@@ -28,32 +28,29 @@ import inspect
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable
+import types
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import polars as pl
 import pyarrow as pa
 
 from checkpoint_assets.engine.rows import ATTEMPTS, BOOKKEEPING, ERROR, INPUT_HASH
-from checkpoint_assets.engine.throttle import Throttle, Throttled, throttled
+from checkpoint_assets.engine.throttle import Throttle, throttled
 
 BatchFn = Callable[[pl.DataFrame], Any]
 _MAX_ERROR_CHARS = 2000
 
 
-class CallFailed(Exception):
-    """The function raised something that may be transient."""
+T = TypeVar("T")
+# What a step waits for, and for what: a slot of the shard's gate, a delay, a call.
+_ACQUIRE, _SLEEP, _CALL = "acquire", "sleep", "call"
+Steps = Generator[tuple[str, Any], Any, T]
 
 
 class Broken(Exception):
     """The function is broken: retrying cannot help."""
-
-
-class _ThrottledCall(Exception):
-    def __init__(self, asked: Throttled) -> None:
-        super().__init__(asked.reason)
-        self.asked = asked
 
 
 def outage_threshold(max_attempts: int, batch_rows: int) -> int:
@@ -113,7 +110,12 @@ class Caller:
         """The shard stops: an outage, a broken function, or the quota looks spent."""
         return self.outage or self.broken is not None or self.throttle.spent is not None
 
-    # -- async support -------------------------------------------------------------------
+    # -- the event loop of an ``async def`` function ---------------------------------------
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop an ``async def`` function runs on (None for a plain function)."""
+        return self._loop
+
     def _start_loop(self) -> None:
         loop = asyncio.new_event_loop()
         self._loop = loop
@@ -128,32 +130,61 @@ class Caller:
             self._loop.close()
             self._loop = None
 
-    def _invoke(self, batch: pl.DataFrame) -> Any:
-        if self._loop is not None:
-            coro: Awaitable[Any] = self.fn(batch)
-            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
+    def _call_fn(self, batch: pl.DataFrame) -> Any:
+        # The one place the function is called (a coroutine comes back for ``async def``):
+        # a TypeError raised right here is a signature that does not fit the call.
         return self.fn(batch)
 
-    # -- one call ------------------------------------------------------------------------
-    def call_once(self, batch: pl.DataFrame) -> pl.DataFrame:
-        """Call the function and check its result.
+    # -- drivers: the steps below, run by threads or by the event loop ---------------------
+    def process(self, batch: pl.DataFrame) -> Outcome:
+        """Results for every row of ``batch`` (rows the function skipped count as failed).
 
-        Raises ``_ThrottledCall`` (rate limited), ``Broken`` (retrying cannot help) or
-        ``CallFailed`` (may be transient).
+        For an ``async def`` function this blocks the calling thread while the event loop
+        runs :meth:`aprocess`.
         """
-        if self._columns is None:
-            self._columns = [c for c in batch.columns if c not in BOOKKEEPING]
-        try:
-            raw = self._invoke(batch.select(self._columns))
-        except Exception as e:
-            asked = throttled(e)
-            if asked is not None:
-                raise _ThrottledCall(asked) from e
-            if _is_bug(e):
-                raise Broken(_describe(e)) from e
-            raise CallFailed(_describe(e)) from e
-        return self._check(raw, batch)
+        if self._loop is not None:
+            return asyncio.run_coroutine_threadsafe(self.aprocess(batch), self._loop).result()
+        steps = self._process(batch)
+        value: Any = None
+        error: Exception | None = None
+        while True:
+            try:
+                kind, arg = steps.send(value) if error is None else steps.throw(error)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            value, error = None, None
+            if kind == _ACQUIRE:
+                value = self.throttle.acquire()
+            elif kind == _SLEEP:
+                time.sleep(arg)
+            else:
+                try:
+                    value = self._call_fn(arg)
+                except Exception as e:
+                    error = e
 
+    async def aprocess(self, batch: pl.DataFrame) -> Outcome:
+        """:meth:`process` for an ``async def`` function, on its event loop."""
+        steps = self._process(batch)
+        value: Any = None
+        error: Exception | None = None
+        while True:
+            try:
+                kind, arg = steps.send(value) if error is None else steps.throw(error)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            value, error = None, None
+            if kind == _ACQUIRE:
+                value = await self.throttle.acquire_async()
+            elif kind == _SLEEP:
+                await asyncio.sleep(arg)
+            else:
+                try:
+                    value = await self._call_fn(arg)
+                except Exception as e:
+                    error = e
+
+    # -- checking a result ---------------------------------------------------------------
     def _check(self, raw: Any, batch: pl.DataFrame) -> pl.DataFrame:
         out = _as_frame(raw)
         if out is None:
@@ -209,50 +240,63 @@ class Caller:
                     self.throttle.stop()
             return not self.outage
 
-    # -- a batch, with rate limits, retries and splitting --------------------------------
-    def process(self, batch: pl.DataFrame) -> Outcome:
-        """Results for every row of ``batch`` (rows the function skipped count as failed)."""
+    # -- the steps of a batch: rate limits, retries and splitting ------------------------
+    # Written once as generators that yield what to wait for (a slot, a delay, a call); the
+    # drivers above run them with threads or on the event loop.
+    def _process(self, batch: pl.DataFrame) -> Steps[Outcome]:
         outcome = Outcome()
-        self._attempt(batch, self.max_attempts, 0, outcome)
+        yield from self._attempt(batch, self.max_attempts, 0, outcome)
         return outcome
 
-    def _call(self, batch: pl.DataFrame, outcome: Outcome) -> pl.DataFrame | CallFailed | None:
+    def _call(self, batch: pl.DataFrame, outcome: Outcome) -> Steps[pl.DataFrame | str | None]:
         """One call through the shard's gate, again and again while it is rate limited.
 
-        Returns the result, the failure, or None when the shard stops.
+        Returns the result, the error of a failed call, or None when the shard stops.
         """
+        if self._columns is None:
+            self._columns = [c for c in batch.columns if c not in BOOKKEEPING]
         while True:
-            started = self.throttle.acquire()
+            started = yield (_ACQUIRE, None)
             if started is None or self.stopping:
                 if started is not None:
                     self.throttle.release(False)
                 return None
             number = self._start()
             try:
-                out = self.call_once(batch)
-            except _ThrottledCall as t:
-                outcome.throttled_calls += 1
-                self.throttle.throttle(started, t.asked)
-                continue
+                raw = yield (_CALL, batch[self._columns])
+                out = self._check(raw, batch)
             except Broken as e:
-                self.throttle.release(False)
-                with self._lock:
-                    if self.broken is None:
-                        self.broken = str(e)
-                self.throttle.stop()
+                self._broke(str(e))
                 return None
-            except CallFailed as e:
+            except Exception as e:
+                asked = throttled(e)
+                if asked is not None:
+                    outcome.throttled_calls += 1
+                    self.throttle.throttle(started, asked)
+                    continue
+                if _is_bug(e, Caller._call_fn.__code__):
+                    self._broke(_describe(e))
+                    return None
                 self.throttle.release(False)
                 outcome.calls += 1
                 outcome.failed_calls += 1
-                self.last_error = str(e)
-                return e if self._finish(False, number) else None
+                self.last_error = _describe(e)
+                return self.last_error if self._finish(False, number) else None
             self.throttle.release(True)
             outcome.calls += 1
             self._finish(True, number)  # a result paid for is kept, outage or not
             return out
 
-    def _attempt(self, batch: pl.DataFrame, attempts: int, before: int, outcome: Outcome) -> bool:
+    def _broke(self, problem: str) -> None:
+        self.throttle.release(False)
+        with self._lock:
+            if self.broken is None:
+                self.broken = problem
+        self.throttle.stop()
+
+    def _attempt(
+        self, batch: pl.DataFrame, attempts: int, before: int, outcome: Outcome
+    ) -> Steps[bool]:
         """Try ``batch`` up to ``attempts`` times, then split. False when the run must stop.
 
         ``before`` counts the calls that already included these rows (for ``_attempts``).
@@ -260,12 +304,12 @@ class Caller:
         error = ""
         for attempt in range(attempts):
             if attempt:
-                time.sleep(self.retry_delay_seconds * 2 ** (attempt - 1))
-            got = self._call(batch, outcome)
+                yield (_SLEEP, self.retry_delay_seconds * 2 ** (attempt - 1))
+            got = yield from self._call(batch, outcome)
             if got is None:
                 return False
-            if isinstance(got, CallFailed):
-                error = str(got)
+            if isinstance(got, str):
+                error = got
                 continue
             used = before + attempt + 1
             outcome.ok.append(_successes(got, batch, self.id_column, used))
@@ -279,28 +323,28 @@ class Caller:
             outcome.failed.append(_failures(batch, self.id_column, error, used))
             return True
         half = batch.height // 2
-        return self._attempt(batch.head(half), 1, used, outcome) and self._attempt(
-            batch.slice(half), 1, used, outcome
-        )
+        if not (yield from self._attempt(batch.head(half), 1, used, outcome)):
+            return False
+        return (yield from self._attempt(batch.slice(half), 1, used, outcome))
 
 
-def _is_bug(e: BaseException) -> bool:
+def _is_bug(e: BaseException, call_site: types.CodeType) -> bool:
     """Whether an exception from the function cannot be transient."""
     if isinstance(e, TypeError):
-        return _raised_by_the_call(e)  # the function was called with arguments it does not take
+        return _raised_at(e, call_site)  # the function was called with arguments it does not take
     if isinstance(e, AttributeError):
         return getattr(e, "obj", None) is not None  # a real object lacks it: a typo, a wrong API
     return isinstance(e, NameError | ImportError)
 
 
-def _raised_by_the_call(e: BaseException) -> bool:
+def _raised_at(e: BaseException, call_site: types.CodeType) -> bool:
     """Whether ``e`` was raised by calling the function, before any of its code ran."""
     tb = e.__traceback__
     if tb is None:
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
-    return tb.tb_frame.f_code is Caller._invoke.__code__
+    return tb.tb_frame.f_code is call_site
 
 
 def _as_frame(raw: Any) -> pl.DataFrame | None:
@@ -321,13 +365,19 @@ def _describe(e: BaseException) -> str:
     return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
 
 
+_NO_ERROR = pl.Series(ERROR, [None], dtype=pl.String)
+
+
 def _successes(out: pl.DataFrame, batch: pl.DataFrame, id_column: str, used: int) -> pl.DataFrame:
     if out.get_column(id_column).equals(batch.get_column(id_column)):  # same ids, same order
+        attempts = batch.get_column(ATTEMPTS)
         return out.hstack(  # plain Series: a tenth of the cost of expressions on small batches
             [
-                (batch.get_column(ATTEMPTS) + used).cast(pl.Int32),
+                (attempts + used)
+                if attempts.dtype == pl.Int32
+                else (attempts + used).cast(pl.Int32),
                 batch.get_column(INPUT_HASH),
-                pl.Series(ERROR, [None], dtype=pl.String).new_from_index(0, out.height),
+                _NO_ERROR if out.height == 1 else _NO_ERROR.new_from_index(0, out.height),
             ]
         )
     joined = out.join(batch.select(id_column, ATTEMPTS, INPUT_HASH), on=id_column, how="left")

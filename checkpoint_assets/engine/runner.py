@@ -16,9 +16,10 @@
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import asyncio
 import contextlib
 import logging
+import queue
 import signal
 import threading
 import time
@@ -248,31 +249,41 @@ class Run:
                 if caller.stopping:
                     return
             return
-        # One thread per batch in flight; the shard's throttle decides how many of them may be
-        # calling the function at a time (fewer while the endpoint rate limits).
-        pool = cf.ThreadPoolExecutor(self.s.max_concurrency, thread_name_prefix="checkpoint")
-        pending: set[cf.Future[Outcome]] = set()
+        yield from self._concurrently(caller, batches)
+
+    def _concurrently(self, caller: Caller, batches: Iterator[pl.DataFrame]) -> Iterator[Outcome]:
+        """``max_concurrency`` workers take batches and call the function; their outcomes come
+        back here, to the one thread that hands results to the sink.
+
+        Workers are threads, or tasks on the event loop of an ``async def`` function. A worker
+        goes on to its next batch as soon as a call returns, without a round trip through this
+        thread. A batch holds a slot from when a worker takes it until its outcome is absorbed
+        here, so calls in flight and results waiting for this thread are ``max_concurrency``
+        batches at most: while this thread waits for storage, workers stop taking batches. The
+        shard's throttle decides how many of them may call the function at a time (fewer while
+        the endpoint rate limits).
+        """
+        results: queue.SimpleQueue[Outcome | BaseException | None] = queue.SimpleQueue()
+        workers = self.s.max_concurrency
+        start = _tasks if caller.loop is not None else _threads
+        release, leave = start(caller, batches, workers, results)
+        running = workers
         try:
-            for batch in batches:
-                while len(pending) >= self.s.max_concurrency:
-                    done, pending = cf.wait(
-                        pending, timeout=self._poll_seconds(), return_when=cf.FIRST_COMPLETED
-                    )
-                    yield from (f.result() for f in done)
-                    if not done:
-                        self.sink.maybe_flush()
-                if caller.stopping:
-                    break  # submit nothing more, collect the batches in flight
-                pending.add(pool.submit(caller.process, batch))
-            while pending:
-                done, pending = cf.wait(
-                    pending, timeout=self._poll_seconds(), return_when=cf.FIRST_COMPLETED
-                )
-                yield from (f.result() for f in done)
-                if not done:
-                    self.sink.maybe_flush()
+            while running:
+                try:
+                    item = results.get(timeout=self._poll_seconds())
+                except queue.Empty:
+                    self.sink.maybe_flush()  # a flush may be due by time, or the writer free
+                    continue
+                release()  # the batch's slot (or, at a worker's end, one for the next to end)
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            leave()  # on an exception or a stop: finish the calls in flight, take no more
 
     def _poll_seconds(self) -> float:
         """How long to wait for a call before looking at the sink again: briefly while rows
@@ -312,7 +323,7 @@ class Run:
         frames = [f for f in frames if f.height]
         if not frames:
             return
-        computed = pl.concat(frames, how="diagonal_relaxed")
+        computed = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
         done = computed
         if self.opened.copies is not None and self.opened.copies.rows.height:
             copies = self.opened.copies.of(computed, self.id)
@@ -383,6 +394,88 @@ class Run:
             if c not in stored.columns:
                 stored = stored.with_columns(pl.lit(None).alias(c))
         return stored.select(self.id, *outputs, ERROR)
+
+
+Results = queue.SimpleQueue[Outcome | BaseException | None]
+
+
+def _threads(
+    caller: Caller, batches: Iterator[pl.DataFrame], workers: int, results: Results
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Start ``workers`` threads; returns how to release a slot and how to make them leave."""
+    slots = threading.Semaphore(workers)
+    take = threading.Lock()
+    leaving = threading.Event()
+
+    def work() -> None:
+        try:
+            while True:
+                slots.acquire()
+                if leaving.is_set() or caller.stopping:
+                    return
+                with take:
+                    batch = next(batches, None)
+                if batch is None:
+                    return
+                results.put(caller.process(batch))
+        except BaseException as e:  # handed to the loop, which raises it
+            results.put(e)
+        finally:
+            results.put(None)  # this worker is done
+
+    for i in range(workers):
+        threading.Thread(target=work, name=f"checkpoint-{i}", daemon=True).start()
+
+    def leave() -> None:
+        leaving.set()
+        slots.release(workers)
+
+    return slots.release, leave
+
+
+def _tasks(
+    caller: Caller, batches: Iterator[pl.DataFrame], workers: int, results: Results
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Start ``workers`` tasks on the function's event loop (one thread for every call)."""
+    loop = caller.loop
+    assert loop is not None
+    slots = asyncio.Semaphore(workers)
+    leaving = threading.Event()
+
+    async def work() -> None:
+        try:
+            while True:
+                await slots.acquire()
+                if leaving.is_set() or caller.stopping:
+                    return
+                batch = next(batches, None)  # only this loop's thread takes batches
+                if batch is None:
+                    return
+                results.put(await caller.aprocess(batch))
+        except BaseException as e:  # handed to the loop, which raises it
+            results.put(e)
+        finally:
+            results.put(None)
+
+    tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references to tasks
+
+    async def start() -> None:
+        for _ in range(workers):
+            task = loop.create_task(work())
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    asyncio.run_coroutine_threadsafe(start(), loop).result()
+
+    def release() -> None:
+        loop.call_soon_threadsafe(slots.release)
+
+    def leave() -> None:
+        leaving.set()
+        for _ in range(workers):
+            loop.call_soon_threadsafe(slots.release)
+
+    return release, leave
 
 
 @contextlib.contextmanager

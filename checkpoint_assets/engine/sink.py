@@ -66,6 +66,7 @@ class Sink:
         self.flush_seconds = flush_seconds
         self.min_flush_seconds = min_flush_seconds
         self.outputs = outputs  # the output columns, once known
+        self._checked: list[str] = []  # the columns of the last result checked
         self.where = where  # the checkpoint, for messages
         self.buffer: list[pl.DataFrame] = []
         self.buffered_rows = 0
@@ -77,6 +78,9 @@ class Sink:
     # -- what every sink does ------------------------------------------------------------
     def learn_outputs(self, sample: pl.DataFrame) -> None:
         """Record the output columns on the first result; refuse a change later."""
+        columns = sample.columns
+        if columns == self._checked:
+            return  # the columns of the previous result, already checked (the usual case)
         outputs = {c: str(sample.schema[c]) for c in rows.outputs_of(sample, self.id_column)}
         if self.outputs is None:
             self.outputs = list(outputs)
@@ -88,6 +92,7 @@ class Sink:
                 f"{self.where} holds results with {self.outputs}. A changed output schema is a "
                 "different job.",
             )
+        self._checked = columns
 
     def add(self, computed: pl.DataFrame) -> None:
         self.buffer.append(computed)

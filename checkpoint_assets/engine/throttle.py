@@ -21,6 +21,7 @@ looks spent, and the run says so after checkpointing what is done.
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import math
 import threading
@@ -34,6 +35,7 @@ MAX_BACKOFF_SECONDS = 60.0
 _GROW_BELOW_CEILING = 2  # successes per extra call in flight, up to the last throttled level
 _FIRST_PROBE_WINDOWS = 8  # successes per probe past it, in windows of the current limit
 _MAX_PROBE_WINDOWS = 512
+_POLL_SECONDS = 0.005
 
 
 class RetryAfter(Exception):
@@ -163,6 +165,22 @@ class Throttle:
                     self.in_flight += 1
                     return now
 
+    async def acquire_async(self) -> float | None:
+        """:meth:`acquire` on an event loop: waits without blocking the loop."""
+        while True:
+            with self._cond:
+                if self.spent is not None:
+                    return None
+                now = self.clock()
+                if now < self.resume_at:
+                    wait = self.resume_at - now
+                elif self.in_flight >= self.limit:
+                    wait = _POLL_SECONDS  # a slot frees when a call ends: look again soon
+                else:
+                    self.in_flight += 1
+                    return now
+            await asyncio.sleep(wait)
+
     def release(self, succeeded: bool) -> None:
         """A call ended (``succeeded``: the endpoint answered, whatever the rows' fate)."""
         with self._cond:
@@ -185,16 +203,20 @@ class Throttle:
                 self._backoffs += 1
             else:
                 delay = asked.seconds
+            level = self.in_flight + 1  # calls in flight when this one was refused
             if started >= self._last_event:  # a new event, not the rest of a burst
                 self.events += 1
                 self._last_event = now
-                level = self.in_flight + 1
                 if self._ceiling is not None and level >= self._ceiling:
                     # A probe past the last throttled level failed again: probe less often.
                     self._probe_windows = min(self._probe_windows * 2, _MAX_PROBE_WINDOWS)
                 self._ceiling = level
                 self.limit = max(1, min(self.limit, level) // 2)
                 self._successes = 0
+            elif self._ceiling is not None:
+                # The rest of a burst: refused with fewer in flight, the limit is lower still.
+                # Concurrency halved once; this sets only how far it grows back quickly.
+                self._ceiling = min(self._ceiling, level)
             until = now + delay
             if until > self.resume_at:
                 self.throttled_seconds += until - max(self.resume_at, now)
