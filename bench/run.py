@@ -25,11 +25,11 @@ from collections.abc import Callable
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import report, scenarios
+from bench import remote, report, scenarios
 from bench.report import Result
 from bench.scenarios import Sizes
 
-SCENARIOS = ("overhead", "per_call", "resume", "compaction", "hashing", "ray")
+SCENARIOS = ("overhead", "per_call", "resume", "compaction", "hashing", "ray", "remote")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -43,6 +43,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume-rows", help="comma-separated sizes of finished checkpoints (1M,10M)")
     p.add_argument("--compaction-interval", type=int, help="rows per flush, compaction (16)")
     p.add_argument("--hash-rows", type=int, help="rows hashed (10M)")
+    p.add_argument("--remote-rows", type=int, help="rows of each remote-model run (3200)")
     p.add_argument(
         "--repeat", type=int, help="repetitions; medians are reported (3; overhead: 5 at least)"
     )
@@ -71,6 +72,7 @@ def sizes_from(args: argparse.Namespace) -> Sizes:
         compaction_interval=int(pick(args.compaction_interval, 16, 16)),
         hash_rows=int(pick(args.hash_rows, 10_000_000, 10_000)),
         repeat=int(pick(args.repeat, 3, 1)),
+        remote_rows=int(pick(args.remote_rows, 3200, 96)),
     )
 
 
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         "compaction": lambda: [scenarios.compaction(sizes, workdir)],
         "hashing": lambda: [scenarios.hashing_speed(sizes, workdir)],
         "ray": lambda: [scenarios.ray_data(sizes, workdir, enabled=args.ray or not args.smoke)],
+        "remote": lambda: remote.all_scenarios(sizes.remote_rows, workdir),
     }
     started = datetime.datetime.now(datetime.UTC)
     results: list[Result] = []

@@ -48,6 +48,7 @@ class Sizes:
     compaction_interval: int
     hash_rows: int
     repeat: int
+    remote_rows: int = 3200
 
 
 def _median(values: list[float]) -> float:
