@@ -14,11 +14,13 @@ Three kinds of trouble, each handled its own way:
   ``_attempts``) while their neighbours succeed.
 
 An outage (endpoint down) makes every call fail. Splitting would then call once per row, so the
-caller counts consecutive failed calls: at ``outage_threshold`` (more than a single poison row can
-cause) it declares an outage, every batch in flight stops, and the run stops with ``OutageError``;
-the failures seen during that streak are not stored, since they say nothing about the rows. With
-several calls in flight, only a success of a call that started after the streak began ends it: a
-slow call that started before the endpoint went down proves nothing.
+caller counts consecutive failed calls of rows not tried before (stored failures retried on a
+later run are expected to fail again and do not count): at ``outage_threshold`` (more than a
+single poison row can cause) it declares an outage, every batch in flight stops, and the run
+stops with ``OutageError``; the failures seen during that streak are not stored, since they say
+nothing about the rows. With several calls in flight, only a success of a call that started
+after the streak began ends it: a slow call that started before the endpoint went down proves
+nothing.
 """
 
 from __future__ import annotations
@@ -225,9 +227,15 @@ class Caller:
             self._started += 1
             return self._started
 
-    def _finish(self, ok: bool, number: int) -> bool:
-        """Count a finished call (``number`` from ``_start``); False once there is an outage."""
+    def _finish(self, ok: bool, number: int, counts: bool = True) -> bool:
+        """Count a finished call (``number`` from ``_start``); False once there is an outage.
+
+        A failed call of rows that all failed before (a retry of stored failures) does not
+        ``count`` towards an outage: poison rows are expected to fail again.
+        """
         with self._lock:
+            if not ok and not counts:
+                return not self.outage
             if ok and number > self._streak_began:
                 self._streak = 0
             elif not ok:
@@ -281,7 +289,8 @@ class Caller:
                 outcome.calls += 1
                 outcome.failed_calls += 1
                 self.last_error = _describe(e)
-                return self.last_error if self._finish(False, number) else None
+                fresh = bool(batch.get_column(ATTEMPTS).min() == 0)  # a row never tried before
+                return self.last_error if self._finish(False, number, fresh) else None
             self.throttle.release(True)
             outcome.calls += 1
             self._finish(True, number)  # a result paid for is kept, outage or not

@@ -423,3 +423,20 @@ def test_usage_columns_are_summed_for_this_run_and_for_every_stored_row(local: S
 def test_a_usage_column_that_is_not_a_numeric_output_is_refused(local: Storage) -> None:
     with pytest.raises(Exception, match=r"usage_columns \['route'\] are not numeric output"):
         _run(route, 8, local, checkpoint_interval=4, usage_columns=("route",))
+
+
+# -- retried failures are not an outage ---------------------------------------------------------
+def test_rerunning_only_stored_failures_that_fail_again_is_not_an_outage(local: Storage) -> None:
+    def always_fails(batch: pl.DataFrame) -> pl.DataFrame:
+        if (batch.get_column(ID) % 2 == 0).any():  # every even ticket is poison
+            raise ValueError("this ticket cannot be routed")
+        return route(batch)
+
+    first, _ = _run(always_fails, 32, local, checkpoint_interval=16, max_failed_fraction=1.0)
+    assert first.get_column("_error").is_not_null().sum() == 16
+
+    # The rerun retries exactly the 16 failures, in one batch; every call fails again.
+    again, stats = _run(always_fails, 32, local, checkpoint_interval=16, max_failed_fraction=1.0)
+
+    assert stats.rows_computed == 16 and stats.failed_calls > 16  # split down to single rows
+    assert again.get_column("_error").is_not_null().sum() == 16
