@@ -9,10 +9,36 @@ merged parts; a crash between the two leaves parts that readers skip and the nex
 
 Rows are resolved per id by the rule of ``rows.py``; compaction is described in
 ``compaction.py``.
+
+Damaged files. Nothing unreadable is ever taken as done, and nothing damaged is ever deleted:
+
+- An unmerged part that is not Parquet (truncated, garbage): the lock holder that loads it (a run,
+  ``checkpoint-assets repair``) moves it aside to ``<name>.parquet.quarantine/`` (``layout.py``),
+  says so in a warning naming both places, and reads on without it; its rows are not stored, so
+  the run computes them again. "Moving" is a copy, then a delete (one PUT and one DELETE on object
+  stores); a crash between the two leaves the file in both places, and the next run moves it
+  again. A reader without the lock (``status``, a downstream load) never moves anything: it
+  raises ``CorruptCheckpointError`` saying what the next run or ``repair`` will do.
+- An unreadable merged file stops any run with ``CorruptCheckpointError``: its rows may exist
+  nowhere else. The remedy names ``checkpoint-assets verify`` and ``checkpoint-assets repair``,
+  which rebuilds the checkpoint from what is readable (``repair.py``).
+- A meta file that is not valid meta (garbage JSON), or missing while other files of the
+  checkpoint remain: the run stops with ``CorruptCheckpointError``. The meta file is the only
+  record of the job that wrote the rows (code version, settings), and rows of an unknown job are
+  never resumed; ``repair`` cannot rebuild it, so it moves the meta and the data files aside
+  (their rows kept there) and the next run starts the checkpoint again. Restoring a copy of the
+  meta file is the other way out.
+- Parts and files that already are below the merged file's watermark are not read: they are
+  deleted by the next finalize whatever they hold.
+- A temporary file left by a killed local write (``<file>.tmp-<hex>``, see ``storage/local.py``;
+  object stores have none) is never read or counted as a part; finalize (and so ``compact``) and
+  ``repair`` delete those older than ``STALE_TEMPORARY_SECONDS``, which no write takes.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,12 +51,12 @@ from checkpoint_assets.engine.layout import Files, part_range
 from checkpoint_assets.engine.meta import Meta
 from checkpoint_assets.engine.rows import CURRENT, ERROR, SEQ
 from checkpoint_assets.engine.storage import FileInfo, Store
+from checkpoint_assets.engine.storage.local import is_temporary
 
-# A file that cannot be read is no sign of two jobs sharing a checkpoint: say what to do instead.
-_UNREADABLE = (
-    "Move it aside to keep its rows for inspection, then run again: the rows it held are "
-    "computed again. `checkpoint-assets verify` lists every problem of a checkpoint."
-)
+Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
+
+# No write of one file takes this long: a temporary file this old is a killed writer's.
+STALE_TEMPORARY_SECONDS = 15 * 60
 
 
 @dataclass
@@ -42,6 +68,8 @@ class Stored:
     next_seq: int
     parts: list[Part]  # live, unmerged parts
     leftover: list[Part] = field(default_factory=list)  # merged or covered, not yet deleted
+    files: int = 0  # data files found (merged file and parts), before any was moved aside
+    quarantined: list[str] = field(default_factory=list)  # damaged parts moved aside (to)
 
 
 class Checkpoint:
@@ -59,8 +87,75 @@ class Checkpoint:
 
     # -- meta ----------------------------------------------------------------------------
     def read_meta(self) -> Meta | None:
+        """The meta file (None when there is none); ``CorruptCheckpointError`` if unreadable."""
         data = self.store.get_or_none(self.files.meta)
-        return None if data is None else Meta.from_json(data, self.store.display(self.files.meta))
+        if data is None:
+            return None
+        try:
+            return Meta.from_json(data, self.store.display(self.files.meta))
+        except CorruptCheckpointError as e:
+            raise e.advise(self.remedy_without_meta()) from e.__cause__
+
+    def without_meta(self, files: int) -> CorruptCheckpointError:
+        """The error of a checkpoint whose meta file is gone while ``files`` data files remain."""
+        return CorruptCheckpointError(
+            self.store.display(self.files.meta),
+            f"is missing, but {files} other file(s) of the checkpoint remain: the job that wrote "
+            "their rows cannot be checked, so they are not used",
+            self.remedy_without_meta(),
+        )
+
+    # -- what to do about damage ---------------------------------------------------------
+    def _command(self, verb: str) -> str:
+        return f"`checkpoint-assets {verb} {self.store.url} {self.name}`"
+
+    def remedy_without_meta(self) -> str:
+        return (
+            "Restore the meta file if you have a copy. Otherwise run "
+            f"{self._command('repair')}: the meta file is the only record of the job that wrote "
+            "the rows, so it cannot be rebuilt; repair moves the checkpoint's files aside to "
+            f"{self.store.display(self.files.quarantine)}/ (keeping their rows there) and the "
+            "next run computes every row again."
+        )
+
+    def remedy_merged(self) -> str:
+        return (
+            f"Run {self._command('verify')} to see every problem, then {self._command('repair')}"
+            ": it rebuilds the checkpoint from what is readable and keeps the damaged file in "
+            f"{self.store.display(self.files.quarantine)}/; the rows lost with it are computed "
+            "again on the next run."
+        )
+
+    def remedy_part(self) -> str:
+        return (
+            "The next run of this checkpoint moves it aside to "
+            f"{self.store.display(self.files.quarantine)}/ and computes its rows again; "
+            f"{self._command('repair')} does that now."
+        )
+
+    def set_aside(self, path: str) -> str:
+        """Move the damaged file ``path`` into the quarantine folder (copy, then delete; never
+        lost); returns where it went. Only the lock holder calls it."""
+        to = self.files.quarantined(path, time.time())
+        data = self.store.get_or_none(path)
+        if data is not None:
+            self.store.put(to, data)
+            self.store.delete([path])
+        return to
+
+    def remove_stale_temporary(self) -> list[str]:
+        """Delete temporary files of killed local writes older than ``STALE_TEMPORARY_SECONDS``
+        (object stores write no temporary files); returns their paths."""
+        if not self.store.local:
+            return []
+        cutoff = time.time() - STALE_TEMPORARY_SECONDS
+        old = [
+            f.path
+            for f in self.list_files()
+            if is_temporary(f.path) and f.mtime is not None and f.mtime < cutoff
+        ]
+        self.store.delete(old)
+        return old
 
     def write_meta(self, meta: Meta) -> None:
         self.store.put(self.files.meta, meta.to_json())
@@ -74,6 +169,10 @@ class Checkpoint:
         ``listing``: files already listed (a recursive listing of a folder above this
         checkpoint); without it the parts folder is listed.
         """
+        return _split(self._parts_in(listing))
+
+    def _parts_in(self, listing: Iterable[FileInfo] | None = None) -> list[Part]:
+        """Every part file in ``listing`` (default: the parts folder), in sequence order."""
         if listing is None:
             listing = self.store.list(self.files.parts)
         parts: list[Part] = []
@@ -83,14 +182,7 @@ class Checkpoint:
             if found and info.path.rsplit("/", 1)[0] == self.files.parts:
                 parts.append(Part(info.path, found[0], found[1], info.size))
         parts.sort(key=lambda p: (p.first, -p.last))
-        live: list[Part] = []
-        redundant: list[Part] = []
-        for part in parts:
-            if live and part.last <= live[-1].last:
-                redundant.append(part)  # covered by a compacted part written before a crash
-            else:
-                live.append(part)
-        return live, redundant
+        return parts
 
     def read_file(self, path: str, data: bytes | None = None) -> pl.DataFrame:
         """One stored Parquet file (``data``, if already fetched); unreadable means corrupt."""
@@ -99,44 +191,91 @@ class Checkpoint:
             return parquet.decode(raw)
         except Exception as e:
             where = self.store.display(path)
-            raise CorruptCheckpointError(where, f"is unreadable ({e})", _UNREADABLE) from e
+            remedy = self.remedy_merged() if path == self.files.merged else self.remedy_part()
+            raise CorruptCheckpointError(where, f"is unreadable ({_first_line(e)})", remedy) from e
 
     def read_merged(self) -> tuple[pl.DataFrame | None, int]:
         """The merged file's rows and watermark (``None, 0`` when there is none)."""
         raw = self.store.get_or_none(self.files.merged)
         if raw is None:
             return None, 0
-        return self.read_file(self.files.merged, raw), parquet.watermark(raw)
+        frame = self.read_file(self.files.merged, raw)  # reads the footer: watermark() can too
+        return frame, parquet.watermark(raw)
 
     def load(
-        self, id_column: str, base_seq: int = 0, outputs: Sequence[str] | None = None
+        self,
+        id_column: str,
+        base_seq: int = 0,
+        outputs: Sequence[str] | None = None,
+        *,
+        quarantine: Logger | None = None,
     ) -> Stored:
         """Read the merged file and every live part, resolved to one row per id.
 
         ``outputs``, the job's output columns when known, must be in every file with successes.
+        ``quarantine``: the caller holds the lock, so an unreadable part is moved aside with a
+        warning on this logger and its rows count as not done; without it, it raises. An
+        unreadable merged file always raises (see the module docstring).
         """
         merged, watermark = self.read_merged()
-        listed, redundant = self.list_parts()
-        parts = [p for p in listed if p.last > watermark]
-        leftover = [p for p in listed if p.last <= watermark] + redundant
+        listed = self._parts_in()
+        files = len(listed) + (merged is not None)
+        frames_of: dict[str, pl.DataFrame] = {}
+        moved: list[str] = []
+        while True:  # again after a part is moved aside: parts it covered are live again
+            live, redundant = _split(listed)
+            parts = [p for p in live if p.last > watermark]
+            damaged = self._read_parts(parts, base_seq, id_column, outputs, frames_of, quarantine)
+            if damaged is None:
+                break
+            to = self.set_aside(damaged.path)
+            listed.remove(damaged)
+            moved.append(to)
+            assert quarantine is not None
+            quarantine.warning(
+                "Checkpoint file %s is unreadable: moved it aside to %s; the rows it held are "
+                "computed again.",
+                self.store.display(damaged.path),
+                self.store.display(to),
+            )
+        leftover = [p for p in live if p.last <= watermark] + redundant
         frames: list[pl.DataFrame] = []
         use_merged = merged is not None and watermark >= base_seq
         if merged is not None and use_merged:
             self.check_file(merged, id_column, self.files.merged, outputs)
             frames.append(_since(merged, base_seq))
-        for part in parts:
-            if part.last < base_seq:
-                continue
-            frame = self.cache.get(part.path)
-            if frame is None:
-                frame = self.read_file(part.path)
-                self.check_file(frame, id_column, part.path, outputs)
-            frames.append(_since(frame, base_seq))
+        frames += [_since(frames_of[p.path], base_seq) for p in parts if p.path in frames_of]
         highest = max([watermark, *(p.last for p in parts)])
         stored = rows.concat(frames, self.url) if frames else rows.empty(id_column)
         if len(frames) > 1 or not use_merged:
             stored = rows.pick_winners(stored, id_column)  # the merged file alone was checked
-        return Stored(stored, watermark, highest + 1, parts, leftover)
+        return Stored(stored, watermark, highest + 1, parts, leftover, files, moved)
+
+    def _read_parts(
+        self,
+        parts: list[Part],
+        base_seq: int,
+        id_column: str,
+        outputs: Sequence[str] | None,
+        frames_of: dict[str, pl.DataFrame],
+        quarantine: Logger | None,
+    ) -> Part | None:
+        """Read ``parts`` not read yet into ``frames_of``; the first unreadable one, when the
+        caller may move it aside (else its error is raised)."""
+        for part in parts:
+            if part.last < base_seq or part.path in frames_of:
+                continue
+            frame = self.cache.get(part.path)
+            if frame is None:
+                try:
+                    frame = self.read_file(part.path)
+                except CorruptCheckpointError:
+                    if quarantine is None:
+                        raise
+                    return part
+                self.check_file(frame, id_column, part.path, outputs)
+            frames_of[part.path] = frame
+        return None
 
     def check_file(
         self, frame: pl.DataFrame, id_column: str, path: str, outputs: Sequence[str] | None = None
@@ -240,13 +379,20 @@ class Checkpoint:
         # Everything this load saw is now merged: delete it without listing again.
         self.store.delete(p.path for p in [*stored.parts, *stored.leftover])
         self.cache.clear()
+        self.remove_stale_temporary()
         return frame
 
+    def data_files(self) -> list[str]:
+        """Paths of the merged file (if any) and of every part file, merged ones included."""
+        listed = self.list_files()
+        merged = [f.path for f in listed if f.path == self.files.merged]
+        return merged + [p.path for p in self._parts_in(listed)]
+
     def list_files(self) -> list[FileInfo]:
-        """Every file of this checkpoint: merged, meta, lock and parts."""
+        """Every file of this checkpoint: merged, meta, lock, parts and quarantined files."""
         folder = self.files.merged.rsplit("/", 1)[0]
         found = [f for f in self.store.list(folder) if self.files.owns(f.path)]
-        return found + self.store.list(self.files.parts)
+        return found + self.store.list(self.files.parts) + self.store.list(self.files.quarantine)
 
     # -- result --------------------------------------------------------------------------
     def read_result(
@@ -263,6 +409,24 @@ class Checkpoint:
             frame = frame.filter(pl.col(CURRENT).fill_null(True))
         keep = [id_column, *(output_columns or rows.outputs_of(frame, id_column)), ERROR]
         return frame.select([c for c in keep if c in frame.columns])
+
+
+def _split(parts: list[Part]) -> tuple[list[Part], list[Part]]:
+    """(live, redundant) of parts in sequence order: a part covered by a larger one written
+    before a crash (compaction's output) is redundant."""
+    live: list[Part] = []
+    redundant: list[Part] = []
+    for part in parts:
+        if live and part.last <= live[-1].last:
+            redundant.append(part)
+        else:
+            live.append(part)
+    return live, redundant
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _since(frame: pl.DataFrame, base_seq: int) -> pl.DataFrame:

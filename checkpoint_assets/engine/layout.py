@@ -8,6 +8,9 @@ relative to the root (``UNPARTITIONED`` for an unpartitioned asset)::
                                        unmerged rows of flushes <first>..<last>
     <name>.parquet.meta.json           job and input fingerprints, scheme, schema
     <name>.parquet.lock                the single writer's lease
+    <name>.parquet.quarantine/<file>.<UTC time>-<hex>.damaged
+                                       damaged files moved aside, never read again, never
+                                       deleted (except by ``checkpoint-assets clean``)
 
 Ordinary (not checkpointed) outputs of the IO manager go to ``<asset path>.parquet``, or
 ``<asset path>/<partition>.parquet`` for a partition.
@@ -25,6 +28,7 @@ import re
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TypeVar
 from urllib.parse import quote, unquote
 
@@ -38,6 +42,7 @@ MERGED = ".parquet"
 PARTS = ".parquet.parts"
 META = ".parquet.meta.json"
 LOCK = ".parquet.lock"
+QUARANTINE = ".parquet.quarantine"
 _PART = re.compile(r"^part-(\d+)-(\d+)-[0-9a-f]+\.parquet$")
 _SAFE = "-_.=+,@"
 
@@ -97,15 +102,23 @@ class Files:
     parts: str
     meta: str
     lock: str
+    quarantine: str
 
     @classmethod
     def under(cls, root: str, name: str) -> Files:
         base = posixpath.join(root, name)
-        return cls(base + MERGED, base + PARTS, base + META, base + LOCK)
+        return cls(base + MERGED, base + PARTS, base + META, base + LOCK, base + QUARANTINE)
 
     def owns(self, path: str) -> bool:
         """Is ``path`` one of this checkpoint's files (merged, meta, lock, parts)?"""
         return path == self.merged or path.startswith(self.merged + ".")
+
+    def quarantined(self, path: str, when: float) -> str:
+        """Where the damaged file ``path`` goes when moved aside at ``when`` (seconds since the
+        epoch). The ``.damaged`` suffix keeps it from ever looking like a part, merged or meta."""
+        stamp = datetime.fromtimestamp(when, UTC).strftime("%Y%m%dT%H%M%SZ")
+        name = f"{posixpath.basename(path)}.{stamp}-{uuid.uuid4().hex[:6]}.damaged"
+        return posixpath.join(self.quarantine, name)
 
     def new_part(self, first: int, last: int) -> str:
         return posixpath.join(

@@ -71,7 +71,7 @@ def open_run(
     start = Start()
     stored = rows.empty(settings.id_column)
     if checkpoint is not None:
-        stored = _load(start, inputs, settings, checkpoint, job, scheme)
+        stored = _load(start, inputs, settings, checkpoint, job, scheme, log)
         if imported is not None and settings.resume:
             stored = _import(start, stored, imported, inputs, settings, checkpoint, log, label)
     found = plan(
@@ -96,6 +96,7 @@ def _load(
     checkpoint: Checkpoint,
     job: Job,
     scheme: Scheme | None,
+    log: Logger,
 ) -> pl.DataFrame:
     """Check the stored job and load its rows; a new generation when they are not to be used."""
     id_column = settings.id_column
@@ -105,7 +106,10 @@ def _load(
         _check_job(meta, job, id_column, id_dtype, settings.resume, checkpoint.url)
     same_job = meta is not None and meta.job_fingerprint == job.fingerprint
     outputs = list(meta.output_schema) if meta and same_job and meta.output_schema else None
-    loaded = checkpoint.load(id_column, meta.base_seq if meta else 0, outputs)
+    # The run holds the lock: unreadable parts are moved aside, and their rows computed again.
+    loaded = checkpoint.load(id_column, meta.base_seq if meta else 0, outputs, quarantine=log)
+    if meta is None and loaded.files:
+        raise checkpoint.without_meta(loaded.files)
     opened.next_seq = loaded.next_seq
     opened.parts = list(loaded.parts)
     stored = loaded.rows

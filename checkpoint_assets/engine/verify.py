@@ -1,11 +1,12 @@
 """What is wrong with a checkpoint: every invariant a reader relies on, checked file by file.
 
-A checkpoint is sound when its meta file is readable, its merged file and every unmerged part
-are readable Parquet, each of them has the id column (of the type the meta records), unique ids
-and, where it holds successes, the output columns, and the files agree on their columns and
-types. Unlike a resume, which stops at the first problem, ``problems`` reports all of them, and
-reads each file once. Parts already merged (at or below the merged file's watermark) are left
-for the next writer to delete and are not checked.
+A checkpoint is sound when its meta file is readable (and present whenever other files are), its
+merged file and every unmerged part are readable Parquet, each of them has the id column (of the
+type the meta records), unique ids and, where it holds successes, the output columns, and the
+files agree on their columns and types. Unlike a resume, which stops at the first problem,
+``problems`` reports all of them, and reads each file once. Parts already merged (at or below the
+merged file's watermark) are left for the next writer to delete and are not checked; neither are
+files in quarantine or temporary files of killed writes (see ``checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import polars as pl
 
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError
+from checkpoint_assets.engine.meta import Meta
 from checkpoint_assets.engine.rows import resolve
 
 
@@ -29,6 +31,9 @@ def problems(checkpoint: Checkpoint) -> list[str]:
     except CheckpointError as e:
         return [str(e)]
     if meta is None:
+        data = checkpoint.data_files()
+        if data:
+            return [str(checkpoint.without_meta(len(data)))]
         return [
             f"No checkpoint {checkpoint.name!r} under {checkpoint.store.url}: it has no meta file."
         ]
@@ -48,29 +53,34 @@ def problems(checkpoint: Checkpoint) -> list[str]:
             files.append((part.path, checkpoint.read_file(part.path)))
         except CheckpointError as e:
             found.append(str(e))
-    outputs = list(meta.output_schema or {})
     frames = []
     for path, frame in files:
-        try:
-            checkpoint.check_file(frame, meta.id_column, path, outputs)
-        except CheckpointError as e:
-            found.append(str(e))
-            continue
-        id_dtype = str(frame.schema[meta.id_column])
-        if id_dtype != meta.id_dtype and frame.height:  # an empty shard stores no typed ids
-            found.append(
-                f"Checkpoint file {checkpoint.store.display(path)} stores ids of type {id_dtype}, "
-                f"but the checkpoint's meta says {meta.id_dtype}. Two different jobs probably "
-                "share this checkpoint: give each its own checkpoint_tag, or start over with "
-                "`resume: false`."
-            )
-            continue
-        frames.append(frame)
+        problem = file_problem(checkpoint, meta, path, frame)
+        if problem is None:
+            frames.append(frame)
+        else:
+            found.append(problem)
     if frames and not found:
         try:
-            resolve(
-                frames, meta.id_column, checkpoint.url
-            )  # the files agree on their columns and types
+            # the files agree on their columns and types
+            resolve(frames, meta.id_column, checkpoint.url)
         except CheckpointError as e:
             found.append(str(e))
     return found
+
+
+def file_problem(checkpoint: Checkpoint, meta: Meta, path: str, frame: pl.DataFrame) -> str | None:
+    """What is wrong with one readable file (``frame``, read from ``path``), or None."""
+    try:
+        checkpoint.check_file(frame, meta.id_column, path, list(meta.output_schema or {}))
+    except CheckpointError as e:
+        return str(e)
+    id_dtype = str(frame.schema[meta.id_column])
+    if id_dtype != meta.id_dtype and frame.height:  # an empty shard stores no typed ids
+        return (
+            f"Checkpoint file {checkpoint.store.display(path)} stores ids of type {id_dtype}, "
+            f"but the checkpoint's meta says {meta.id_dtype}. Two different jobs probably "
+            "share this checkpoint: give each its own checkpoint_tag, or start over with "
+            "`resume: false`."
+        )
+    return None

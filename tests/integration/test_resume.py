@@ -176,7 +176,9 @@ def test_limit_runs_a_prefix_and_a_full_run_finishes_the_rest(storage: Storage) 
     assert (stats(full)["rows_computed"], stats(full)["rows_resumed"]) == (20, 10)
 
 
-def test_corrupt_part_fails_naming_the_file_and_deletes_nothing(storage: Storage) -> None:
+def test_an_unreadable_part_is_moved_aside_not_deleted_and_the_run_goes_on(
+    storage: Storage,
+) -> None:
     job = build_job(storage, tickets(20))
     job.materialize(limit=8)
     checkpoint = job.checkpoint()
@@ -184,15 +186,15 @@ def test_corrupt_part_fails_naming_the_file_and_deletes_nothing(storage: Storage
         f"{checkpoint.name}.parquet.parts", "part-000000000099-000000000099-0badc0ffee00.parquet"
     )
     checkpoint.store.put(bad, b"PAR1 this is not parquet")
-    before = job.files()
     job.calls.clear()
 
-    with pytest.raises(CorruptCheckpointError) as raised:
-        job.materialize()
+    result = job.materialize()
 
-    assert "part-000000000099-000000000099-0badc0ffee00.parquet" in str(raised.value)
-    assert job.calls == []
-    assert job.files() == before
+    assert sorted(job.computed_ids()) == list(range(8, 20))
+    assert any("0badc0ffee00.parquet is unreadable" in m for m in run_logs(result, job.instance))
+    assert checkpoint.store.get_or_none(bad) is None
+    moved = checkpoint.store.list(checkpoint.files.quarantine)
+    assert [checkpoint.store.get(f.path) for f in moved] == [b"PAR1 this is not parquet"]
 
 
 def test_checkpoint_with_duplicate_ids_points_at_two_jobs_sharing_a_tag(storage: Storage) -> None:

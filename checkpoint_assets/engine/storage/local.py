@@ -5,11 +5,24 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import uuid
 from collections.abc import Iterable
 from typing import ClassVar
 
 from checkpoint_assets.engine.storage.base import Store
+
+_TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{12}$")
+
+
+def temporary_path(path: str) -> str:
+    """Where a write of ``path`` goes before ``os.replace`` (or ``os.link``) puts it in place."""
+    return f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+
+
+def is_temporary(path: str) -> bool:
+    """Is ``path`` a temporary file of a write (left behind if the writer was killed)?"""
+    return _TEMPORARY.search(path) is not None
 
 
 class LocalStore(Store):
@@ -21,7 +34,7 @@ class LocalStore(Store):
         self._count("PUT")
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp = temporary_path(path)
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -37,7 +50,7 @@ class LocalStore(Store):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         # Write the content under a temporary name first, then link it into place: link fails
         # when the target exists, so no reader ever sees an empty lock file.
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp = temporary_path(path)
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
