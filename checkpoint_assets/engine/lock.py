@@ -10,6 +10,12 @@ taken over with a warning.
 A holder whose process was paused past its lease (a suspended laptop or VM) may find, on waking,
 that another writer took the lock over. Its heartbeat then leaves the new holder's lock alone and
 marks the lease lost, and the run stops at its next flush without writing anything more.
+
+A lock file that cannot be read as a lease (garbage: our own writes are atomic, so something else
+wrote it) never lets two writers in: it counts as held by an unknown holder whose lease ends
+``lease_seconds`` after the file was last written (its modification time), and is taken over
+after that, with a warning; a live holder whose lock file turned to garbage finds on its next
+renewal that it is no longer its own and stops, like a holder whose lock was taken over.
 """
 
 from __future__ import annotations
@@ -45,8 +51,13 @@ class Holder:
 
     def describe(self) -> str:
         since = datetime.fromtimestamp(self.since, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        if self.token == UNREADABLE:
+            return f"an unknown writer (the lock file is unreadable; last written {since})"
         run = f"run {self.run_id}, " if self.run_id else ""
         return f"{run}host {self.host}, pid {self.pid}, since {since}"
+
+
+UNREADABLE = "?"  # the token of a holder whose lock file is garbage
 
 
 def _pid_alive(pid: int) -> bool:
@@ -98,11 +109,16 @@ class Lease:
         data = self.store.get_or_none(self.path)
         if data is None:
             return None
-        try:
-            return Holder(**json.loads(data))
-        except (ValueError, TypeError):
-            # A lock file we cannot parse was written by something else; treat as expired.
-            return Holder("?", None, "?", -1, 0.0, 0.0)
+        holder = _decode(data)
+        if holder is not None:
+            return holder
+        # Garbage: held by an unknown writer until a lease has passed since it was written.
+        folder = self.path.rsplit("/", 1)[0]
+        found = [f for f in self.store.list(folder) if f.path == self.path]
+        if not found:
+            return None  # deleted meanwhile
+        written = found[0].mtime if found[0].mtime is not None else time.time()
+        return Holder(UNREADABLE, None, "?", -1, written, written + self.lease_seconds)
 
     def dead_reason(self, holder: Holder) -> str | None:
         """Why ``holder`` is dead (its lock may be taken over), or None while it lives."""
@@ -127,11 +143,21 @@ class Lease:
                 continue  # released between our attempt and the read: try again
             reason = self.dead_reason(current)
             if reason is None:
+                remedy = (
+                    "Wait for it to finish, or terminate that run; a lock of a dead holder is "
+                    "taken over automatically."
+                )
+                if current.token == UNREADABLE:
+                    until = datetime.fromtimestamp(current.expires, UTC)
+                    remedy = (
+                        "It is taken over automatically after "
+                        f"{until:%Y-%m-%d %H:%M:%S} UTC, a lease after it was written; if you "
+                        "know no run writes this checkpoint, delete the lock file to go on now."
+                    )
                 error = LockHeldError(
                     f"Checkpoint {self.store.display(self.path)} is being written by another "
                     f"writer ({current.describe()}).",
-                    "Wait for it to finish, or terminate that run; a lock of a dead holder is "
-                    "taken over automatically.",
+                    remedy,
                 )
                 error.holder = current.describe()
                 raise error
@@ -202,3 +228,21 @@ class Lease:
 
 def _encode(holder: Holder) -> bytes:
     return json.dumps(asdict(holder)).encode()
+
+
+def _decode(data: bytes) -> Holder | None:
+    """The holder a lock file names; None when it is not a lease this package wrote."""
+    try:
+        raw = json.loads(data)
+        holder = Holder(**raw)
+    except (ValueError, TypeError):
+        return None
+    numbers = (holder.pid, holder.since, holder.expires)
+    texts = (holder.token, holder.host)
+    if not all(isinstance(n, int | float) and not isinstance(n, bool) for n in numbers):
+        return None
+    if not all(isinstance(t, str) for t in texts) or holder.token == UNREADABLE:
+        return None
+    if holder.run_id is not None and not isinstance(holder.run_id, str):
+        return None
+    return holder
