@@ -4,6 +4,8 @@
     checkpoint-assets inspect BASE_DIR NAME [--failed] meta, schema, counts, errors, sample rows
     checkpoint-assets verify  BASE_DIR [NAME]          check invariants; exit 1 on any problem
     checkpoint-assets compact BASE_DIR [NAME]          merge unmerged parts (takes the lock)
+    checkpoint-assets repair  BASE_DIR [NAME] [--json] rebuild from what is readable, damaged
+                                                       files kept aside (takes the lock)
     checkpoint-assets clean   BASE_DIR --tag TAG       delete the checkpoints of a tag
 
 ``BASE_DIR`` is the IO manager's ``base_dir`` (a local path or an fsspec URI); ``NAME`` is a
@@ -39,6 +41,7 @@ from checkpoint_assets.engine.errors import CheckpointError, LockHeldError
 from checkpoint_assets.engine.layout import MERGED, split_name
 from checkpoint_assets.engine.lock import Lease
 from checkpoint_assets.engine.meta import Meta
+from checkpoint_assets.engine.repair import Repaired, repair
 from checkpoint_assets.engine.rows import BOOKKEEPING, CURRENT, ERROR
 from checkpoint_assets.engine.storage import FileInfo, LocalStore, Store, open_store
 from checkpoint_assets.engine.verify import problems
@@ -77,7 +80,7 @@ class _Failed(click.ClickException):
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 def cli() -> None:
-    """Inspect, verify, compact and clean the checkpoints of checkpointed Dagster assets.
+    """Inspect, verify, compact, repair and clean the checkpoints of checkpointed Dagster assets.
 
     BASE_DIR is the IO manager's base_dir: a local path or an fsspec URI
     (s3://bucket/checkpoints). NAME is a checkpoint as `status` lists it:
@@ -504,6 +507,71 @@ def _compact_one(checkpoint: Checkpoint) -> int:
     finally:
         lease.release()
     return len(stored.parts)
+
+
+# -- repair ----------------------------------------------------------------------------------
+@cli.command("repair", short_help="Rebuild from what is readable; damaged files kept aside.")
+@click.argument("base_dir")
+@click.argument("name", required=False, callback=_checkpoint_name)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list, for scripts.")
+@_storage_options
+def repair_command(base_dir: str, name: str | None, as_json: bool, options: dict[str, Any]) -> int:
+    """Rebuild one checkpoint, or all, from what is readable, under each lock.
+
+    Damaged files (what `verify` flags: unreadable or inconsistent merged file and parts) are
+    moved aside to NAME.parquet.quarantine/, never deleted; what is left is merged into a new
+    merged file, and the next run computes the rows lost with them. A checkpoint whose meta
+    file is unreadable or missing cannot be rebuilt (the meta file is the only record of the job
+    that wrote the rows): all its files are moved aside and the next run starts it again. Stale
+    temporary files of killed writes are deleted. A checkpoint a live run holds is skipped (exit
+    status 1). NAME is needed for a checkpoint without a meta file, which is not listed.
+
+    Each file moved aside is printed as `NAME: moved FILE to QUARANTINED (problem)`, then
+    `NAME: what was done`. With --json each checkpoint is an object with name, moved (list of
+    path, to, problem), removed_temporary, parts_merged, rows_ok, rows_failed, meta_lost (why
+    the meta file could not be used, or null) and skipped (why it was not repaired, or null).
+    """
+    store = open_store(base_dir, options)
+    names = _names(store, name)
+    reports: list[dict[str, Any]] = []
+    skipped = 0
+    with _steps(len(names)) as steps:
+        for each in names:
+            steps.start(each)
+            try:
+                done = repair(Checkpoint(store, each))
+            except LockHeldError as e:
+                steps.done(each, f"skipped: {e}")
+                reports.append({"name": each, "skipped": str(e)})
+                skipped += 1
+                continue
+            reports.append({**_repaired(done), "skipped": None})
+            if not as_json:
+                for moved in done.moved:
+                    click.echo(f"{each}: moved {moved.path} to {moved.to} ({moved.problem})")
+                click.echo(f"{each}: {done.summary()}")
+            steps.done(each, "repaired", notable=False)
+    if as_json:
+        click.echo(json.dumps(reports, indent=2))
+    if names:
+        click.echo(
+            f"Repaired {len(names) - skipped} checkpoint(s)"
+            + (f"; skipped {skipped} held by a live run." if skipped else "."),
+            err=True,
+        )
+    return 1 if skipped else 0
+
+
+def _repaired(done: Repaired) -> dict[str, Any]:
+    return {
+        "name": done.name,
+        "moved": [{"path": m.path, "to": m.to, "problem": m.problem} for m in done.moved],
+        "removed_temporary": done.removed_temporary,
+        "parts_merged": done.parts_merged,
+        "rows_ok": done.rows_ok,
+        "rows_failed": done.rows_failed,
+        "meta_lost": done.meta_lost,
+    }
 
 
 # -- clean -----------------------------------------------------------------------------------

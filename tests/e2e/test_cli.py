@@ -385,3 +385,53 @@ def test_clean_on_a_terminal_asks_first(copy_of: Callable[[], Path]) -> None:
     assert accepted.stdout.startswith(f"Deleted 1 checkpoint(s) of tag 'flaky': {len(flaky)} files")
     assert not any(p.exists() for p in flaky) and not (base / "routed" / "flaky").exists()
     assert (base / "routed" / "default" / "all.parquet").exists()
+
+
+def test_repair_rebuilds_from_what_is_readable_keeps_damaged_files_and_skips_a_held_one(
+    copy_of: Callable[[], Path],
+) -> None:
+    base = copy_of()
+    before = status_json(str(base))[KILLED]
+    parts = sorted((base / f"{KILLED}.parquet.parts").glob("part-*.parquet"))
+    bad_part = parts[0]
+    lost = pl.read_parquet(bad_part).height
+    bad_bytes = bad_part.read_bytes()[:40]  # truncated
+    bad_part.write_bytes(bad_bytes)
+    merged = base / "routed/default/all.parquet"
+    merged.write_bytes(merged.read_bytes()[:-100] + b"\x00" * 100)  # garbage over the footer
+    stray = bad_part.with_name(bad_part.name + ".tmp-0123456789ab")  # a killed write's, long ago
+    stray.write_bytes(b"half a part")
+    os.utime(stray, (time.time() - 3600, time.time() - 3600))
+    damaged = status_json(str(base))[KILLED]
+    assert damaged["parts"] == len(parts)  # the temporary file is no part
+    assert "is unreadable" in damaged["error"]  # status reads, it never moves anything
+
+    with holding(base, LOCKED, "busy-run"):
+        done = cli("repair", str(base))
+
+    assert done.returncode == 1, done.stderr  # the held one was skipped, and said so
+    assert f"{LOCKED}: skipped: " in done.stderr and "busy-run" in done.stderr
+    quarantine = base / f"{KILLED}.parquet.quarantine"
+    (kept,) = quarantine.iterdir()
+    assert kept.read_bytes() == bad_bytes and kept.name.endswith(".damaged")
+    assert f"{KILLED}: moved {bad_part} to {kept} (is unreadable" in done.stdout
+    assert (
+        f"{KILLED}: moved 1 damaged file(s) aside; merged {len(parts) - 1} part(s); removed 1 "
+        f"stale temporary file(s): {before['rows_ok'] - lost:,} rows ok, 0 failed"
+    ) in done.stdout
+    assert f"routed/default/all: moved {merged} to " in done.stdout
+    assert "routed/flaky/all: nothing to repair: 16 rows ok, 4 failed" in done.stdout
+    assert not stray.exists() and not merged.exists()
+
+    after = status_json(str(base))
+    assert (after[KILLED]["rows_ok"], after[KILLED]["parts"]) == (before["rows_ok"] - lost, 0)
+    assert after["routed/default/all"]["rows_ok"] == 0  # computed again by the next run
+    assert cli("verify", str(base)).returncode == 0
+
+    (base / "routed/flaky/all.parquet.meta.json").unlink()
+    lost_meta = cli("repair", str(base), "routed/flaky/all", "--json")
+    assert lost_meta.returncode == 0, lost_meta.stderr
+    (report,) = json.loads(lost_meta.stdout)
+    assert "only record of the job" in report["meta_lost"] and report["skipped"] is None
+    assert [m["path"] for m in report["moved"]] == [str(base / "routed/flaky/all.parquet")]
+    assert not (base / "routed/flaky/all.parquet").exists()
