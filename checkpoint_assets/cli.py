@@ -114,7 +114,13 @@ def _parse_options(
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise click.BadParameter(f"{pair!r} must look like KEY=VALUE", ctx, param)
+            # Never repeat what was given: it may be a secret typed with the wrong separator.
+            raise click.BadParameter(
+                "each option must look like KEY=VALUE (such as -o key=value); the one given "
+                "is not repeated here, as it may hold a secret",
+                ctx,
+                param,
+            )
         try:
             options[key] = json.loads(value)
         except ValueError:
