@@ -21,6 +21,7 @@ from helpers.jobs import ASSET, Storage, build_job, route, run_logs, tickets
 from checkpoint_assets import LockHeldError
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 from checkpoint_assets.engine.errors import CorruptCheckpointError
+from checkpoint_assets.engine.lock import Lease
 from checkpoint_assets.engine.repair import repair
 from checkpoint_assets.engine.rows import ERROR
 from checkpoint_assets.engine.verify import problems
@@ -394,3 +395,20 @@ def test_stray_temporary_files_are_ignored_and_old_ones_removed_at_finalize(
     assert not any(os.path.exists(p) for p in old)  # a killed writer's, long ago
     assert all(os.path.exists(p) for p in new)  # may be a write under way
     assert quarantined(checkpoint) == {}
+
+
+def test_a_holder_whose_lock_file_turns_to_garbage_stops_writing(storage: Storage) -> None:
+    base_dir, options = storage
+    checkpoint = Checkpoint(open_store(base_dir, options), "routed/default/all")
+    lease = Lease(checkpoint.store, checkpoint.files.lock, lease_seconds=60.0)
+    lease.acquire()
+    try:
+        checkpoint.store.put(checkpoint.files.lock, b"garbage")
+
+        lease.renew()
+
+        with pytest.raises(LockHeldError, match="taken over by another writer"):
+            lease.check()  # what a flush does first: nothing more is written
+    finally:
+        lease.release()
+    assert checkpoint.store.get(checkpoint.files.lock) == b"garbage"  # not its lock to delete
