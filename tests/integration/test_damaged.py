@@ -110,12 +110,13 @@ def quarantined(checkpoint: Checkpoint) -> dict[str, bytes]:
 def test_a_damaged_part_is_moved_aside_with_a_warning_and_its_rows_computed_again(
     storage: Storage, how: str
 ) -> None:
-    checkpoint, first = interrupted(storage, 24, 12)  # three parts of four rows
+    checkpoint, _ = interrupted(storage, 24, 12)
     live, _ = checkpoint.list_parts()
-    assert len(live) == 3
+    assert len(live) >= 2
     victim = live[1]
+    kept = {i for p in live if p != victim for i in checkpoint.read_file(p.path)["ticket_id"]}
     before = damage(checkpoint, victim.path, DAMAGE[how])
-    lost = pl.read_parquet(before).get_column("ticket_id").to_list()
+    lost = set(pl.read_parquet(before).get_column("ticket_id").to_list())
 
     records: list[logging.LogRecord] = []
     logger = logging.getLogger(f"test-damaged-{how}")
@@ -125,7 +126,8 @@ def test_a_damaged_part_is_moved_aside_with_a_warning_and_its_rows_computed_agai
     second: list[int] = []
     result = engine_run(checkpoint, tickets(24), second, logger=logger)
 
-    assert sorted(second) == sorted(set(range(24)) - set(first) | set(lost))
+    assert lost and lost <= set(second)  # computed again...
+    assert sorted(second) == sorted(set(range(24)) - kept)  # ...and nothing else twice
     assert result.sort("ticket_id").select("ticket_id", "route", ERROR).equals(expected(24))
     moved = quarantined(checkpoint)
     assert list(moved.values()) == [DAMAGE[how](before)]  # kept as it was, byte for byte
