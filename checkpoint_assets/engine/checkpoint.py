@@ -46,7 +46,7 @@ import polars as pl
 
 from checkpoint_assets.engine import parquet, rows
 from checkpoint_assets.engine.compaction import COMPACT_FANOUT, Part, PartCache, mergeable_run
-from checkpoint_assets.engine.errors import CorruptCheckpointError
+from checkpoint_assets.engine.errors import CorruptCheckpointError, StorageError
 from checkpoint_assets.engine.layout import Files, part_range
 from checkpoint_assets.engine.meta import Meta
 from checkpoint_assets.engine.rows import CURRENT, ERROR, SEQ
@@ -55,6 +55,8 @@ from checkpoint_assets.engine.storage.local import is_temporary
 
 Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
 
+# A listing that misses parts this process wrote or saw is listed again after these pauses (s).
+_RELIST_SECONDS = (0.2, 0.5, 1.0, 2.0)
 # No write of one file takes this long: a temporary file this old is a killed writer's.
 STALE_TEMPORARY_SECONDS = 15 * 60
 
@@ -80,6 +82,8 @@ class Checkpoint:
         self.name = name
         self.files = Files.under(store.root, name)
         self.cache = PartCache()
+        # Parts this object wrote or listed and has not deleted: a later listing must show them.
+        self.parts_known: dict[str, Part] = {}
 
     @property
     def url(self) -> str:
@@ -141,6 +145,7 @@ class Checkpoint:
         if data is not None:
             self.store.put(to, data)
             self.store.delete([path])
+        self.parts_known.pop(path, None)
         return to
 
     def remove_stale_temporary(self) -> list[str]:
@@ -184,6 +189,39 @@ class Checkpoint:
         parts.sort(key=lambda p: (p.first, -p.last))
         return parts
 
+    def _parts_in_known(self, watermark: int) -> list[Part]:
+        """``_parts_in()``, checked against the parts this object wrote or listed before.
+
+        A listing that lags behind writes (some S3-compatible stores, caching gateways) would
+        make a finalize merge without a part and then record a watermark above it: its rows
+        would be lost. Such a listing is listed again after a pause; if the parts still do not
+        show (or a part covering them: compaction), nothing is merged or deleted and a
+        ``StorageError`` says so. Parts at or below the watermark are merged already.
+        """
+        for pause in (*_RELIST_SECONDS, None):
+            shown = self._parts_in()
+            missing = [
+                p
+                for p in self.parts_known.values()
+                if p.last > watermark
+                and not any(q.first <= p.first and q.last >= p.last for q in shown)
+            ]
+            if not missing:
+                self.parts_known.update((p.path, p) for p in shown if p.last > watermark)
+                return shown
+            if pause is not None:
+                time.sleep(pause)
+        folder = self.store.display(self.files.parts)
+        raise StorageError(
+            f"The listing of {folder} does not show {len(missing)} part(s) this run wrote or saw, "
+            f"such as {self.store.display(missing[0].path)}, even after listing again for "
+            f"{sum(_RELIST_SECONDS):.0f} s: the store's listings lag behind its writes. Nothing "
+            "was merged or deleted.",
+            "Run again: it resumes. If it happens again, use a store whose listings show every "
+            "completed write (S3 does), or turn off the listing cache of any gateway in front "
+            "of it.",
+        )
+
     def read_file(self, path: str, data: bytes | None = None) -> pl.DataFrame:
         """One stored Parquet file (``data``, if already fetched); unreadable means corrupt."""
         raw = self.store.get(path) if data is None else data
@@ -218,7 +256,7 @@ class Checkpoint:
         unreadable merged file always raises (see the module docstring).
         """
         merged, watermark = self.read_merged()
-        listed = self._parts_in()
+        listed = self._parts_in_known(watermark)
         files = len(listed) + (merged is not None)
         frames_of: dict[str, pl.DataFrame] = {}
         moved: list[str] = []
@@ -310,7 +348,9 @@ class Checkpoint:
             data = self.encode_part(frame)
         self.store.put(path, data)
         self.cache.remember(path, frame)
-        return Part(path, first, last, len(data))
+        part = Part(path, first, last, len(data))
+        self.parts_known[path] = part
+        return part
 
     @staticmethod
     def encode_part(frame: pl.DataFrame) -> bytes:
@@ -331,7 +371,7 @@ class Checkpoint:
                 [f if f is not None else self.read_file(p.path) for f, p in pairs], self.url
             ).rechunk()  # one chunk: a part made of thousands of tiny ones is slow to use
             part = self.write_part(rows.pick_winners(merged, id_column), run[0].first, run[-1].last)
-            self.store.delete(p.path for p in run)
+            self._delete(run)
             parts[start : start + COMPACT_FANOUT] = [part]
         return parts
 
@@ -377,10 +417,15 @@ class Checkpoint:
             data = parquet.encode(frame, {parquet.WATERMARK_KEY: str(watermark)})
             self.store.put(self.files.merged, data)
         # Everything this load saw is now merged: delete it without listing again.
-        self.store.delete(p.path for p in [*stored.parts, *stored.leftover])
+        self._delete([*stored.parts, *stored.leftover])
         self.cache.clear()
         self.remove_stale_temporary()
         return frame
+
+    def _delete(self, parts: Sequence[Part]) -> None:
+        self.store.delete(p.path for p in parts)
+        for part in parts:
+            self.parts_known.pop(part.path, None)
 
     def data_files(self) -> list[str]:
         """Paths of the merged file (if any) and of every part file, merged ones included."""

@@ -207,6 +207,7 @@ class PartWriter(Sink):
         self.known = start.known  # valid while this run has written nothing
         self._pool: cf.ThreadPoolExecutor | None = None
         self._writing: cf.Future[None] | None = None
+        self._unwritten: pl.DataFrame | None = None  # the rows of a part whose write failed
 
     def record_outputs(self, sample: pl.DataFrame, outputs: dict[str, str]) -> None:
         parquet.check_storable(sample.head(1))
@@ -244,7 +245,11 @@ class PartWriter(Sink):
 
     def _write(self, frame: pl.DataFrame, seq: int, data: bytes | None) -> None:
         """The writer thread's job: one part (``data``, if encoded already), then compaction."""
-        part = self.checkpoint.write_part(frame, seq, data=data)
+        try:
+            part = self.checkpoint.write_part(frame, seq, data=data)
+        except BaseException:
+            self._unwritten = frame  # written again before leaving: those calls are paid for
+            raise
         self.parts = self.checkpoint.compact([*self.parts, part], self.id_column)
 
     def wait_for_writes(self) -> None:
@@ -259,10 +264,21 @@ class PartWriter(Sink):
 
     def flush_before_leaving(self, log: Logger) -> None:
         try:
-            self.flush()
-            self.wait_for_writes()
+            self.write_what_is_left()
         except Exception as e:  # the original exception matters more
             log.error("Could not flush the last results before stopping: %s", e)
+
+    def write_what_is_left(self) -> None:
+        """Write every computed row not yet durable: the rows of a write that failed (a storage
+        error that has passed by now), then the buffer."""
+        with contextlib.suppress(Exception):  # a failed write: its rows are written again here
+            self.wait_for_writes()
+        if self._unwritten is not None:
+            frame = self._unwritten
+            self.checkpoint.write_part(frame, int(frame.get_column(SEQ)[0]))
+            self._unwritten = None
+        self.flush()
+        self.wait_for_writes()
 
     def finish(self, current_ids: pl.Series) -> pl.DataFrame:
         """Merge everything into the merged file; returns the current stored rows.
@@ -272,7 +288,12 @@ class PartWriter(Sink):
         They are no more at risk than while buffered, and the run succeeds only once the
         merged file holding them is written. If finalize fails, they are flushed as a part.
         """
-        self.wait_for_writes()
+        try:
+            self.wait_for_writes()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the write's error is the one to report
+                self.write_what_is_left()
+            raise
         if self.lease is not None:
             self.lease.check()
         started = time.perf_counter()

@@ -9,6 +9,7 @@ never read as "no checkpoint yet". A failed request changes nothing that is stor
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 # S3 error codes, by what the user has to fix.
 _DENIED = {"AccessDenied", "AllAccessDisabled", "AccountProblem", "403"}
 _REJECTED = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
+_THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestThrottled", "503"}
+_UNAVAILABLE = {"ServiceUnavailable", "InternalError", "500"}
 _NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
 _UNREACHABLE = {
     "EndpointConnectionError",
@@ -69,6 +72,18 @@ def why_code(code: str) -> str | None:
             "access was denied; check the credentials and that their policy allows "
             "s3:GetObject, s3:PutObject, s3:DeleteObject and s3:ListBucket on this prefix"
         )
+    if code in _THROTTLED:
+        return (
+            f"the store kept throttling requests ({code}) after several attempts with back-off; "
+            "run again later (it resumes), and if it persists raise min_flush_seconds or "
+            "checkpoint_interval, run fewer shards at once under one prefix, or raise "
+            "config_kwargs.retries.max_attempts in storage_options"
+        )
+    if code in _UNAVAILABLE:
+        return (
+            f"the store kept failing ({code}) after several attempts; run again later: it "
+            "resumes from what was stored"
+        )
     return None
 
 
@@ -84,6 +99,12 @@ def _why(store: Store, exc: BaseException) -> str | None:
         return why_code("NoSuchBucket")
     if isinstance(exc, FileNotFoundError):
         return None  # a missing file: the caller decides what that means
+    full = {errno.ENOSPC, errno.EDQUOT}
+    if any(isinstance(e, OSError) and e.errno in full for e in chain(exc)):
+        return (
+            "no space left on the device (or the disk quota is used up); free some space or "
+            "point base_dir at a larger disk, then run again: it resumes from what was stored"
+        )
     if names & _NO_CREDENTIALS or "unable to locate credentials" in text:
         return (
             "no credentials were found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a "

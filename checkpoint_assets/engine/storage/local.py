@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import ClassVar
 
 from checkpoint_assets.engine.storage.base import Store
+from checkpoint_assets.engine.storage.errors import translate
 
 _TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{12}$")
 
@@ -36,11 +37,12 @@ class LocalStore(Store):
         os.makedirs(folder, exist_ok=True)
         tmp = temporary_path(path)
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            with translate(self, path, "writing"):
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
         except BaseException:
             remove_quietly(tmp)
             raise
@@ -51,10 +53,14 @@ class LocalStore(Store):
         # Write the content under a temporary name first, then link it into place: link fails
         # when the target exists, so no reader ever sees an empty lock file.
         tmp = temporary_path(path)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with translate(self, path, "creating"), open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            remove_quietly(tmp)
+            raise
         try:
             os.link(tmp, path)
         except FileExistsError:

@@ -1,0 +1,395 @@
+"""Storage faults end in a retry that succeeds or a clear StorageError, and never lose a stored row.
+
+Any backend (local disk and S3) gets faults from a fault-injecting store
+(``helpers/faulty_store.py``): a part write that fails once or keeps failing, a failed delete
+after the merged file, a failed read at resume, a listing of the parts that misses recent writes.
+S3 faults also come from a real HTTP proxy on 127.0.0.1 in front of the moto server
+(``helpers/fault_proxy.py``): ``503 SlowDown`` (S3's throttling), a request that hangs past the
+client's read timeout, a PUT cut off half way, a listing that does not show recent writes. A full
+local disk is an ``ENOSPC`` from the real write path. After each failure, a run without the fault
+resumes: it computes only what was not stored.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+from conftest import make_bucket
+from helpers.fault_proxy import Fault, FaultProxy
+from helpers.faulty_store import StoreFault, faulty
+from helpers.jobs import Storage
+
+from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine.errors import StorageError
+from checkpoint_assets.engine.storage import Store
+
+ROWS = 40
+SETTINGS = Settings(
+    id_column="ticket_id",
+    input_columns=("body",),
+    checkpoint_interval=4,
+    min_flush_seconds=0.0,  # a part every 4 rows on S3 too
+    retry_delay_seconds=0.0,
+)
+PART_PUT = r"\.parquet\.parts/part-"
+PARTS_LIST = r"list-type=2.*prefix=[^&]*\.parquet\.parts"
+
+
+def _inputs(n: int = ROWS) -> pl.DataFrame:
+    ids = list(range(n))
+    return prepare(pl.DataFrame({"ticket_id": ids, "body": [f"b{i}" for i in ids]}), SETTINGS)
+
+
+def _fn(calls: list[int]) -> Any:
+    def fn(batch: pl.DataFrame) -> pl.DataFrame:
+        calls.extend(batch["ticket_id"].to_list())
+        return batch.select("ticket_id", route=pl.col("body").str.to_uppercase())
+
+    return fn
+
+
+def _run(store: Store, calls: list[int] | None = None) -> pl.DataFrame:
+    result, _ = run(
+        _fn([] if calls is None else calls),
+        _inputs(),
+        Checkpoint(store, "job"),
+        SETTINGS,
+        job={"v": 1},
+    )
+    return result
+
+
+def _assert_complete(store: Store) -> None:
+    checkpoint = Checkpoint(store, "job")
+    merged, _ = checkpoint.read_merged()
+    assert merged is not None
+    assert sorted(merged["ticket_id"].to_list()) == list(range(ROWS))
+    assert merged["route"].to_list() == [f"B{i}" for i in merged["ticket_id"]]
+    assert checkpoint.list_parts() == ([], [])
+
+
+# -- S3 through a faulty proxy ----------------------------------------------------------------
+
+
+@pytest.fixture
+def proxy(s3_server: str) -> Iterator[FaultProxy]:
+    server = FaultProxy(s3_server)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _s3(proxy: FaultProxy, s3_server: str, **config: Any) -> Store:
+    bucket = make_bucket(s3_server)
+    options: dict[str, Any] = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": proxy.endpoint, "region_name": "us-east-1"},
+    }
+    if config:
+        options["config_kwargs"] = config
+    return open_store(f"s3://{bucket}/checkpoints", options)
+
+
+def test_s3_slowdown_is_retried_with_backoff(proxy: FaultProxy, s3_server: str) -> None:
+    store = _s3(proxy, s3_server)
+    proxy.add(Fault("slowdown", "PUT", PART_PUT, times=2, skip=1))
+
+    result = _run(store)
+
+    assert [kind for _, _, kind in proxy.spent()] == ["slowdown", "slowdown"]
+    assert result.height == ROWS
+    _assert_complete(store)
+
+
+def test_s3_persistent_slowdown_is_a_clear_error_and_a_rerun_resumes(
+    proxy: FaultProxy, s3_server: str
+) -> None:
+    store = _s3(proxy, s3_server)
+    proxy.add(Fault("slowdown", "PUT", PART_PUT, times=10**6, skip=3))
+    calls: list[int] = []
+
+    with pytest.raises(StorageError) as failed:
+        _run(store, calls)
+
+    message = str(failed.value)
+    assert "SlowDown" in message and "throttling" in message and "run again" in message
+    assert len(proxy.spent()) >= 3  # botocore's attempts, then s3fs's own retry, with back-off
+    proxy.faults.clear()
+    again: list[int] = []
+    _run(open_store(store.url, _options(store)), again)
+    assert len(again) <= ROWS - 3 * SETTINGS.checkpoint_interval  # the 3 parts stored are kept
+    assert not set(again) & set(calls[: 3 * SETTINGS.checkpoint_interval])
+    _assert_complete(store)
+
+
+def _options(store: Store) -> dict[str, Any]:
+    return dict(store.fs.storage_options)
+
+
+def test_s3_request_that_hangs_times_out_and_is_retried(proxy: FaultProxy, s3_server: str) -> None:
+    store = _s3(proxy, s3_server, read_timeout=1)
+    proxy.add(Fault("hang", "PUT", PART_PUT, times=1, skip=2, seconds=3.0))
+
+    result = _run(store)
+
+    assert [kind for _, _, kind in proxy.spent()] == ["hang"]
+    assert result.height == ROWS
+    _assert_complete(store)
+
+
+def test_s3_put_cut_off_half_way_is_retried(proxy: FaultProxy, s3_server: str) -> None:
+    store = _s3(proxy, s3_server)
+    proxy.add(Fault("cut", "PUT", PART_PUT, times=1, skip=1))
+
+    result = _run(store)
+
+    assert [kind for _, _, kind in proxy.spent()] == ["cut"]
+    assert result.height == ROWS
+    _assert_complete(store)
+
+
+def test_s3_puts_cut_off_every_time_are_a_clear_error_and_a_rerun_resumes(
+    proxy: FaultProxy, s3_server: str
+) -> None:
+    store = _s3(proxy, s3_server, retries={"max_attempts": 1})  # s3fs still retries on its own
+    proxy.add(Fault("cut", "PUT", PART_PUT, times=10**6, skip=2))
+    calls: list[int] = []
+
+    with pytest.raises(StorageError) as failed:
+        _run(store, calls)
+
+    assert "cannot be reached or does not answer" in str(failed.value)
+    proxy.faults.clear()
+    again: list[int] = []
+    _run(open_store(store.url, _options(store)), again)
+    assert not set(again) & set(calls[: 2 * SETTINGS.checkpoint_interval])
+    _assert_complete(store)
+
+
+def test_a_stale_listing_at_finalize_is_listed_again_and_loses_nothing(
+    proxy: FaultProxy, s3_server: str
+) -> None:
+    store = _s3(proxy, s3_server)
+    # The first listing of the parts (at the start: none) is served again once, at finalize.
+    proxy.add(Fault("stale", "GET", PARTS_LIST, times=1))
+
+    result = _run(store)
+
+    assert [kind for _, _, kind in proxy.spent()] == ["stale"]
+    assert sorted(result["ticket_id"].to_list()) == list(range(ROWS))
+    _assert_complete(store)
+
+
+def test_a_listing_that_stays_stale_stops_finalize_before_it_merges_or_deletes(
+    proxy: FaultProxy, s3_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("checkpoint_assets.engine.checkpoint._RELIST_SECONDS", (0.01, 0.01))
+    store = _s3(proxy, s3_server)
+    proxy.add(Fault("stale", "GET", PARTS_LIST, times=10**6))
+    checkpoint = Checkpoint(store, "job")
+
+    with pytest.raises(StorageError) as failed:
+        run(_fn([]), _inputs(), checkpoint, SETTINGS, job={"v": 1})
+
+    assert "does not show" in str(failed.value) and "Nothing was merged or deleted" in str(
+        failed.value
+    )
+    assert checkpoint.read_merged() == (None, 0)  # nothing merged without the missing parts
+    proxy.faults.clear()
+    calls: list[int] = []
+    _run(open_store(store.url, _options(store)), calls)
+    assert calls == []  # every row was in the parts the stale listing hid
+    _assert_complete(store)
+
+
+# -- a full local disk ------------------------------------------------------------------------
+
+
+def _fill_disk_on(monkeypatch: pytest.MonkeyPatch, matches: str, after: int, times: int) -> None:
+    """``os.fsync`` fails with ENOSPC for files whose name contains ``matches``: the
+    ``times`` writes after the first ``after`` ones."""
+    real = os.fsync
+    seen = {"n": 0}
+
+    def fsync(fd: int) -> None:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if matches in name:
+            seen["n"] += 1
+            if after < seen["n"] <= after + times:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="needs /proc")
+def test_a_full_disk_is_a_clear_error_and_a_rerun_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(str(tmp_path))
+    _fill_disk_on(monkeypatch, ".parquet.parts/part-", after=3, times=10**6)
+    calls: list[int] = []
+
+    with pytest.raises(StorageError) as failed:
+        _run(store, calls)
+
+    message = str(failed.value)
+    assert "no space left on the device" in message and "free some space" in message
+    assert "part-" in message  # names the file it could not write
+    leftovers = [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
+    assert leftovers == []  # no temporary file left behind on a full disk
+    monkeypatch.undo()
+    again: list[int] = []
+    _run(open_store(str(tmp_path)), again)
+    assert not set(again) & set(calls[: 3 * SETTINGS.checkpoint_interval])
+    _assert_complete(store)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="needs /proc")
+def test_a_full_disk_at_finalize_keeps_the_last_rows_as_a_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(str(tmp_path))
+    _fill_disk_on(monkeypatch, "job.parquet.tmp-", after=0, times=1)  # the merged file, once
+
+    with pytest.raises(StorageError, match="no space left"):
+        _run(store)
+
+    calls: list[int] = []
+    _run(open_store(str(tmp_path)), calls)
+    assert calls == []  # every row was stored: the parts, and the last rows as a part
+    _assert_complete(store)
+
+
+# -- any backend, through a fault-injecting store -----------------------------------------------
+
+
+def _failure(what: str) -> StorageError:
+    return StorageError(f"Checkpoint storage error while {what}: injected.")
+
+
+def _stored_ids(store: Store) -> set[int]:
+    checkpoint = Checkpoint(store, "job")
+    return set(checkpoint.load("ticket_id").rows["ticket_id"].to_list())
+
+
+def test_a_part_write_that_fails_once_is_written_on_the_way_out(storage: Storage) -> None:
+    store = faulty(open_store(*storage), StoreFault("put", PART_PUT, _failure("writing"), skip=2))
+    calls: list[int] = []
+
+    with pytest.raises(StorageError, match="injected"):
+        _run(store, calls)
+
+    assert _stored_ids(store) == set(calls)  # the flush before leaving wrote every computed row
+    again: list[int] = []
+    _run(open_store(*storage), again)
+    assert not set(again) & set(calls) and len(again) == ROWS - len(calls)
+    _assert_complete(store)
+
+
+def test_part_writes_that_keep_failing_keep_what_was_stored(storage: Storage) -> None:
+    failing = StoreFault("put", PART_PUT, _failure("writing"), skip=3, times=10**6)
+    store = faulty(open_store(*storage), failing)
+    calls: list[int] = []
+
+    with pytest.raises(StorageError, match="injected"):
+        _run(store, calls)
+
+    stored = _stored_ids(store)  # the three parts written before the store started failing
+    assert stored < set(calls) and len(stored) >= 3 * SETTINGS.checkpoint_interval
+    again: list[int] = []
+    _run(open_store(*storage), again)
+    assert not set(again) & stored and sorted(stored | set(again)) == list(range(ROWS))
+    _assert_complete(store)
+
+
+def test_a_failed_delete_after_the_merged_file_loses_nothing(storage: Storage) -> None:
+    store = faulty(open_store(*storage), StoreFault("delete", PART_PUT, _failure("deleting")))
+
+    with pytest.raises(StorageError, match="injected"):
+        _run(store)
+
+    assert _stored_ids(store) == set(range(ROWS))  # in the merged file, parts not yet deleted
+    calls: list[int] = []
+    _run(open_store(*storage), calls)
+    assert calls == []
+    _assert_complete(store)
+
+
+def test_a_failed_read_at_resume_changes_nothing(storage: Storage) -> None:
+    _run(open_store(*storage))
+    checkpoint = Checkpoint(open_store(*storage), "job")
+    before = {f.path: checkpoint.store.get(f.path) for f in checkpoint.list_files()}
+    store = faulty(open_store(*storage), StoreFault("get", r"job\.parquet$", _failure("reading")))
+
+    with pytest.raises(StorageError, match="injected"):
+        _run(store)
+
+    after = {f.path: checkpoint.store.get(f.path) for f in checkpoint.list_files()}
+    assert after == before  # the lock is released, nothing else was touched
+    calls: list[int] = []
+    _run(open_store(*storage), calls)
+    assert calls == []
+
+
+@pytest.mark.parametrize("times", [1, 10**6])
+def test_a_stale_parts_listing_never_makes_finalize_lose_parts(
+    storage: Storage, times: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("checkpoint_assets.engine.checkpoint._RELIST_SECONDS", (0.01, 0.01))
+    store = faulty(open_store(*storage), StoreFault("list", r"\.parquet\.parts$", times=times))
+
+    if times == 1:
+        result = _run(store)
+        assert sorted(result["ticket_id"].to_list()) == list(range(ROWS))
+    else:
+        with pytest.raises(StorageError, match="does not show"):
+            _run(store)
+        assert Checkpoint(store, "job").read_merged() == (None, 0)
+        calls: list[int] = []
+        _run(open_store(*storage), calls)
+        assert calls == []
+    _assert_complete(store)
+
+
+class _Crash(BaseException):
+    """The run stops (like a Ctrl-C): it flushes what it computed, then leaves."""
+
+
+@pytest.mark.parametrize("times", [1, 10**6])
+def test_a_listing_that_misses_a_part_seen_at_the_start_never_loses_it(
+    storage: Storage, times: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("checkpoint_assets.engine.checkpoint._RELIST_SECONDS", (0.01, 0.01))
+    route = _fn([])
+
+    def stops(batch: pl.DataFrame) -> pl.DataFrame:
+        if 12 in batch["ticket_id"]:
+            raise _Crash()
+        return route(batch)  # type: ignore[no-any-return]
+
+    with pytest.raises(_Crash):
+        run(stops, _inputs(), Checkpoint(open_store(*storage), "job"), SETTINGS, job={"v": 1})
+    assert _stored_ids(open_store(*storage)) == set(range(12))  # parts 1, 2 and 3
+    # The next run sees the three parts when it starts; at finalize the listing misses part 1.
+    hidden = StoreFault("list", r"\.parquet\.parts$", hide=r"^part-0+1-0+1-", skip=1, times=times)
+    store = faulty(open_store(*storage), hidden)
+    calls: list[int] = []
+
+    if times == 1:
+        _run(store, calls)
+    else:
+        with pytest.raises(StorageError, match="does not show 1 part"):
+            _run(store, calls)
+        assert Checkpoint(store, "job").read_merged() == (None, 0)
+        _run(open_store(*storage), calls)
+    assert sorted(calls) == list(range(12, ROWS))
+    _assert_complete(store)
