@@ -111,9 +111,11 @@ def test_sigkill_mid_shard_loses_at_most_one_interval_and_the_flush_in_flight(
         for k in range(1, kills + 1)
     ]
     print(f"rows recomputed after each of {kills} SIGKILLs: {lost} (interval {INTERVAL})")
-    # The documented bound: the interval being buffered plus the flush the writer may have been
-    # writing when the kill came (usually only the first: a 4-row part is written in ~1 ms).
-    assert all(n <= 2 * INTERVAL for n in lost), lost
+    # The documented bound (engine/sink.py): the buffer and the flush the writer may have been
+    # writing when the kill came, each at most max_unflushed_rows (about one interval while
+    # storage keeps up: a 4-row part is written in ~1 ms locally, slower on S3).
+    max_unflushed = Settings(id_column="ticket_id", checkpoint_interval=INTERVAL).max_unflushed_rows
+    assert all(n <= 2 * max_unflushed for n in lost), lost
     assert len(log) == ROWS + sum(lost)
     assert sorted(runs_of) == list(range(ROWS))
     killed_work = sum(1 for labels in runs_of.values() if min(labels) <= kills)
