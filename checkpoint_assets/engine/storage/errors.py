@@ -9,6 +9,8 @@ never read as "no checkpoint yet". A failed request changes nothing that is stor
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -84,6 +86,16 @@ def _why(store: Store, exc: BaseException) -> str | None:
         return why_code("NoSuchBucket")
     if isinstance(exc, FileNotFoundError):
         return None  # a missing file: the caller decides what that means
+    errnos = {getattr(e, "errno", None) for e in chain(exc)}
+    if errno.EROFS in errnos:
+        return (
+            "the file system is read-only; choose a writable base_dir, or mount it read-write "
+            "(reading checkpoints from a read-only copy works; running the asset writes)"
+        )
+    if store.local and (errno.ENOTDIR in errnos or "NotADirectoryError" in names):
+        return "a part of the path is a file, not a folder; point base_dir at a folder"
+    if store.local and errno.ENOSPC in errnos:
+        return "the disk is full; free space or choose another base_dir"
     if names & _NO_CREDENTIALS or "unable to locate credentials" in text:
         return (
             "no credentials were found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a "
@@ -91,7 +103,10 @@ def _why(store: Store, exc: BaseException) -> str | None:
         )
     if "PermissionError" in names or "accessdenied" in text or "forbidden" in text:
         if store.local:
-            return "permission denied; check the folder's permissions"
+            return (
+                f"permission denied to this process (uid {os.getuid()}); give it write access "
+                "to base_dir, or choose a base_dir it can write"
+            )
         return why_code("AccessDenied")
     if names & _UNREACHABLE or "could not connect" in text:
         return (
