@@ -15,7 +15,7 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from checkpoint_assets import CheckpointIOManager, StorageError, checkpointed_asset
+from checkpoint_assets import CheckpointIOManager, checkpointed_asset
 
 
 @dg.asset
@@ -160,4 +160,3 @@ def test_a_folder_without_write_permission_is_a_storage_error(tmp_path: Path) ->
 
     assert error.startswith("StorageError: ")
     assert "permission denied" in error and "write access" in error
-
