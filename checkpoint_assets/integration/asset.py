@@ -205,10 +205,14 @@ def checkpointed_asset(
                     context.asset_key, config.checkpoint_tag, key, store
                 )
                 rows = rows_in(table, id_column, [key], index)
+                saved = md.saved_on_failure(
+                    context, checkpoint, key, settings.id_column, config.checkpointing
+                )
                 try:
-                    frame, one = _run_partition(
-                        context, config, call, settings, checkpoint, rows, key, job, imported
-                    )
+                    with saved:  # on a failure or interrupt: say what the checkpoint holds
+                        frame, one = _run_partition(
+                            context, config, call, settings, checkpoint, rows, key, job, imported
+                        )
                 except TooManyFailuresError as e:
                     # A ranged run still finishes its other shards, so their retries are free.
                     too_many.append(e)
@@ -219,12 +223,17 @@ def checkpointed_asset(
                 stats.append(one)
             if too_many:
                 raise advise(TooManyFailuresError.of_several(too_many))
+            result = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
             context.add_output_metadata(
                 md.materialization(
-                    stats, config.checkpoint_tag or DEFAULT_TAG, config.checkpointing
+                    stats,
+                    config.checkpoint_tag or DEFAULT_TAG,
+                    config.checkpointing,
+                    result,
+                    settings.id_column,
                 )
             )
-            return frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
+            return result
 
         body.__doc__ = fn.__doc__
         return dg.asset(

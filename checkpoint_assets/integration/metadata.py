@@ -4,11 +4,22 @@ records, named once here and read by the sensor, the checks and the IO manager.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import dagster as dg
+import polars as pl
 
+from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.errors import (
+    CheckpointError,
+    FunctionError,
+    OutageError,
+    QuotaExhaustedError,
+    TooManyFailuresError,
+)
+from checkpoint_assets.engine.rows import CURRENT, ERROR
 from checkpoint_assets.engine.settings import RunStats
 
 # Definition metadata, set by the decorators.
@@ -26,6 +37,17 @@ THROTTLED_SECONDS = "throttled_seconds"
 CONCURRENCY_FINAL = "concurrency_final"
 USAGE = "usage/"  # + a usage column: its sum over the rows this run computed
 USAGE_TOTAL = "usage_total/"  # + a usage column: its sum over every stored row
+ROWS_PER_SECOND = "rows_per_second"
+CHECKPOINT_PATH = "checkpoint_path"
+STORAGE_REQUESTS = "storage_requests/"  # + put, get, list, delete: requests the run made
+REQUEST_KINDS = ("PUT", "GET", "LIST", "DELETE")
+TOP_ERRORS = "top_errors"
+ROWS_CHECKPOINTED = "rows_checkpointed"
+# Dagster's standard keys (shown in the UI's asset overview and columns tab).
+ROW_COUNT = "dagster/row_count"
+COLUMN_SCHEMA = "dagster/column_schema"
+TOP_ERRORS_SHOWN = 10
+SAMPLE_IDS = 5
 COUNTS = (
     "rows_total",
     "rows_computed",
@@ -38,25 +60,46 @@ COUNTS = (
 )
 
 
-def materialization(runs: Sequence[RunStats], tag: str, checkpointing: bool) -> dict[str, Any]:
-    """The metadata of one materialization; a ranged run of several shards reports their sums."""
+def materialization(
+    runs: Sequence[RunStats],
+    tag: str,
+    checkpointing: bool,
+    result: pl.DataFrame | None = None,
+    id_column: str | None = None,
+) -> dict[str, Any]:
+    """The metadata of one materialization; a ranged run of several shards reports their sums.
+
+    ``result``: what the asset returns (id, outputs, ``_error``), for Dagster's standard
+    ``dagster/row_count`` and ``dagster/column_schema`` and the table of the most common errors.
+    """
     out: dict[str, Any] = {k: sum(getattr(r, k) for r in runs) for k in COUNTS}
     seconds = sum(r.seconds for r in runs)
-    out["rows_per_second"] = round(out["rows_computed"] / seconds, 2) if seconds else 0.0
+    if out["rows_computed"] and seconds > 0:  # absent on a run that computed nothing
+        out[ROWS_PER_SECOND] = round(out["rows_computed"] / seconds, 2)
     out["input_fingerprint"] = ",".join(r.input_fingerprint for r in runs)
     out[CHECKPOINT_TAG] = tag
     out[CHECKPOINTING] = checkpointing
     paths = [r.checkpoint_path for r in runs if r.checkpoint_path]
     if paths:
-        out["checkpoint_path"] = dg.MetadataValue.path(
+        out[CHECKPOINT_PATH] = dg.MetadataValue.path(
             paths[0] if len(paths) == 1 else ", ".join(paths)
         )
-    requests: dict[str, int] = {}
+    requests = dict.fromkeys(REQUEST_KINDS, 0)
     for r in runs:
         for k, v in r.requests.items():
             requests[k] = requests.get(k, 0) + v
-    out["storage_requests"] = requests
+    for kind, n in requests.items():  # one number per kind, which the UI plots over time
+        out[STORAGE_REQUESTS + kind.lower()] = n
     out["storage_wait_seconds"] = round(sum(r.storage_wait_seconds for r in runs), 3)
+    if result is not None:
+        out[ROW_COUNT] = result.height
+        out[COLUMN_SCHEMA] = column_schema(result, id_column)
+        if (
+            id_column
+            and ERROR in result.columns
+            and result.get_column(ERROR).null_count() < (result.height)
+        ):
+            out[TOP_ERRORS] = top_errors(result, id_column)
     out.update(_throttling(runs))
     out.update(_usage(runs))
     return out
@@ -77,6 +120,118 @@ def _usage(runs: Sequence[RunStats]) -> dict[str, float]:
             for column, value in sums.items():
                 out[prefix + column] = out.get(prefix + column, 0.0) + value
     return out
+
+
+def column_schema(result: pl.DataFrame, id_column: str | None) -> dg.TableSchema:
+    """The result's columns with their polars types: the id, the outputs and ``_error``."""
+
+    def role(name: str) -> str:
+        if name == id_column:
+            return "row id"
+        if name == ERROR:
+            return "error of a failed row (null on success)"
+        return "output"
+
+    return dg.TableSchema(
+        columns=[
+            dg.TableColumn(name, str(dtype), description=role(name))
+            for name, dtype in result.schema.items()
+        ]
+    )
+
+
+def top_errors(result: pl.DataFrame, id_column: str) -> dg.TableMetadataValue:
+    """The most common errors of the failed rows: message, rows, sample ids."""
+    top = (
+        result.filter(pl.col(ERROR).is_not_null())
+        .group_by(ERROR)
+        .agg(pl.len().alias("rows"), pl.col(id_column).sort().head(SAMPLE_IDS).alias("ids"))
+        .sort(["rows", ERROR], descending=[True, False])
+        .head(TOP_ERRORS_SHOWN)
+    )
+    records = [
+        dg.TableRecord(
+            {"error": error[:500], "rows": rows, "sample_ids": ", ".join(str(i) for i in ids)}
+        )
+        for error, rows, ids in top.iter_rows()
+    ]
+    schema = dg.TableSchema(
+        columns=[
+            dg.TableColumn("error", "string"),
+            dg.TableColumn("rows", "int"),
+            dg.TableColumn("sample_ids", "string"),
+        ]
+    )
+    return dg.MetadataValue.table(records, schema=schema)
+
+
+# Failures after which the checkpoint holds this run's work: say what it saved. Errors raised
+# before the run starts writing (ids, columns, another job's checkpoint, a held lock) are not
+# among them: rerunning alone does not resume past those.
+_STOPPED = (TooManyFailuresError, OutageError, QuotaExhaustedError, FunctionError)
+
+
+@contextmanager
+def saved_on_failure(
+    context: dg.AssetExecutionContext,
+    checkpoint: Checkpoint,
+    partition: str | None,
+    id_column: str,
+    checkpointing: bool,
+) -> Iterator[None]:
+    """On a failure or interrupt inside, log what the partition's checkpoint holds and record it
+    as an ``AssetObservation`` (a failed step cannot carry materialization metadata)."""
+    try:
+        yield
+    except BaseException as error:
+        stopped = isinstance(error, _STOPPED) or not isinstance(error, CheckpointError)
+        if checkpointing and stopped:
+            report_saved(context, checkpoint, partition, id_column, error)
+        raise
+
+
+def report_saved(
+    context: dg.AssetExecutionContext,
+    checkpoint: Checkpoint,
+    partition: str | None,
+    id_column: str,
+    error: BaseException,
+) -> None:
+    """Log how many rows ``checkpoint`` holds and that rerunning resumes; record the counts as an
+    ``AssetObservation`` of the partition. Never raises: the run's own error matters more."""
+    label = context.asset_key.to_user_string() + (f" {partition}" if partition else "")
+    why = type(error).__name__
+    try:
+        meta = checkpoint.read_meta()
+        stored = checkpoint.load(id_column, meta.base_seq if meta else 0).rows
+        if CURRENT in stored.columns:
+            stored = stored.filter(pl.col(CURRENT).fill_null(True))
+        errors = stored.get_column(ERROR) if ERROR in stored.columns else None
+        failed = 0 if errors is None else stored.height - errors.null_count()
+        ok = stored.height - failed
+    except Exception as e:
+        context.log.warning(
+            f"{label} stopped ({why}); what its checkpoint {checkpoint.url} holds could not be "
+            f"read: {e}"
+        )
+        return
+    context.log.warning(
+        f"{label} stopped ({why}): {ok:,} rows are checkpointed at {checkpoint.url}"
+        f"{f' and {failed:,} stored as failed' if failed else ''}. Materializing the partition "
+        "again resumes from them; only the rest is computed."
+    )
+    context.log_event(
+        dg.AssetObservation(
+            asset_key=context.asset_key,
+            partition=partition,
+            metadata={
+                ROWS_CHECKPOINTED: ok,
+                ROWS_FAILED: failed,
+                CHECKPOINT_PATH: dg.MetadataValue.path(checkpoint.url),
+                "stopped_by": why,
+            },
+        )
+    )
 
 
 def plain(value: Any) -> Any:

@@ -15,11 +15,20 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
+from typing import IO
 
 import dagster as dg
 import polars as pl
+
+from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.errors import CheckpointError
+from checkpoint_assets.engine.layout import checkpoint_name
+from checkpoint_assets.engine.storage import open_store
+from examples.ticket_routing.definitions import SHARDS
 
 JOB = "ticket_routing_job"
 ASSET = dg.AssetKey("ticket_routing")
@@ -28,37 +37,94 @@ ASSET = dg.AssetKey("ticket_routing")
 MODULE = "examples.ticket_routing.definitions"
 
 
-def _dagster(*args: str) -> None:
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _command(*args: str) -> list[str]:
     # `dagster asset materialize` loads a module; `dagster job backfill` takes the workspace.
     where = ["-w", "workspace.yaml"] if args[0] == "job" else ["-m", MODULE]
-    cmd = [sys.executable, "-m", "dagster", *args, *where]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
-        raise SystemExit(f"`dagster {' '.join(args)}` failed (exit {done.returncode}).")
+    return [sys.executable, "-m", "dagster", *args, *where]
+
+
+def _check(args: Sequence[str], returncode: int, output: str) -> None:
+    if returncode != 0:
+        sys.stderr.write(output[-8000:])
+        raise SystemExit(f"`dagster {' '.join(args)}` failed (exit {returncode}).")
+
+
+def _dagster(step: str, *args: str) -> None:
+    _say(f"{step}: dagster {' '.join(args)} ...")
+    t0 = time.monotonic()
+    done = subprocess.run(_command(*args), capture_output=True, text=True)
+    _check(args, done.returncode, done.stdout + done.stderr)
+    _say(f"{step}: done in {time.monotonic() - t0:.1f} s")
+
+
+def _rows_checkpointed(base_dir: str, keys: Sequence[str]) -> int | None:
+    """Rows the shards' checkpoints hold so far (parts included), or None if unreadable now."""
+    store = open_store(base_dir)
+    total = 0
+    for key in keys:
+        checkpoint = Checkpoint(store, checkpoint_name(ASSET.path, None, key))
+        try:
+            meta = checkpoint.read_meta()
+            if meta is not None:
+                total += checkpoint.load("ticket_id", meta.base_seq).rows.height
+        except (OSError, CheckpointError):
+            return None  # a part merged away while we read: try again next time
+    return total
 
 
 def _wait_for_backfill(
-    instance: dg.DagsterInstance, started: datetime, timeout: float
+    instance: dg.DagsterInstance,
+    started: datetime,
+    timeout: float,
+    launcher: subprocess.Popen[str],
+    output: IO[str],
+    every: float = 5.0,
 ) -> list[dg.DagsterRun]:
-    """The runs of the backfill launched after ``started``, once all have finished."""
-    deadline = time.monotonic() + timeout
+    """The runs of the backfill launched after ``started`` (by ``launcher``, which starts them
+    one by one), once all have finished; says how far they are every few seconds."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    last_said = t0
+    keys = SHARDS.get_partition_keys()
+    total_rows = int(os.environ.get("DEMO_TICKETS", "100000"))
     while True:
         records = instance.get_run_records(dg.RunsFilter(job_name=JOB, created_after=started))
         runs = [r.dagster_run for r in records if r.dagster_run.tags.get("dagster/backfill")]
-        if runs and all(r.is_finished for r in runs):
+        launching = launcher.poll() is None
+        if not launching and launcher.returncode != 0:
+            output.seek(0)
+            _check(["job", "backfill"], launcher.returncode, output.read())
+        if not launching and len(runs) >= len(keys) and all(r.is_finished for r in runs):
             return runs
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise SystemExit(f"The backfill did not finish within {timeout:.0f} s.")
+        if now - last_said >= every:
+            last_said = now
+            finished = sum(r.is_finished for r in runs)
+            running = sum(r.status == dg.DagsterRunStatus.STARTED for r in runs)
+            rows = _rows_checkpointed(_base_dir(), keys)
+            done = f", {rows:,} / {total_rows:,} rows checkpointed" if rows is not None else ""
+            _say(
+                f"  {now - t0:5.0f} s: {len(runs)} of {len(keys)} shard runs launched, "
+                f"{running} running, {finished} finished{done}"
+            )
         time.sleep(0.5)
+
+
+def _base_dir() -> str:
+    return os.environ.get("CHECKPOINT_BASE_DIR") or os.path.join(
+        os.environ["DAGSTER_HOME"], "checkpoints"
+    )
 
 
 def _stored_summary() -> pl.DataFrame | None:
     """The routing_summary table the last step stored (tickets per department and priority)."""
-    base = os.environ.get("CHECKPOINT_BASE_DIR") or os.path.join(
-        os.environ["DAGSTER_HOME"], "checkpoints"
-    )
-    path = os.path.join(base, "routing_summary.parquet")
+    path = os.path.join(_base_dir(), "routing_summary.parquet")
     return pl.read_parquet(path) if os.path.exists(path) else None
 
 
@@ -70,12 +136,22 @@ def main() -> int:
         raise SystemExit("Set DAGSTER_HOME (scripts/demo sets it to ./dagster_home).")
     instance = dg.DagsterInstance.get()
     t0 = time.monotonic()
-    _dagster("asset", "materialize", "--select", "tickets")
+    _dagster("1/3 tickets", "asset", "materialize", "--select", "tickets")
     started = datetime.now(UTC)
-    _dagster("job", "backfill", "-j", JOB, "--all", "all", "--noprompt")
-    runs = _wait_for_backfill(instance, started, args.timeout)
+    backfill = ["job", "backfill", "-j", JOB, "--all", "all", "--noprompt"]
+    _say(
+        f"2/3 shards: dagster {' '.join(backfill)} starts one run per shard, each in its own "
+        "process ..."
+    )
+    t0_shards = time.monotonic()
+    with tempfile.TemporaryFile("w+") as output:
+        launcher = subprocess.Popen(
+            _command(*backfill), stdout=output, stderr=subprocess.STDOUT, text=True
+        )
+        runs = _wait_for_backfill(instance, started, args.timeout, launcher, output)
     failed = [r for r in runs if r.status != dg.DagsterRunStatus.SUCCESS]
-    _dagster("asset", "materialize", "--select", "routing_summary")
+    _say(f"2/3 shards: all finished in {time.monotonic() - t0_shards:.1f} s")
+    _dagster("3/3 summary", "asset", "materialize", "--select", "routing_summary")
     elapsed = time.monotonic() - t0
 
     records = {

@@ -10,6 +10,7 @@ never read as "no checkpoint yet". A failed request changes nothing that is stor
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -105,6 +106,14 @@ def _why(store: Store, exc: BaseException) -> str | None:
             "no space left on the device (or the disk quota is used up); free some space or "
             "point base_dir at a larger disk, then run again: it resumes from what was stored"
         )
+    errnos = {getattr(e, "errno", None) for e in chain(exc)}
+    if errno.EROFS in errnos:
+        return (
+            "the file system is read-only; choose a writable base_dir, or mount it read-write "
+            "(reading checkpoints from a read-only copy works; running the asset writes)"
+        )
+    if store.local and (errno.ENOTDIR in errnos or "NotADirectoryError" in names):
+        return "a part of the path is a file, not a folder; point base_dir at a folder"
     if names & _NO_CREDENTIALS or "unable to locate credentials" in text:
         return (
             "no credentials were found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a "
@@ -112,7 +121,10 @@ def _why(store: Store, exc: BaseException) -> str | None:
         )
     if "PermissionError" in names or "accessdenied" in text or "forbidden" in text:
         if store.local:
-            return "permission denied; check the folder's permissions"
+            return (
+                f"permission denied to this process (uid {os.getuid()}); give it write access "
+                "to base_dir, or choose a base_dir it can write"
+            )
         return why_code("AccessDenied")
     if names & _UNREACHABLE or "could not connect" in text:
         return (

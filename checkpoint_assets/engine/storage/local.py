@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterable
 from typing import ClassVar
 
+from checkpoint_assets.engine.errors import StorageError
 from checkpoint_assets.engine.storage.base import Store
 from checkpoint_assets.engine.storage.errors import translate
 
@@ -33,15 +34,11 @@ class LocalStore(Store):
 
     def put(self, path: str, data: bytes) -> None:
         self._count("PUT")
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
+        self._make_folder(os.path.dirname(path))
         tmp = temporary_path(path)
         try:
             with translate(self, path, "writing"):
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                _write(tmp, data)
                 os.replace(tmp, path)
         except BaseException:
             remove_quietly(tmp)
@@ -49,30 +46,57 @@ class LocalStore(Store):
 
     def put_if_absent(self, path: str, data: bytes) -> bool:
         self._count("PUT")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._make_folder(os.path.dirname(path))
         # Write the content under a temporary name first, then link it into place: link fails
         # when the target exists, so no reader ever sees an empty lock file.
         tmp = temporary_path(path)
         try:
-            with translate(self, path, "creating"), open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            remove_quietly(tmp)
-            raise
-        try:
-            os.link(tmp, path)
+            with translate(self, path, "creating"):
+                _write(tmp, data)
+                os.link(tmp, path)
         except FileExistsError:
             return False
         finally:
             remove_quietly(tmp)
         return True
 
+    def _make_folder(self, folder: str) -> None:
+        """Create ``folder`` and its parents; a file in the way is a ``StorageError``."""
+        with translate(self, folder, "creating the folder"):
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except (FileExistsError, NotADirectoryError) as e:
+                blocker = _file_in_the_way(folder) or folder
+                raise StorageError(
+                    f"Checkpoint storage error while creating the folder "
+                    f"{self.display(folder)}: {blocker} is a file, not a folder "
+                    f"({type(e).__name__}: {e}). Stored work is unchanged.",
+                    "Point base_dir at a folder (it is created if missing), or move the file away.",
+                ) from e
+
     def delete(self, paths: Iterable[str]) -> None:
         for path in paths:
             self._count("DELETE")
-            remove_quietly(path)
+            with translate(self, path, "deleting"):
+                remove_quietly(path)
+
+
+def _write(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _file_in_the_way(folder: str) -> str | None:
+    """The nearest existing path at or above ``folder`` when it is not a folder."""
+    path = os.path.abspath(folder)
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None if os.path.isdir(path) else path
 
 
 def remove_quietly(path: str) -> None:

@@ -58,6 +58,11 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> St
     protocol, _ = fsspec.core.split_protocol(url)
     if protocol in (None, "file", "local"):
         root = os.path.abspath(os.path.expanduser(fsspec.core.strip_protocol(url)))
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise StorageError(
+                f"Cannot open checkpoint storage {url!r}: {root} is a file, not a folder.",
+                "Point base_dir at a folder (it is created if missing), or move the file away.",
+            )
         return LocalStore(LocalFileSystem(), root, root)
     # A resume must see what the previous run committed, never a cached listing.
     options["use_listings_cache"] = False
