@@ -149,6 +149,29 @@ def test_every_cli_command_and_option_is_documented() -> None:
             assert spelled[0] in where, f"{name}: {spelled[0]} is not documented"
 
 
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors of the headings of ``text``."""
+    out = set()
+    for heading in re.findall(r"^#+\s+(.*)$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
+def test_links_between_the_documents_resolve() -> None:
+    pages = [*DOCS.glob("*.md"), ROOT / "README.md"]
+    for page in pages:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.name}: broken link {target}"
+            if anchor and linked.suffix == ".md":
+                assert anchor in anchors(linked.read_text()), f"{page.name}: no anchor {target}"
+
+
 # -- (d): the tutorial runs as written -------------------------------------------------------
 def tutorial_sections() -> list[tuple[str, str]]:
     """(title, body) of each ``##`` section of the tutorial, in order."""
