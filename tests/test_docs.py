@@ -1,0 +1,463 @@
+"""The documentation in docs/ stays true and complete.
+
+- Every public error class, run-config key, argument and CLI option is documented in
+  docs/reference.md (found by introspection, so anything added undocumented fails here).
+- docs/tutorial.md runs as written: its Python blocks become a project in a temporary folder, its
+  commands run against a temporary DAGSTER_HOME, and what its prose promises is checked.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+import checkpoint_assets
+from checkpoint_assets.engine import errors as engine_errors
+from checkpoint_assets.engine.errors import CheckpointError
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+REFERENCE = (DOCS / "reference.md").read_text()
+TUTORIAL = (DOCS / "tutorial.md").read_text()
+BIN = Path(sys.executable).parent
+
+
+# -- reading Markdown ------------------------------------------------------------------------
+def section(text: str, title: str) -> str:
+    """The body of the heading ``title`` (backticks ignored), up to the next heading of the
+    same or a higher level."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        match = re.match(r"^(#+)\s+(.*)$", line)
+        if match and match[2].replace("`", "").strip() == title:
+            level = len(match[1])
+            body = []
+            for rest in lines[i + 1 :]:
+                m = re.match(r"^(#+)\s", rest)
+                if m and len(m[1]) <= level:
+                    break
+                body.append(rest)
+            return "\n".join(body)
+    raise AssertionError(f"docs: no heading {title!r}")
+
+
+def table_names(text: str) -> set[str]:
+    """The `names` in the first column of the Markdown tables of ``text``."""
+    names: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("|"):
+            first = line.split("|")[1]
+            names.update(re.findall(r"`([^`]+)`", first))
+    return names
+
+
+def fences(text: str, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def undocumented(names: set[str], documented: set[str]) -> list[str]:
+    return sorted(names - documented)
+
+
+# -- (a)-(c): the reference is complete ------------------------------------------------------
+def public_errors() -> list[type[CheckpointError]]:
+    exported = [getattr(checkpoint_assets, n) for n in checkpoint_assets.__all__]
+    defined = [v for v in vars(engine_errors).values() if isinstance(v, type)]
+    return sorted(
+        {c for c in exported + defined if isinstance(c, type) and issubclass(c, CheckpointError)},
+        key=lambda c: c.__name__,
+    )
+
+
+def test_every_error_class_is_exported() -> None:
+    missing = [c.__name__ for c in public_errors() if c.__name__ not in checkpoint_assets.__all__]
+    assert not missing, f"error classes not exported by checkpoint_assets: {missing}"
+
+
+@pytest.mark.parametrize("error", public_errors(), ids=lambda c: c.__name__)
+def test_every_public_error_is_documented_with_its_remedy(error: type[CheckpointError]) -> None:
+    body = section(section(REFERENCE, "Errors"), error.__name__)
+    meaning, _, remedy = body.partition("**Remedy:**")
+    assert len(meaning.split()) >= 5, f"{error.__name__}: say what it means"
+    assert len(remedy.split()) >= 5, f"{error.__name__}: give its remedy after **Remedy:**"
+
+
+def test_every_run_config_key_is_documented() -> None:
+    fields = set(checkpoint_assets.CheckpointRunConfig.model_fields)
+    assert not undocumented(fields, table_names(section(REFERENCE, "Run config")))
+
+
+def keyword_parameters(fn: Callable[..., Any]) -> set[str]:
+    return {
+        name
+        for name, p in inspect.signature(fn).parameters.items()
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
+
+
+def test_every_argument_of_checkpointed_asset_is_documented() -> None:
+    parameters = keyword_parameters(checkpoint_assets.checkpointed_asset)
+    documented = table_names(section(REFERENCE, "checkpointed_asset"))
+    assert not undocumented(parameters, documented)
+
+
+@pytest.mark.parametrize(
+    "title, names",
+    [
+        ("shard_partitions", lambda: keyword_parameters(checkpoint_assets.shard_partitions)),
+        (
+            "failed_partitions_sensor",
+            lambda: keyword_parameters(checkpoint_assets.failed_partitions_sensor),
+        ),
+        ("checkpoint_checks", lambda: keyword_parameters(checkpoint_assets.checkpoint_checks)),
+        ("global_resume_asset", lambda: keyword_parameters(checkpoint_assets.global_resume_asset)),
+        ("CheckpointIOManager", lambda: set(checkpoint_assets.CheckpointIOManager.model_fields)),
+        (
+            "CheckpointedAssetComponent",
+            lambda: set(checkpoint_assets.CheckpointedAssetComponent.model_fields),
+        ),
+    ],
+)
+def test_every_argument_of_the_public_api_is_documented(
+    title: str, names: Callable[[], set[str]]
+) -> None:
+    assert not undocumented(names(), table_names(section(REFERENCE, title)))
+
+
+def test_every_cli_command_and_option_is_documented() -> None:
+    from checkpoint_assets.cli import cli
+
+    text = section(REFERENCE, "Command line")
+    for name, command in cli.commands.items():
+        body = section(text, name)
+        for param in command.params:
+            spelled = [o for o in param.opts if o.startswith("--")] or [str(param.name).upper()]
+            where = text if spelled[0] in ("--option", "--help") else body
+            assert spelled[0] in where, f"{name}: {spelled[0]} is not documented"
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors of the headings of ``text``."""
+    out = set()
+    for heading in re.findall(r"^#+\s+(.*)$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
+def test_links_between_the_documents_resolve() -> None:
+    pages = [*DOCS.glob("*.md"), ROOT / "README.md"]
+    for page in pages:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.name}: broken link {target}"
+            if anchor and linked.suffix == ".md":
+                assert anchor in anchors(linked.read_text()), f"{page.name}: no anchor {target}"
+
+
+# -- (d): the tutorial runs as written -------------------------------------------------------
+def tutorial_sections() -> list[tuple[str, str]]:
+    """(title, body) of each ``##`` section of the tutorial, in order."""
+    parts = re.split(r"^## (.*)$", TUTORIAL, flags=re.M)
+    return list(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def commands(body: str) -> list[str]:
+    """The shell commands of a section's bash blocks, continuation lines joined."""
+    out: list[str] = []
+    for block in fences(body, "bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("  #")[0].strip()
+            if line and not line.startswith("#"):
+                out.append(line)
+    return out
+
+
+def command(body: str, *words: str) -> str:
+    """The one command of ``body`` that contains every one of ``words``."""
+    found = [c for c in commands(body) if all(w in c for w in words)]
+    assert len(found) == 1, f"tutorial: expected one command with {words}, found {found}"
+    return found[0]
+
+
+def forget_project() -> None:
+    """Drop the tutorial's modules, so that the next import reads the files again."""
+    for name in [m for m in sys.modules if m == "my_project" or m.startswith("my_project.")]:
+        del sys.modules[name]
+
+
+class Tutorial:
+    """The tutorial's project in a temporary folder, and a Dagster instance in its home."""
+
+    def __init__(self, folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.folder = folder
+        self.home = folder / "dagster_home"
+        self.monkeypatch = monkeypatch
+        self.env = {
+            **os.environ,
+            "DAGSTER_HOME": str(self.home),
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONPATH": str(folder),
+        }
+        monkeypatch.setenv("DAGSTER_HOME", str(self.home))
+        monkeypatch.syspath_prepend(str(folder))
+        self._instance: dg.DagsterInstance | None = None
+        self.defs: dg.Definitions | None = None
+        self.result: dg.ExecuteInProcessResult | None = None
+        self.metadata_keys: set[str] = set()  # of the checkpointed asset's materializations
+        self.cursor: str | None = None  # the sensor's
+
+    def write(self, body: str) -> None:
+        """Write the section's Python blocks, each to the file its first line names."""
+        for block in fences(body, "python"):
+            first = block.splitlines()[0]
+            match = re.fullmatch(r"# (my_project/\w+\.py)", first)
+            assert match, f"tutorial: a Python block must start with its file name: {first!r}"
+            path = self.folder / match[1]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            (path.parent / "__init__.py").touch()
+            path.write_text(block)
+        self.defs = None  # load the new code
+
+    @property
+    def instance(self) -> dg.DagsterInstance:
+        if self._instance is None:
+            self._instance = dg.DagsterInstance.from_config(str(self.home))
+        return self._instance
+
+    def definitions(self) -> dg.Definitions:
+        if self.defs is None:
+            forget_project()
+            importlib.invalidate_caches()
+            module = importlib.import_module("my_project.definitions")
+            # The model's latency is for people watching; in process the test needs none.
+            self.monkeypatch.setattr("my_project.model.SECONDS_PER_CALL", 0.0)
+            self.defs = module.defs
+        return self.defs
+
+    def run(self, cmd: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """A command of the tutorial, as written, in the project folder."""
+        done = subprocess.run(
+            ["bash", "-c", cmd],
+            cwd=self.folder,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        assert done.returncode == 0, f"{cmd}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+        return done
+
+    def materialize(self, select: str, partition: str | None = None) -> dict[str, Any]:
+        """What ``dagster asset materialize --select S --partition P`` does, in process; returns
+        the metadata of the materialization."""
+        defs = self.definitions()
+        result = dg.materialize(
+            list(defs.assets or []),
+            selection=select,
+            partition_key=partition,
+            instance=self.instance,
+            resources=defs.resources,
+        )
+        assert result.success
+        self.result = result
+        (event,) = result.get_asset_materialization_events()
+        metadata = event.materialization.metadata
+        if select == "ticket_routing":
+            self.metadata_keys.update(metadata)
+        return {k: getattr(v, "value", v) for k, v in metadata.items()}
+
+    def shard_keys(self) -> list[str]:
+        defs = self.definitions()
+        asset = defs.resolve_assets_def("ticket_routing")
+        assert asset.partitions_def is not None
+        return list(asset.partitions_def.get_partition_keys())
+
+    def sensor_requests(self, now: float) -> list[str]:
+        """The partitions the failed-partitions sensor asks to run, its clock set to ``now``."""
+        from checkpoint_assets.integration import sensor as sensor_module
+
+        defs = self.definitions()
+        sensor = defs.resolve_sensor_def("ticket_routing_failed_partitions")
+        self.monkeypatch.setattr(sensor_module, "time", _Clock(now))
+        context = dg.build_sensor_context(
+            instance=self.instance, cursor=self.cursor, definitions=defs
+        )
+        result = sensor(context)
+        assert isinstance(result, dg.SensorResult)
+        self.cursor = result.cursor
+        return sorted(str(r.partition_key) for r in result.run_requests or [])
+
+
+class _Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def tutorial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Tutorial]:
+    t = Tutorial(tmp_path, monkeypatch)
+    yield t
+    if t._instance is not None:
+        t._instance.dispose()
+    forget_project()
+
+
+def test_the_tutorial_runs_as_written(tutorial: Tutorial) -> None:
+    checkpoints = tutorial.home / "checkpoints"
+    failed: dict[str, int] = {}  # failed rows per shard, as last materialized
+
+    def install(body: str) -> None:
+        assert "pip install" in body  # the package is installed in this environment
+
+    def dagster_home(body: str) -> None:
+        assert "export DAGSTER_HOME=$PWD/dagster_home" in commands(body)
+        tutorial.run(command(body, "mkdir"))
+        # As `dagster asset materialize` would (the interrupt below runs that command itself).
+        assert "-m my_project.definitions" in command(body, "--select tickets")
+        tutorial.materialize("tickets")
+        assert (checkpoints / "tickets.parquet").exists()
+
+    def one_shard(body: str) -> None:
+        shard = re.search(r"--partition (\S+)", command(body, "--select ticket_routing"))
+        assert shard is not None
+        metadata = tutorial.materialize("ticket_routing", shard[1])
+        assert 0 < metadata["rows_failed"] <= 0.01 * metadata["rows_total"]
+        assert metadata["rows_computed"] == metadata["rows_total"] > 900
+        failed[shard[1]] = metadata["rows_failed"]
+
+    def interrupt(body: str) -> None:
+        cmd = command(body, "--select ticket_routing")
+        shard = cmd.split("--partition ")[1].split()[0]
+        parts = checkpoints / "ticket_routing" / "default" / f"{shard}.parquet.parts"
+        process = subprocess.Popen(
+            shlex.split(cmd),
+            cwd=tutorial.folder,
+            env=tutorial.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            _wait_for(lambda: parts.is_dir() and any(parts.iterdir()), "the first flush")
+            process.send_signal(signal.SIGINT)  # Ctrl-C
+            output, _ = process.communicate(timeout=60)
+        finally:
+            process.kill()
+        assert process.returncode != 0, output[-3000:]
+        # Run the same command again: it resumes.
+        metadata = tutorial.materialize("ticket_routing", shard)
+        assert metadata["rows_resumed"] > 0, metadata
+        assert metadata["rows_computed"] + metadata["rows_resumed"] == metadata["rows_total"]
+        assert f"{shard}: resuming;" in body
+        failed[shard] = metadata["rows_failed"]
+
+    def look(body: str) -> None:
+        status = tutorial.run(command(body, "status")).stdout
+        for shard in failed:
+            assert re.search(rf"ticket_routing\s+default\s+{shard}\s", status), status
+        inspect = [c for c in commands(body) if "inspect" in c]
+        assert len(inspect) == 2
+        for cmd in inspect:
+            out = tutorial.run(cmd).stdout
+            if cmd.endswith("--failed"):
+                ids = out.split()
+                assert ids and all(int(i) % 500 == 7 for i in ids), ids  # the empty tickets
+            else:
+                assert "cannot route a ticket without a body" in out, out
+
+    def backfill(body: str) -> None:
+        loop = " ".join(commands(body))
+        assert "for shard in" in loop
+        listed = re.search(r"for shard in ([^;]+);", loop)
+        assert listed is not None
+        assert listed[1].split() == tutorial.shard_keys()
+        for shard in listed[1].split():
+            failed[shard] = tutorial.materialize("ticket_routing", shard)["rows_failed"]
+
+    def sensor(body: str) -> None:
+        tutorial.write(body.split("Fix the cause")[0])
+        assert tutorial.sensor_requests(time.time()) == []  # within the backoff
+        # Each shard that materialized with failed rows gets a retry, after the backoff.
+        assert sorted(failed) == tutorial.shard_keys()
+        retried = sorted(shard for shard, rows in failed.items() if rows)
+        clock = time.time() + 31
+        assert tutorial.sensor_requests(clock) == retried
+        for shard in retried:  # the retries fail the same rows again
+            assert tutorial.materialize("ticket_routing", shard)["rows_failed"] == failed[shard]
+        clock += 61
+        assert tutorial.sensor_requests(clock) == retried
+        for shard in retried:
+            tutorial.materialize("ticket_routing", shard)
+        clock += 121
+        assert tutorial.sensor_requests(clock) == []  # it gave up
+        # The fix: every failed row computed again, nothing else.
+        tutorial.write(body.split("Fix the cause")[1])
+        for shard in failed:
+            metadata = tutorial.materialize("ticket_routing", shard)
+            assert metadata["rows_failed"] == 0
+            assert metadata["rows_computed"] == failed[shard]
+        assert tutorial.sensor_requests(clock + 1000) == []
+        assert "--select departments" in command(body, "--select departments")
+        tutorial.materialize("departments")
+        table = tutorial.result.output_for_node("departments")
+        assert table["tickets"].sum() == 4000  # every shard, read as one table
+
+    def nothing(body: str) -> None:
+        pass
+
+    steps: dict[str, Callable[[str], None]] = {
+        "Install": install,
+        "The model": nothing,
+        "The assets": nothing,
+        "A Dagster home": dagster_home,
+        "Materialize one shard": one_shard,
+        "Interrupt it and resume": interrupt,
+        "Look at the checkpoints": look,
+        "Backfill every shard": backfill,
+        "Retry failed rows with the sensor": sensor,
+        "Where next": nothing,
+    }
+    for title, body in tutorial_sections():
+        assert title in steps, f"tutorial section {title!r} has no step in this test"
+        started = time.monotonic()
+        if steps[title] is not sensor:
+            tutorial.write(body)
+        steps[title](body)
+        print(f"{title}: {time.monotonic() - started:.1f} s")
+
+    documented = [key_pattern(k) for k in table_names(section(REFERENCE, "Metadata"))]
+    missing = [k for k in tutorial.metadata_keys if not any(p.fullmatch(k) for p in documented)]
+    assert not missing, f"metadata keys not documented in docs/reference.md: {sorted(missing)}"
+
+
+def key_pattern(documented: str) -> re.Pattern[str]:
+    """A documented metadata key as a pattern: ``usage/<col>`` matches ``usage/tokens``."""
+    return re.compile(".+".join(re.escape(p) for p in re.split(r"<[^>]+>", documented)))
