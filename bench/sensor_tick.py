@@ -191,6 +191,8 @@ def _postgres(env: dict[str, str]) -> Iterator[dg.DagsterInstance]:
                     "username": env["DAGSTER_PG_USER"],
                     "password": env["DAGSTER_PG_PASSWORD"],
                     "db_name": env["DAGSTER_PG_DB"],
+                    # The driver dagster-postgres installs: a bare postgresql:// means psycopg 3.
+                    "scheme": "postgresql+psycopg2",
                 }
             }
         },
