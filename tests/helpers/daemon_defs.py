@@ -8,8 +8,10 @@ working directory). Checkpoints go under ``$DAGSTER_HOME/checkpoints``.
   ``growing_schedule`` runs every minute.
 
 Each call sleeps ``$DAEMON_SECONDS_PER_CALL`` (like a remote model) and appends the ids it
-computed to ``$DAEMON_CALLS/<asset>-<pid>.txt``, so the test counts every row computed.
-Runs execute in process (one process per run).
+computed to ``$DAEMON_CALLS/<asset>-<pid>.txt``, so the test counts every row computed. A run
+of ``sharded``, once its first batch is flushed, waits for the file ``$DAEMON_CALLS/go``: the
+test creates it once both shards wait there, so they are mid-run at the same time whatever the
+machine's load. Runs execute in process (one process per run).
 """
 
 from __future__ import annotations
@@ -39,10 +41,20 @@ def _score(asset: str, batch: pl.DataFrame) -> pl.DataFrame:
     return batch.select("ticket_id", score=pl.col("body").str.len_chars())
 
 
+_calls_in_this_run = 0
+
+
 @checkpointed_asset(
     source="rows", id_column="ticket_id", partitions_def=SHARDS, checkpoint_interval=INTERVAL
 )
 def sharded(batch: pl.DataFrame) -> pl.DataFrame:
+    global _calls_in_this_run
+    _calls_in_this_run += 1
+    if _calls_in_this_run == 2:  # the first batch is flushed
+        go = os.path.join(os.environ["DAEMON_CALLS"], "go")
+        deadline = time.monotonic() + 180
+        while not os.path.exists(go) and time.monotonic() < deadline:
+            time.sleep(0.1)
     return _score("sharded", batch)
 
 
