@@ -8,6 +8,7 @@ seconds (CI runs it; it times nothing that is asserted).
     python -m bench.run                                  # the full run (several minutes)
     python -m bench.run --smoke                          # seconds
     python -m bench.run --only resume,hashing --resume-rows 1000000,10000000
+    python -m bench.run --only sensor_tick,status         # scaling: 100 / 1,000 / 3,000 shards
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from collections.abc import Callable
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import remote, report, scenarios
+from bench import remote, report, scenarios, sensor_tick, status_scale
 from bench.report import Result
 from bench.scenarios import Sizes
 
 SCENARIOS = ("overhead", "per_call", "resume", "compaction", "hashing", "ray", "remote")
+# Scaling figures, only with --only: minutes each, and the sensor's starts a PostgreSQL server.
+ON_REQUEST = ("sensor_tick", "status")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -47,8 +50,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--repeat", type=int, help="repetitions; medians are reported (3; overhead: 5 at least)"
     )
+    p.add_argument("--sensor-shards", default="100,1000,3000", help="shard counts of sensor_tick")
+    p.add_argument(
+        "--sensor-instances", default="sqlite,postgres", help="instance storages of sensor_tick"
+    )
+    p.add_argument(
+        "--status-checkpoints", default="100,1000,3000", help="checkpoint counts of status"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for CI (seconds)")
-    p.add_argument("--only", help=f"comma-separated scenarios to run ({','.join(SCENARIOS)})")
+    every = ",".join(SCENARIOS + ON_REQUEST)
+    p.add_argument("--only", help=f"comma-separated scenarios to run ({every})")
     p.add_argument("--ray", action="store_true", help="run the Ray scenario in a smoke run too")
     p.add_argument("--workdir", help="where checkpoints are written (default: a temp folder)")
     p.add_argument("--results", default=RESULTS, help="folder of the JSON results")
@@ -76,13 +87,18 @@ def sizes_from(args: argparse.Namespace) -> Sizes:
     )
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    return tuple(int(float(n)) for n in text.split(",") if n.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     sizes = sizes_from(args)
     chosen = [s.strip() for s in args.only.split(",")] if args.only else list(SCENARIOS)
-    unknown = sorted(set(chosen) - set(SCENARIOS))
+    unknown = sorted(set(chosen) - set(SCENARIOS + ON_REQUEST))
     if unknown:
-        print(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}", file=sys.stderr)
+        choices = ", ".join(SCENARIOS + ON_REQUEST)
+        print(f"unknown scenarios {unknown}; choose from {choices}", file=sys.stderr)
         return 2
     workdir = args.workdir or tempfile.mkdtemp(prefix="checkpoint-assets-bench-")
     os.makedirs(workdir, exist_ok=True)
@@ -94,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         "hashing": lambda: [scenarios.hashing_speed(sizes, workdir)],
         "ray": lambda: [scenarios.ray_data(sizes, workdir, enabled=args.ray or not args.smoke)],
         "remote": lambda: remote.all_scenarios(sizes.remote_rows, workdir),
+        "sensor_tick": lambda: sensor_tick.sensor_tick(
+            _counts(args.sensor_shards), sizes.repeat, tuple(args.sensor_instances.split(","))
+        ),
+        "status": lambda: [
+            status_scale.status_scale(_counts(args.status_checkpoints), workdir, sizes.repeat)
+        ],
     }
     started = datetime.datetime.now(datetime.UTC)
     results: list[Result] = []

@@ -24,6 +24,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -50,6 +51,7 @@ PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader
 SAMPLE_ROWS = 5
 TOP_ERRORS = 10
 SAMPLE_IDS = 3
+STATUS_READERS = 16  # checkpoints `status` reads at once
 
 
 class _Group(click.Group):
@@ -280,7 +282,10 @@ def status(base_dir: str | None, as_json: bool, options: dict[str, Any]) -> None
     store = open_store(base_dir, options)
     listing = store.list_recursive(store.root)  # one listing for every checkpoint's files
     by_name = layout.files_by_name(((f.path, f) for f in listing), store.root)
-    summaries = [_summary(store, name, files) for name, files in by_name.items()]
+    # Each checkpoint costs a request or more (its meta; parts and lock when it has them): read
+    # one after the other, a thousand shards on an object store would take a thousand round trips.
+    with ThreadPoolExecutor(STATUS_READERS) as pool:
+        summaries = list(pool.map(lambda item: _summary(store, *item), by_name.items()))
     if as_json:
         click.echo(json.dumps(summaries, indent=2))
         return

@@ -288,16 +288,27 @@ def _failed_runs_of(
 ) -> dict[str, Failure]:
     """The failed run behind each FAILED partition: its latest planned materialization's run.
 
+    One query whatever the number of partitions, plus one per 100 failed runs: the run of
+    each partition's latest attempt without a materialization comes from the query Dagster's own
+    partition status is computed with (every event log storage implements it).
+
     A run that Dagster's own run retries will re-execute (``dagster/will_retry``, retry not yet
     launched) is left to them: retrying it here too would run the shard twice.
     """
     runs: dict[str, str] = {}
-    for partition in partitions:
-        planned = instance.get_latest_planned_materialization_info(
-            key, None if partition == UNPARTITIONED else partition
-        )
+    if UNPARTITIONED in partitions:
+        planned = instance.get_latest_planned_materialization_info(key)
         if planned is not None:
-            runs[partition] = planned.run_id
+            runs[UNPARTITIONED] = planned.run_id
+    wanted = set(partitions) - {UNPARTITIONED}
+    if wanted:
+        storage = instance.event_log_storage
+        attempts = (
+            storage.get_latest_asset_partition_materialization_attempts_without_materializations(
+                key
+            )
+        )
+        runs.update({p: run for p, (run, _) in attempts.items() if p in wanted})
     ended = _ended(instance, set(runs.values()))
     return {
         p: Failure(run, ended[run][0] if run in ended else time.time(), "run failed")
@@ -326,11 +337,12 @@ def _failed_range_runs(
     Backfills of assets with a ``backfill_policy`` run many partitions in one run, tagged with
     the first and last partition of the range instead of ``dagster/partition``.
     """
-    out: dict[str, Failure] = {}
     records = instance.get_run_records(
         dg.RunsFilter(statuses=[dg.DagsterRunStatus.FAILURE]), limit=RECENT_FAILED_RUNS
     )
-    materialized_at: dict[str, float] | None = None
+    keys: Sequence[str] | None = None
+    position: dict[str, int] = {}
+    ranged: list[tuple[Failure, list[str]]] = []
     for record in records:
         run = record.dagster_run
         start, end = run.tags.get(RANGE_START_TAG), run.tags.get(RANGE_END_TAG)
@@ -338,34 +350,44 @@ def _failed_range_runs(
             continue  # not a ranged run, or Dagster's run retries will re-execute it
         if not _targets(instance, run, key):
             continue
-        try:
-            covered = partitions_def.get_partition_keys_in_range(dg.PartitionKeyRange(start, end))
-        except Exception:  # the range names partitions that no longer exist
-            continue
-        if materialized_at is None:
-            materialized_at = _latest_materializations(instance, key)
+        if keys is None:
+            keys = partitions_def.get_partition_keys(dynamic_partitions_store=instance)
+            position = {k: i for i, k in enumerate(keys)}
+        if start not in position or end not in position:
+            continue  # the range names partitions that no longer exist
+        covered = list(keys[position[start] : position[end] + 1])
         ended = record.end_time or record.update_timestamp.timestamp()
+        ranged.append((Failure(run.run_id, ended, "backfill run failed"), covered))
+    if not ranged:
+        return {}
+    materialized_at = _latest_materializations(
+        instance, key, {p for _, covered in ranged for p in covered}
+    )
+    out: dict[str, Failure] = {}
+    for failure, covered in ranged:
         for partition in covered:
-            if materialized_at.get(partition, 0.0) < ended:
-                failure = Failure(run.run_id, ended, "backfill run failed")
-                if partition not in out or failure.at > out[partition].at:
-                    out[partition] = failure
+            newer = partition not in out or failure.at > out[partition].at
+            if newer and materialized_at.get(partition, 0.0) < failure.at:
+                out[partition] = failure
     return out
 
 
-def _latest_materializations(instance: dg.DagsterInstance, key: dg.AssetKey) -> dict[str, float]:
-    """When each partition of the asset last materialized."""
-    ids = instance.get_latest_storage_id_by_partition(
+def _latest_materializations(
+    instance: dg.DagsterInstance, key: dg.AssetKey, partitions: set[str]
+) -> dict[str, float]:
+    """When each of ``partitions`` last materialized (only those read, not every partition)."""
+    latest = instance.get_latest_storage_id_by_partition(
         key, dg.DagsterEventType.ASSET_MATERIALIZATION
     )
+    by_id = {i: p for p, i in latest.items() if p in partitions}
+    ids = sorted(by_id)
     out: dict[str, float] = {}
-    storage_ids = sorted(ids.values())
-    for start in range(0, len(storage_ids), _PAGE):
-        chunk = storage_ids[start : start + _PAGE]
+    for start in range(0, len(ids), _PAGE):
+        chunk = ids[start : start + _PAGE]
         records = instance.fetch_materializations(
             dg.AssetRecordsFilter(asset_key=key, storage_ids=chunk), limit=len(chunk)
         ).records
-        out.update({r.partition_key: r.timestamp for r in records if r.partition_key})
+        out.update({by_id[r.storage_id]: r.timestamp for r in records})
     return out
 
 

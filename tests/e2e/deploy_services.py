@@ -240,14 +240,17 @@ def _named(marker: str) -> list[psutil.Process]:
 
 
 @contextlib.contextmanager
-def dagster_dev(env: dict[str, str], log_path: Path) -> Iterator[int]:
-    """`dagster dev` (webserver, daemon, code server) for the repository's workspace.yaml on a
-    free port; yields the port once the webserver answers. Stops its whole process group."""
+def dagster_dev(
+    env: dict[str, str], log_path: Path, workspace: Path = ROOT / "workspace.yaml"
+) -> Iterator[int]:
+    """`dagster dev` (webserver, daemon, code server) for ``workspace`` (the repository's
+    workspace.yaml by default) on a free port; yields the port once the webserver answers.
+    Stops its whole process group."""
     port = free_port()
     log = open(log_path, "w")  # noqa: SIM115 - closed below
     process = subprocess.Popen(
         [
-            *(sys.executable, "-m", "dagster", "dev", "-w", "workspace.yaml"),
+            *(sys.executable, "-m", "dagster", "dev", "-w", str(workspace)),
             *("-h", "127.0.0.1", "-p", str(port)),
         ],
         cwd=ROOT,

@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import dagster as dg
 import pytest
 from deploy_services import ROOT, dagster_dev, postgres_server, ray_head, unavailable
+from helpers.graphql import launch_backfill
 
 MODULE = "examples.ticket_routing.definitions"
 SHARDS = [f"{i}-of-8" for i in range(8)]
@@ -31,24 +31,6 @@ TICKETS = 4000  # 500 rows a shard: 8 calls of 64 rows
 LATENCY_MS = 1500  # per call: ~12 s of work a shard, a flush (every 5 s on S3) half-way
 RAY_TAG = {"num_cpus": 0.5}  # four runs at once on the 2-CPU head
 MAX_RETRIES = 2  # run_retries.max_retries in deploy/ray/dagster.yaml
-LAUNCH = """
-mutation($params: LaunchBackfillParams!) {
-  launchPartitionBackfill(backfillParams: $params) {
-    __typename
-    ... on LaunchBackfillSuccess { backfillId }
-    ... on PythonError { message }
-  }
-}
-"""
-
-
-def _graphql(port: int, query: str, variables: dict[str, Any]) -> Any:
-    body = json.dumps({"query": query, "variables": variables}).encode()
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/graphql", body, {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
 
 
 def _dagster(env: dict[str, str], *args: str) -> str:
@@ -126,21 +108,11 @@ def test_backfill_runs_each_shard_as_a_ray_job_and_a_stopped_job_resumes_on_retr
 
         _dagster(env, "asset", "materialize", "-m", MODULE, "--select", "tickets")
         with dagster_dev(env, log) as port:
-            answer = _graphql(
-                port,
-                LAUNCH,
-                {
-                    "params": {
-                        "partitionNames": SHARDS,
-                        "assetSelection": [{"path": ["ticket_routing"]}],
-                        "tags": [{"key": "dagster-ray/config", "value": json.dumps(RAY_TAG)}],
-                    }
-                },
+            backfill_id = launch_backfill(
+                port, SHARDS, "ticket_routing", {"dagster-ray/config": json.dumps(RAY_TAG)}
             )
-            launched = answer["data"]["launchPartitionBackfill"]
-            assert launched["__typename"] == "LaunchBackfillSuccess", launched
             instance = dg.DagsterInstance.get()
-            backfill = dg.RunsFilter(tags={"dagster/backfill": launched["backfillId"]})
+            backfill = dg.RunsFilter(tags={"dagster/backfill": backfill_id})
 
             # Stop one shard's Ray job once it has flushed a part to S3, before it finishes.
             def shard_half_done() -> dg.DagsterRun | None:

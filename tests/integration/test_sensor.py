@@ -20,10 +20,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
+import polars as pl
 import pytest
+import sqlalchemy
 from helpers.jobs import Job, Storage, build_job, ids_in_shard, poisoned, tickets
 
-from checkpoint_assets import CheckpointIOManager, failed_partitions_sensor, shard_partitions
+from checkpoint_assets import (
+    CheckpointIOManager,
+    checkpointed_asset,
+    failed_partitions_sensor,
+    shard_partitions,
+)
 from checkpoint_assets.integration.sensor import (
     RETRY_ATTEMPT_TAG,
     RETRY_OF_TAG,
@@ -335,3 +342,79 @@ def _wait_for_give_up(
                 return retries, ticks[0].skip_reason or ""
     states = [json.dumps(s.instigator_name) for s in instance.all_instigator_state()]
     raise AssertionError(f"the daemon did not give up in time (sensors seen: {states})")
+
+
+# -- scale -------------------------------------------------------------------------------------
+class _Statements:
+    """Counts the SQL statements every SQLAlchemy engine sends while active."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __enter__(self) -> _Statements:
+        sqlalchemy.event.listen(sqlalchemy.engine.Engine, "before_cursor_execute", self._seen)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sqlalchemy.event.remove(sqlalchemy.engine.Engine, "before_cursor_execute", self._seen)
+
+    def _seen(self, *args: object) -> None:
+        self.count += 1
+
+
+def test_a_tick_costs_the_same_queries_for_2_or_25_failed_shards() -> None:
+    """A tick reads the instance in a fixed number of queries, not one per failed shard: with a
+    thousand shards and a bad deploy, one per shard made each tick take seconds."""
+    shards = shard_partitions(40)
+    keys = shards.get_partition_keys()
+    failing: set[str] = set()
+
+    @dg.asset(name="routed", partitions_def=shards, backfill_policy=dg.BackfillPolicy.single_run())
+    def history(context) -> None:  # type: ignore[no-untyped-def]  # an annotation is a string here
+        if failing & set(context.partition_keys):
+            raise RuntimeError("the endpoint is down")
+
+    @checkpointed_asset(source="tickets", id_column="ticket_id", partitions_def=shards)
+    def routed(batch: pl.DataFrame) -> pl.DataFrame:
+        return batch
+
+    sensor = failed_partitions_sensor(routed, backoff_seconds=0)
+    defs = dg.Definitions(assets=[dg.AssetSpec("tickets"), routed], sensors=[sensor])
+    range_tags = {
+        "dagster/asset_partition_range_start": "",
+        "dagster/asset_partition_range_end": "",
+    }
+
+    def ranged(first: str, last: str) -> bool:
+        tags = dict(zip(range_tags, (first, last), strict=True))
+        return dg.materialize([history], instance=instance, tags=tags, raise_on_error=False).success
+
+    def single(key: str) -> bool:
+        return dg.materialize(
+            [history], instance=instance, partition_key=key, raise_on_error=False
+        ).success
+
+    def tick() -> tuple[set[str], int]:
+        """A first tick (empty cursor) and the statements of the one after it."""
+        context = dg.build_sensor_context(instance=instance, definitions=defs)
+        first = sensor.evaluate_tick(context)
+        context = dg.build_sensor_context(instance=instance, cursor=first.cursor, definitions=defs)
+        with _Statements() as statements:
+            sensor.evaluate_tick(context)
+        return {r.partition_key or "" for r in first.run_requests or []}, statements.count
+
+    with dg.instance_for_test() as instance:
+        assert ranged(keys[0], keys[-1])
+        failing.update([keys[1], *keys[10:12]])
+        assert not single(keys[1])
+        assert not ranged(keys[10], keys[11])
+        few, few_statements = tick()
+
+        failing.update([keys[2], keys[3], *keys[20:42]])
+        assert not single(keys[2]) and not single(keys[3])
+        assert not ranged(keys[20], keys[-1])
+        many, many_statements = tick()
+
+    assert few == {keys[1], keys[10], keys[11]}
+    assert many == failing and len(many) == 25
+    assert many_statements <= few_statements + 2, (few_statements, many_statements)
