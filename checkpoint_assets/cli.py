@@ -261,15 +261,16 @@ def _steps(total: int) -> Iterator[_Steps]:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, for scripts.")
 @_storage_options
 def status(base_dir: str | None, as_json: bool, options: dict[str, Any]) -> None:
-    """One row per checkpoint: rows ok and failed, parts, size, last write, lock holder.
+    """One row per checkpoint: rows ok and failed, parts, size, last write, lock holder, usage.
 
     BASE_DIR defaults to $DAGSTER_HOME/checkpoints, the IO manager's default. Rows are counted
-    in unmerged parts too (a run that was interrupted before it finished).
+    in unmerged parts too (a run that was interrupted before it finished). Usage is the sum of
+    each of the asset's usage_columns over the stored rows (tokens, cost).
 
     With --json each checkpoint is an object with asset, tag, partition, rows_ok, rows_failed,
     parts, bytes, last_write (ISO 8601, UTC), lock (the holder, or null), lock_stale (why the
-    holder is dead, so that the next writer takes the lock over, or null) and error (why the
-    checkpoint could not be read, or null).
+    holder is dead, so that the next writer takes the lock over, or null), usage (column: sum)
+    and error (why the checkpoint could not be read, or null).
     """
     if base_dir is None:
         home = os.environ.get("DAGSTER_HOME")
@@ -292,11 +293,13 @@ def status(base_dir: str | None, as_json: bool, options: dict[str, Any]) -> None
     if not summaries:
         click.echo(f"No checkpoints under {store.url}.", err=True)
         return
-    table = _table(
-        "asset", "tag", "partition", "rows ok", "rows failed", "parts", "size", "last write", "lock"
-    )
+    columns = ["asset", "tag", "partition", "rows ok", "rows failed", "parts", "size"]
+    columns += ["last write", "lock"]
+    with_usage = any(s["usage"] for s in summaries)
+    table = _table(*columns, *(["usage"] if with_usage else []))
     for s in summaries:
         counts = ["?", "?"] if s["error"] else [f"{s['rows_ok']:,}", f"{s['rows_failed']:,}"]
+        usage = ", ".join(f"{c} {v:,.6g}" for c, v in s["usage"].items()) or "-"
         table.add_row(
             s["asset"],
             s["tag"],
@@ -306,6 +309,7 @@ def status(base_dir: str | None, as_json: bool, options: dict[str, Any]) -> None
             decimal(s["bytes"]),
             _when(s["last_write"]),
             (f"{s['lock']} (stale: {s['lock_stale']})" if s["lock_stale"] else s["lock"]) or "-",
+            *([usage] if with_usage else []),
         )
     _console().print(table)
     for s in summaries:
@@ -322,17 +326,21 @@ def _summary(store: Store, name: str, files: Sequence[FileInfo]) -> dict[str, An
     parts = checkpoint.list_parts(files)[0]
     ok: int | None = None
     failed: int | None = None
+    usage: dict[str, float] = {}
     error: str | None = None
     try:
         meta = checkpoint.read_meta()
         if meta is None:
             raise CheckpointError(f"No checkpoint {name!r} under {store.url} (no meta file).")
+        usage = dict(meta.usage)  # the usage_columns' sums at the last finalize
         if not parts and meta.finalized_at is not None and "ok" in meta.rows:
             ok, failed = meta.rows["ok"], meta.rows.get("failed", 0)
         else:  # rows of a run that did not finish are only in its parts
             stored = checkpoint.load(meta.id_column, meta.base_seq)
             ok, failed = _counts(stored.rows)
             parts = stored.parts
+            current = _current(stored.rows)
+            usage = {c: float(current.get_column(c).sum() or 0) for c in usage if c in current}
     except CheckpointError as e:
         error = str(e)
     lease = Lease(store, checkpoint.files.lock)
@@ -350,6 +358,7 @@ def _summary(store: Store, name: str, files: Sequence[FileInfo]) -> dict[str, An
         "last_write": _iso(max((f.mtime or 0 for f in files), default=0)),
         "lock": holder.describe() if holder else None,
         "lock_stale": stale,
+        "usage": usage,
         "error": error,
     }
 

@@ -4,8 +4,10 @@ checkpoints (local disk and the moto S3 server where storage matters)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import io
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,7 +20,7 @@ import polars as pl
 import pytest
 from helpers.jobs import Storage, route, tickets
 
-from checkpoint_assets import FunctionError, QuotaExhaustedError, RetryAfter
+from checkpoint_assets import FunctionError, QuotaExhaustedError, RetryAfter, cli
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 from checkpoint_assets.engine.settings import RunStats
 from checkpoint_assets.engine.storage import Store
@@ -418,6 +420,12 @@ def test_usage_columns_are_summed_for_this_run_and_for_every_stored_row(local: S
     assert second.usage_total == {"tokens": float(sum(i % 3 + 1 for i in range(40))), "cost": 20.0}
     meta = Checkpoint(open_store(*local), "job").read_meta()
     assert meta is not None and meta.usage == second.usage_total
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["status", local[0], "--json"]) == 0
+    (listed,) = json.loads(out.getvalue())
+    assert listed["usage"] == second.usage_total  # what `checkpoint-assets status` shows
 
 
 def test_a_usage_column_that_is_not_a_numeric_output_is_refused(local: Storage) -> None:
