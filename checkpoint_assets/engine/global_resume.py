@@ -63,7 +63,9 @@ def finished_rows(store: Store, folder: str, id_column: str) -> tuple[pl.DataFra
             continue
         rows = _finished(checkpoint, meta, found)
         if rows.height:
-            sources.append((meta, rows.with_columns(pl.lit(meta.job_fingerprint).alias(JOB))))
+            # Categorical: one fingerprint per checkpoint, 4 bytes a row instead of a 32-byte text.
+            job = pl.lit(meta.job_fingerprint, pl.Categorical).alias(JOB)
+            sources.append((meta, rows.with_columns(job)))
     return _winners(sources, id_column), found
 
 
@@ -129,11 +131,13 @@ def _finished(checkpoint: Checkpoint, meta: Meta, found: Found) -> pl.DataFrame:
 def _winners(sources: list[tuple[Meta, pl.DataFrame]], id_column: str) -> pl.DataFrame:
     """One row per id: the newest finalized checkpoint wins (ids are unique within each one).
 
-    Sources are concatenated oldest first and the last row of each id kept: one hash pass, no
-    sort of the whole table.
+    Sources are concatenated oldest first and the last row of each id kept: one hash pass over
+    the ids, no sort of the whole table, and no copy of it when no id repeats (a frame-wide
+    ``unique`` needed four times the table's memory at 10**7 rows).
     """
     if not sources:
         return pl.DataFrame()
     ordered = [rows for _, rows in sorted(sources, key=lambda s: s[0].finalized_at or 0.0)]
     table = pl.concat(ordered, how="diagonal_relaxed", rechunk=False)
-    return table.unique(subset=[id_column], keep="last")
+    last = table.get_column(id_column).is_last_distinct()
+    return table if last.all() else table.filter(last)
