@@ -7,6 +7,8 @@ Run by ``bench/reshard.py``; prints one JSON object. Two commands:
   the other as separate runs would. ``PATH`` is ``ranges`` (the overlapping checkpoints of earlier
   counts) or ``table`` (the global resume table, read whole and filtered by job, as the asset
   body does when it falls back to it).
+- ``build BASE_DIR FOLDER ROWS COUNT``: write the finished checkpoints (``reshard.build``), so
+  the memory it took is given back before anything is measured.
 - ``table BASE_DIR FOLDER ALGORITHM``: the ``<asset>_global_resume`` asset: reconcile every
   checkpoint under ``FOLDER`` and store the table as the IO manager does (zstd Parquet, one PUT).
   ``ALGORITHM`` is ``current`` (``finished_rows``) or ``sorted``, the implementation it replaced
@@ -157,7 +159,13 @@ def _status(field: str) -> int:
 
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
-    if command == "shards":
+    if command == "build":
+        from bench import reshard
+
+        base, where, rows, count = args
+        reshard.build(base, where, int(rows), int(count))
+        out = {}
+    elif command == "shards":
         base, where, how, n, which = args
         out = shards(base, where, how, int(n), [int(i) for i in which.split(",")])
     else:

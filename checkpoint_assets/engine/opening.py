@@ -179,10 +179,11 @@ def _rule_changed_error(
         f"({old}); this shard now takes its rows by the range rule ({new}), so most of its "
         "finished rows sit in other checkpoints and would be computed again.",
     )
-    return error.advise(  # type: ignore[return-value]
+    error.advise(
         "Move them like any reshard: materialize the asset's global resume table, then run "
         "every shard once with `global_resume: true`; nothing finished is computed again."
     )
+    return error
 
 
 def _check_stored_columns(stored: pl.DataFrame, outputs: list[str], where: str) -> None:
