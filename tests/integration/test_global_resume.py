@@ -152,6 +152,36 @@ def test_global_resume_reads_every_scheme_on_storage_not_only_the_current_count(
     assert len(calls) == len(set(calls))
 
 
+def test_the_table_keeps_the_result_of_the_newest_checkpoint_of_each_id(
+    env: dict[str, Any],
+) -> None:
+    four = routing_for(4, [])
+    for key in shard_partitions(4).get_partition_keys():
+        run(env, [four], four, key)
+
+    @checkpointed_asset(
+        source="items",
+        id_column="item_id",
+        partitions_def=shard_partitions(2),
+        checkpoint_interval=50,
+        code_version="v1",  # the same job, as far as fingerprints go
+    )
+    def routing(batch: pl.DataFrame) -> pl.DataFrame:
+        return batch.select("item_id", upper=pl.lit("NEWER"))
+
+    newer = run(env, [routing], routing, "0-of-2", resume=False).output_for_node("routing")
+    reconcile = global_resume_asset(routing)
+    result = run(env, [routing, reconcile], reconcile)
+    table = result.output_for_node("routing_global_resume")
+
+    assert table.height == ROWS
+    assert table["item_id"].n_unique() == ROWS
+    newest = set(newer["item_id"].to_list())
+    by_id = dict(zip(table["item_id"].to_list(), table["upper"].to_list(), strict=True))
+    assert {by_id[i] for i in newest} == {"NEWER"}
+    assert all(by_id[i] == f"TEXT {i}" for i in set(range(ROWS)) - newest)
+
+
 def test_global_resume_skips_rows_whose_input_changed(env: dict[str, Any]) -> None:
     calls: list[int] = []
     one = routing_for(None, calls)
