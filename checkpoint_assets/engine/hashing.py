@@ -13,7 +13,7 @@ the same values on every machine, version and process (``tests/test_hashing.py``
   including, ``ceil((i + 1) * 2**64 / n)``, one contiguous range, so a shard of one count overlaps
   at most ``ceil(n_old / n_new) + 1`` shards of another. It is computed exactly, in integers. It
   depends on the id alone: not on the row's position, the input's length, or ``limit``.
-  Checkpoints written before this rule used ``h % n`` (the *mod rule*); their meta says so.
+  Checkpoints written before this rule used ``h % n`` (the *mod rule*); their meta records no rule.
 - A row's input hash folds the hashes of the id and each input column, in order, with
   ``h = (h ^ x) * 0x9E3779B97F4A7C15 (mod 2**64)``; a null folds in ``0x6E756C6C`` ("null")
   instead of a value's hash. It is stored with each result and detects changed inputs per row.
