@@ -258,9 +258,10 @@ def test_resharding_64_to_48_reads_only_the_overlapping_checkpoints_and_loses_no
         assert overlaps <= -(-64 // 48) + 1
         # Each overlapping checkpoint: its meta, its merged file, a listing of its parts.
         extra = {
-            k: used["storage_requests"][k] - fresh["storage_requests"][k] for k in ("GET", "LIST")
+            k: used[f"storage_requests/{k}"] - fresh[f"storage_requests/{k}"]
+            for k in ("get", "list")
         }
-        assert extra == {"GET": 2 * overlaps, "LIST": overlaps}
+        assert extra == {"get": 2 * overlaps, "list": overlaps}
         assert used["rows_computed"] == 0
         assert used["rows_imported"] == used["rows_total"] > 0
     rest = run_range(env, new, keys, global_resume=True)
