@@ -26,11 +26,21 @@ from collections.abc import Callable
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import remote, report, scenarios, sensor_tick, status_scale
+from bench import remote, report, reshard, scenarios, sensor_tick, status_scale
 from bench.report import Result
 from bench.scenarios import Sizes
 
-SCENARIOS = ("overhead", "per_call", "resume", "compaction", "hashing", "ray", "remote")
+SCENARIOS = (
+    "overhead",
+    "per_call",
+    "resume",
+    "compaction",
+    "hashing",
+    "ray",
+    "remote",
+    "reshard",
+    "global_table",
+)
 # Scaling figures, only with --only: minutes each, and the sensor's starts a PostgreSQL server.
 ON_REQUEST = ("sensor_tick", "status")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -47,6 +57,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compaction-interval", type=int, help="rows per flush, compaction (16)")
     p.add_argument("--hash-rows", type=int, help="rows hashed (10M)")
     p.add_argument("--remote-rows", type=int, help="rows of each remote-model run (3200)")
+    p.add_argument("--reshard-rows", type=int, help="rows of the 64->48 and 8->1000 reshards (1M)")
+    p.add_argument(
+        "--global-rows", help="comma-separated rows of the global resume asset (10M,30M)"
+    )
     p.add_argument(
         "--repeat", type=int, help="repetitions; medians are reported (3; overhead: 5 at least)"
     )
@@ -69,6 +83,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def sizes_from(args: argparse.Namespace) -> Sizes:
     smoke = args.smoke
     resume_rows = args.resume_rows or ("1000,10000" if smoke else "1000000,10000000")
+    global_rows = args.global_rows or ("2560,5120" if smoke else "10000000,30000000")
 
     def pick(value: int | float | None, full: int | float, tiny: int | float) -> int | float:
         return value if value is not None else (tiny if smoke else full)
@@ -84,6 +99,9 @@ def sizes_from(args: argparse.Namespace) -> Sizes:
         hash_rows=int(pick(args.hash_rows, 10_000_000, 10_000)),
         repeat=int(pick(args.repeat, 3, 1)),
         remote_rows=int(pick(args.remote_rows, 3200, 96)),
+        reshard_rows=int(pick(args.reshard_rows, 1_000_000, 4_000)),
+        reshard_sample=int(pick(None, reshard.SAMPLE, 4)),
+        global_rows=tuple(int(float(r)) for r in global_rows.split(",") if r.strip()),
     )
 
 
@@ -116,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         "status": lambda: [
             status_scale.status_scale(_counts(args.status_checkpoints), workdir, sizes.repeat)
         ],
+        "reshard": lambda: [reshard.reshard(sizes.reshard_rows, sizes.reshard_sample, workdir)],
+        "global_table": lambda: [reshard.global_table(sizes.global_rows, 256, workdir)],
     }
     started = datetime.datetime.now(datetime.UTC)
     results: list[Result] = []

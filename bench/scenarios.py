@@ -49,6 +49,9 @@ class Sizes:
     hash_rows: int
     repeat: int
     remote_rows: int = 3200
+    reshard_rows: int = 1_000_000
+    reshard_sample: int = 50
+    global_rows: tuple[int, ...] = (10_000_000, 30_000_000)
 
 
 def _median(values: list[float]) -> float:

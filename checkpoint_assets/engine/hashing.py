@@ -8,9 +8,12 @@ the same values on every machine, version and process (``tests/test_hashing.py``
   ``01:02:03.5``; durations in ISO 8601, ``PT1.5S``), binary values in hex, nested values as polars'
   JSON encoding (with binary values inside them in hex, since JSON has no bytes).
 - ``XXH3-64`` (seed 0) of that text, computed by the ``polars-hash`` plugin, is a value's hash.
-- The shard of an id is ``xxh3_64(text(id)) % n``. It depends on the id alone: not on the row's
-  position, the input's length, or ``limit``. Reproduce it with the ``xxhash`` package:
-  ``xxhash.xxh3_64_intdigest(str(id).encode()) % n``.
+- The shard of an id among ``n`` is ``floor(h * n / 2**64)`` of its hash ``h = xxh3_64(text(id))``
+  (the *range rule*): shard ``i`` holds the hashes from ``ceil(i * 2**64 / n)`` up to, not
+  including, ``ceil((i + 1) * 2**64 / n)``, one contiguous range, so a shard of one count overlaps
+  at most ``ceil(n_old / n_new) + 1`` shards of another. It is computed exactly, in integers. It
+  depends on the id alone: not on the row's position, the input's length, or ``limit``.
+  Checkpoints written before this rule used ``h % n`` (the *mod rule*); their meta records no rule.
 - A row's input hash folds the hashes of the id and each input column, in order, with
   ``h = (h ^ x) * 0x9E3779B97F4A7C15 (mod 2**64)``; a null folds in ``0x6E756C6C`` ("null")
   instead of a value's hash. It is stored with each result and detects changed inputs per row.
@@ -38,6 +41,8 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _NULL = np.uint64(0x6E756C6C)
 _SEED = np.uint64(0xC4EC)  # "checkpoint": the fold's starting value
 _CHUNK_ROWS = 1 << 20
+_SPACE = 1 << 64  # the hash space
+MAX_SHARDS = (1 << 32) - 1  # keeps the exact shard arithmetic within uint64
 
 
 def value_text(column: str, dtype: pl.DataType) -> pl.Expr:
@@ -100,11 +105,39 @@ def xxh3(df: pl.DataFrame, column: str) -> np.ndarray:
 
 
 def shard_of(ids: pl.Series, n: int) -> np.ndarray:
-    """The shard (0..n-1) of each id: ``xxh3_64(text(id)) % n``."""
-    if n < 1:
-        raise ValueError(f"shard count must be at least 1, got {n}")
-    hashes = xxh3(ids.to_frame("id"), "id")
-    return (hashes % np.uint64(n)).astype(np.int64)
+    """The shard (0..n-1) of each id: ``floor(xxh3_64(text(id)) * n / 2**64)``."""
+    return shard_of_hashes(xxh3(ids.to_frame("id"), "id"), n)
+
+
+def shard_of_hashes(hashes: np.ndarray, n: int) -> np.ndarray:
+    """``floor(h * n / 2**64)`` of each uint64 ``h``, exactly.
+
+    With ``h = hi * 2**32 + lo``: ``h * n / 2**64 = (hi * n + lo * n / 2**32) / 2**32``, and the
+    inner division may be floored first (``hi * n`` is an integer). Every product stays below
+    ``2**64`` for ``n < 2**32``, so uint64 arithmetic never wraps.
+    """
+    if not 1 <= n <= MAX_SHARDS:
+        raise ValueError(f"shard count must be between 1 and {MAX_SHARDS}, got {n}")
+    count = np.uint64(n)
+    hi = hashes >> np.uint64(32)
+    lo = hashes & np.uint64(0xFFFFFFFF)
+    lo *= count
+    lo >>= np.uint64(32)
+    hi *= count
+    hi += lo
+    hi >>= np.uint64(32)
+    return hi.astype(np.int64)
+
+
+def shard_bounds(index: int, n: int) -> tuple[int, int]:
+    """The hashes of shard ``index`` of ``n``: ``[first, end)``, as Python integers."""
+    return -(-index * _SPACE // n), -(-(index + 1) * _SPACE // n)
+
+
+def overlapping(index: int, n: int, other: int) -> range:
+    """The shards of ``other`` whose hashes overlap those of shard ``index`` of ``n``."""
+    first, end = shard_bounds(index, n)
+    return range(first * other // _SPACE, (end - 1) * other // _SPACE + 1)
 
 
 def row_hashes(df: pl.DataFrame, columns: Sequence[str]) -> np.ndarray:

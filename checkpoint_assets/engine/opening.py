@@ -18,7 +18,7 @@ from checkpoint_assets.engine.errors import CorruptCheckpointError, JobMismatchE
 from checkpoint_assets.engine.meta import Meta
 from checkpoint_assets.engine.resume import Copies, Plan, dedupe, plan
 from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH, SEQ
-from checkpoint_assets.engine.scheme import Scheme
+from checkpoint_assets.engine.scheme import Scheme, rule_changed
 from checkpoint_assets.engine.settings import Settings
 
 Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
@@ -72,8 +72,14 @@ def open_run(
     stored = rows.empty(settings.id_column)
     if checkpoint is not None:
         stored = _load(start, inputs, settings, checkpoint, job, scheme, log)
+        reshard = start.meta is not None and rule_changed(start.meta.scheme, scheme)
+        if reshard and imported is None:
+            raise _rule_changed_error(checkpoint, start.meta, scheme)
         if imported is not None and settings.resume:
             stored = _import(start, stored, imported, inputs, settings, checkpoint, log, label)
+        if reshard and start.meta is not None:
+            start.meta.scheme = scheme  # its rows are resharded now: record the current rule
+            checkpoint.write_meta(start.meta)
     found = plan(
         inputs,
         stored,
@@ -160,6 +166,24 @@ def _check_job(
         raise error.advise(
             f"Cast the id column back to {meta.id_dtype}, or use a new checkpoint tag."
         )
+
+
+def _rule_changed_error(
+    checkpoint: Checkpoint, meta: Meta | None, scheme: Scheme | None
+) -> JobMismatchError:
+    old = meta.scheme.label if meta and meta.scheme else "another rule"
+    new = scheme.label if scheme else "shards"
+    error = JobMismatchError(
+        checkpoint.url,
+        f"Checkpoint {checkpoint.url} holds the rows of its shard by an earlier shard rule "
+        f"({old}); this shard now takes its rows by the range rule ({new}), so most of its "
+        "finished rows sit in other checkpoints and would be computed again.",
+    )
+    error.advise(
+        "Move them like any reshard: materialize the asset's global resume table, then run "
+        "every shard once with `global_resume: true`; nothing finished is computed again."
+    )
+    return error
 
 
 def _check_stored_columns(stored: pl.DataFrame, outputs: list[str], where: str) -> None:

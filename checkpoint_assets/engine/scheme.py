@@ -3,7 +3,10 @@
 A checkpoint belongs to one of three schemes:
 
 - a **shard** ``i`` of ``n`` (partition key ``"<i>-of-<n>"``, ``i`` zero-padded to the width of
-  ``n``): the input rows whose id hashes to shard ``i`` (``shard_of`` in ``hashing.py``);
+  ``n``): the input rows whose id hashes to shard ``i`` (``shard_of`` in ``hashing.py``) by the
+  *range rule*, recorded as ``"rule": "range"``. A shard recorded without a rule was written by
+  the *mod rule* of earlier versions (``h % n``): the same key then held other rows, so a run
+  never resumes such a checkpoint as if it were a range shard (see ``rule_changed``);
 - another **partition** key: the whole input the asset receives for that partition;
 - **unpartitioned**: the whole input.
 
@@ -23,15 +26,20 @@ import polars as pl
 
 from checkpoint_assets.engine import hashing
 
+Rule = Literal["range", "mod"]
+RANGE: Rule = "range"
+# Checkpoints written before range sharding record no rule: they hold shards by ``h % n``.
+LEGACY_RULE: Rule = "mod"
 _KEY = re.compile(r"^(\d+)-of-(\d+)$")
 
 
 @dataclass(frozen=True)
 class Shard:
-    """Shard ``index`` of ``count``."""
+    """Shard ``index`` of ``count``, by ``rule`` (partition keys always name range shards)."""
 
     index: int
     count: int
+    rule: Rule = RANGE
 
     @property
     def key(self) -> str:
@@ -46,7 +54,7 @@ class Shard:
         if not match:
             return None
         index, count = int(match[1]), int(match[2])
-        if count < 1 or index >= count:
+        if count < 1 or index >= count or count > hashing.MAX_SHARDS:
             return None
         return cls(index, count)
 
@@ -72,14 +80,16 @@ class Scheme:
     @property
     def label(self) -> str:
         if self.shard is not None:
-            return f"{self.shard.count} shards"
+            rule = "" if self.shard.rule == RANGE else f" ({self.shard.rule} rule)"
+            return f"{self.shard.count} shards{rule}"
         if self.kind == "unpartitioned":
             return "unpartitioned"
         return f"partition {self.key}"
 
     def to_json(self) -> dict[str, Any]:
         if self.shard is not None:
-            return {"kind": "shard", "index": self.shard.index, "count": self.shard.count}
+            shard = self.shard
+            return {"kind": "shard", "index": shard.index, "count": shard.count, "rule": shard.rule}
         if self.kind == "partition":
             return {"kind": "partition", "key": self.key}
         return {"kind": "unpartitioned"}
@@ -90,11 +100,21 @@ class Scheme:
             return None
         kind = data.get("kind")
         if kind == "shard":
-            shard = Shard(int(data["index"]), int(data["count"]))
+            rule = data.get("rule", LEGACY_RULE)
+            if rule not in (RANGE, LEGACY_RULE):
+                raise ValueError(f"unknown shard rule {rule!r}")
+            shard = Shard(int(data["index"]), int(data["count"]), rule)
             return cls("shard", shard=shard, key=shard.key)
         if kind == "partition":
             return cls("partition", key=str(data.get("key")))
         return cls("unpartitioned")  # "all" in checkpoints written before this name
+
+
+def rule_changed(stored: Scheme | None, current: Scheme | None) -> bool:
+    """Did the checkpoint of a shard key hold its rows by another rule than the current one?"""
+    old = stored.shard if stored else None
+    new = current.shard if current else None
+    return old is not None and new is not None and old.rule != new.rule
 
 
 class ShardIndex:

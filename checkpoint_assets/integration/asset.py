@@ -17,9 +17,9 @@ from pydantic import Field
 from checkpoint_assets.engine import hashing, runner
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError, TooManyFailuresError
-from checkpoint_assets.engine.global_resume import JOB
-from checkpoint_assets.engine.layout import DEFAULT_TAG
-from checkpoint_assets.engine.scheme import Scheme, ShardIndex, rows_in
+from checkpoint_assets.engine.global_resume import JOB, shard_rows
+from checkpoint_assets.engine.layout import DEFAULT_TAG, asset_folder
+from checkpoint_assets.engine.scheme import Scheme, Shard, ShardIndex, rows_in
 from checkpoint_assets.engine.settings import OnInputChange, RunStats, Settings
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
@@ -195,7 +195,8 @@ def checkpointed_asset(
             }
             imported = None  # read once for every shard of a ranged run
             if config.global_resume and config.resume:
-                imported = _global_rows(io_manager, store, context.asset_key, job)
+                tag = config.checkpoint_tag
+                imported = _global_rows(io_manager, store, context, job, keys, tag)
             index = ShardIndex(table.get_column(id_column)) if id_column in table.columns else None
             frames: list[pl.DataFrame] = []
             stats: list[RunStats] = []
@@ -308,9 +309,36 @@ def _run_partition(
 
 
 def _global_rows(
-    io_manager: CheckpointIOManager, store: Store, asset_key: dg.AssetKey, job: dict[str, Any]
+    io_manager: CheckpointIOManager,
+    store: Store,
+    context: dg.AssetExecutionContext,
+    job: dict[str, Any],
+    keys: Sequence[str | None],
+    tag: str | None,
 ) -> pl.DataFrame:
-    """The rows of this job in the asset's global resume table."""
+    """Finished rows of this job from other checkpoints, for the shards ``keys``.
+
+    Range shards read only the overlapping checkpoints of earlier shard counts; when storage
+    holds checkpoints that cannot be narrowed down (unpartitioned, other partition keys, the mod
+    rule), the rows come from the asset's global resume table.
+    """
+    asset_key = context.asset_key
+    fingerprint = hashing.job_fingerprint(job)
+    shards = [Shard.parse(k) for k in keys if k is not None]
+    if shards and len(shards) == len(keys) and all(shards):
+        folder = asset_folder(asset_key.path, tag or DEFAULT_TAG)
+        ranged = [s for s in shards if s is not None]
+        found = shard_rows(store, folder, job["id_column"], fingerprint, ranged)
+        if found is not None:
+            table, read = found
+            context.log.info(
+                "Global resume: %d finished row(s) of these shards in %d overlapping "
+                "checkpoint(s) of earlier shard counts (%s).",
+                table.height,
+                len(read.checkpoints),
+                ", ".join(sorted(set(read.schemes))) or "none found",
+            )
+            return table
     key = global_resume_key(asset_key)
     path = io_manager.output_path(store, key, None)
     try:
@@ -318,14 +346,16 @@ def _global_rows(
     except FileNotFoundError:
         raise CheckpointError(
             f"`global_resume: true` needs the table of {key.to_user_string()} at "
-            f"{store.display(path)}, which does not exist.",
+            f"{store.display(path)}, which does not exist (storage holds checkpoints that are "
+            "not range shards: unpartitioned, other partition keys, or shards written by the "
+            "earlier mod rule).",
             f"Add global_resume_asset({asset_key.path[-1]}) to your Definitions and materialize "
             "it first.",
         ) from None
     table = pl.read_parquet(io.BytesIO(data))
     if table.height == 0:
         return table
-    return table.filter(pl.col(JOB) == hashing.job_fingerprint(job)).drop(JOB)
+    return table.filter(pl.col(JOB) == fingerprint).drop(JOB)
 
 
 def _source_key(source: SourceSpec) -> dg.AssetKey:

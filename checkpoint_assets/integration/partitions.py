@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dagster as dg
 
+from checkpoint_assets.engine.hashing import MAX_SHARDS
 from checkpoint_assets.engine.scheme import Shard
 
 
@@ -16,12 +17,13 @@ def shard_partitions(n: int) -> dg.StaticPartitionsDefinition:
     """Partitions that split an input into ``n`` shards by a stable hash of each row's id.
 
     Keys are ``"<i>-of-<n>"`` with ``i`` zero-padded to the width of ``n``. A row belongs to
-    shard ``xxh3_64(str(id)) % n`` (see ``checkpoint_assets.engine.hashing``), so a row never
-    moves between shards when the input is reordered, grows, shrinks, or is limited.
+    shard ``floor(xxh3_64(str(id)) * n / 2**64)`` (see ``checkpoint_assets.engine.hashing``):
+    each shard is one contiguous range of the hash space, and a row never moves between shards
+    when the input is reordered, grows, shrinks, or is limited.
 
     >>> shard_partitions(16).get_partition_keys()[:2]
     ['00-of-16', '01-of-16']
     """
-    if n < 1:
-        raise ValueError(f"shard_partitions needs at least one shard, got {n}")
+    if not 1 <= n <= MAX_SHARDS:
+        raise ValueError(f"shard_partitions needs between 1 and {MAX_SHARDS} shards, got {n}")
     return dg.StaticPartitionsDefinition([Shard(i, n).key for i in range(n)])

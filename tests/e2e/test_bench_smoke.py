@@ -15,6 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = {"overhead", "per_call", "resume", "memory", "compaction", "hashing", "ray"}
 SCENARIOS |= {"remote", "openai", "throttled", "kill"}
+SCENARIOS |= {"reshard", "global_table"}
 
 
 def test_the_smoke_benchmark_writes_every_scenario_as_json(tmp_path: Path) -> None:

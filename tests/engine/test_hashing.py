@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import polars as pl
+import pytest
 
 from checkpoint_assets.engine import hashing
 
@@ -15,14 +16,94 @@ from checkpoint_assets.engine import hashing
 def test_shard_of_integer_ids_is_pinned() -> None:
     ids = pl.Series("id", [0, 1, 2, 42, 1_000_000_007])
 
-    assert hashing.shard_of(ids, 16).tolist() == [5, 8, 4, 1, 14]
-    assert hashing.shard_of(ids, 4).tolist() == [1, 0, 0, 1, 2]
+    assert hashing.shard_of(ids, 16).tolist() == PINNED_16
+    assert hashing.shard_of(ids, 4).tolist() == PINNED_4
+
+
+PINNED_16 = [1, 6, 15, 1, 11]  # the README's table
+PINNED_4 = [0, 1, 3, 0, 2]
 
 
 def test_shard_of_string_ids_is_pinned() -> None:
     ids = pl.Series("id", ["a", "ticket-1", "ünïcode", ""])
 
-    assert hashing.shard_of(ids, 16).tolist() == [15, 3, 7, 2]
+    assert hashing.shard_of(ids, 16).tolist() == [14, 11, 11, 2]
+
+
+# Hashes at the edges of the 64-bit space and of its 32-bit halves, where a vectorised
+# floor(h * n / 2**64) that overflowed or rounded would show.
+EDGE_HASHES = [
+    0,
+    1,
+    2**32 - 1,
+    2**32,
+    2**32 + 1,
+    2**63 - 1,
+    2**63,
+    2**64 - 2**32,
+    2**64 - 2**32 - 1,
+    2**64 - 2,
+    2**64 - 1,
+    0x9E3779B97F4A7C15,
+    0xFFFFFFFF00000001,
+]
+EDGE_COUNTS = [1, 2, 3, 4, 7, 16, 48, 64, 255, 1000, 4097, 9999, 10_000, hashing.MAX_SHARDS]
+
+
+def test_range_shard_is_exactly_floor_of_h_times_n_over_2_pow_64() -> None:
+    rng = np.random.default_rng(11)
+    randoms = rng.integers(0, 2**64, size=2000, dtype=np.uint64).tolist()
+    hashes = np.array(EDGE_HASHES + randoms, dtype=np.uint64)
+    for n in [*EDGE_COUNTS, *range(1, 10_001, 97)]:
+        expected = [h * n >> 64 for h in map(int, hashes)]
+        assert hashing.shard_of_hashes(hashes, n).tolist() == expected, n
+
+
+def test_every_shard_is_one_range_of_the_hash_space_and_its_bounds_are_exact() -> None:
+    for n in EDGE_COUNTS[:-1]:
+        for i in {0, 1, n // 2, n - 1}:
+            if i >= n:
+                continue
+            first, end = hashing.shard_bounds(i, n)
+            inside = np.array([first, end - 1], dtype=np.uint64)
+            assert hashing.shard_of_hashes(inside, n).tolist() == [i, i]
+            if first > 0:
+                assert hashing.shard_of_hashes(np.array([first - 1], np.uint64), n)[0] == i - 1
+            if end < 2**64:
+                assert hashing.shard_of_hashes(np.array([end], np.uint64), n)[0] == i + 1
+    assert hashing.shard_bounds(0, 1) == (0, 2**64)
+
+
+def test_a_shard_overlaps_at_most_ceil_old_over_new_plus_one_shards_of_another_count() -> None:
+    for new, old in [(48, 64), (1000, 8), (8, 1000), (3, 7), (16, 16), (5, 1), (1, 5)]:
+        for i in range(new):
+            first, end = hashing.shard_bounds(i, new)
+            brute = [
+                j
+                for j in range(old)
+                if max(first, hashing.shard_bounds(j, old)[0])
+                < min(end, hashing.shard_bounds(j, old)[1])
+            ]
+            found = hashing.overlapping(i, new, old)
+            assert list(found) == brute
+            assert len(found) <= -(-old // new) + 1
+
+
+def test_the_documented_polars_recipe_gives_the_same_shards() -> None:
+    ids = pl.DataFrame({"id": [0, 1, 2, 42, 1_000_000_007, *range(100, 2000)]})
+    for n in (4, 16, 1000, 10_000):
+        recipe = ids.select(
+            (pl.col("id").cast(pl.String).nchash.xxh3_64().cast(pl.UInt128) * n // 2**64).alias("s")
+        )
+        assert recipe["s"].to_list() == hashing.shard_of(ids["id"], n).tolist()
+
+
+def test_shard_counts_outside_the_exact_range_are_refused() -> None:
+    hashes = np.array([1], dtype=np.uint64)
+    with pytest.raises(ValueError, match="between 1 and"):
+        hashing.shard_of_hashes(hashes, 0)
+    with pytest.raises(ValueError, match="between 1 and"):
+        hashing.shard_of_hashes(hashes, 2**32)
 
 
 def test_an_integer_id_hashes_as_its_decimal_text() -> None:

@@ -6,12 +6,13 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import numpy as np
 import polars as pl
 import pytest
 from helpers.jobs import Storage, build_job, stats, tickets
 
 from checkpoint_assets import shard_partitions
-from checkpoint_assets.engine.hashing import shard_of
+from checkpoint_assets.engine.hashing import shard_of, xxh3
 from checkpoint_assets.engine.scheme import Shard
 
 
@@ -31,8 +32,19 @@ def test_shard_keys_parse_back_and_other_keys_are_not_shards() -> None:
     assert Shard.parse("3-of-16") == Shard(3, 16)
     assert Shard.parse("2024-01-01") is None
     assert Shard.parse("16-of-16") is None
-    with pytest.raises(ValueError, match="at least one shard"):
+    with pytest.raises(ValueError, match="between 1 and"):
         shard_partitions(0)
+    with pytest.raises(ValueError, match="between 1 and"):
+        shard_partitions(2**32)
+
+
+def test_a_shard_of_any_count_is_one_contiguous_range_of_the_hash_space() -> None:
+    ids = pl.Series("id", range(5000))
+    hashes = xxh3(ids.to_frame(), "id")
+    order = np.argsort(hashes)
+    for n in (3, 16, 48, 1000):
+        by_hash = shard_of(ids, n)[order]
+        assert (np.diff(by_hash) >= 0).all()  # sorted by hash, shards never interleave
 
 
 def test_all_shards_together_cover_every_row_exactly_once(storage: Storage) -> None:
