@@ -203,24 +203,8 @@ def test_the_cli_on_failing_storage_shows_no_credentials(
 @pytest.mark.parametrize(
     "case, says",
     [
-        pytest.param(
-            "endpoint-with-userinfo",
-            "endpoint",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="botocore's refusal of an endpoint URL with user:password@ reaches the "
-                "user as a bare HTTPClientError, not a StorageError saying to use key/secret",
-            ),
-        ),
-        pytest.param(
-            "unknown-option",
-            "sekret",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="s3fs checks its options at the first request, not in its constructor, "
-                "so open_store's 'Invalid storage_options' error never fires: a bare TypeError",
-            ),
-        ),
+        pytest.param("endpoint-with-userinfo", "endpoint"),
+        pytest.param("unknown-option", "sekret"),
     ],
 )
 def test_bad_storage_settings_are_refused_with_a_clear_error(
@@ -237,11 +221,6 @@ def test_bad_storage_settings_are_refused_with_a_clear_error(
     assert_hidden(*(f"{type(e).__name__}: {e}" for e in _chain(error)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open_store keeps the URI as given: credentials written into base_dir "
-    "(s3://KEY:SECRET@bucket/...) reach error messages, checkpoint_path and logs",
-)
 def test_credentials_inside_base_dir_are_refused_without_being_echoed(
     new_s3_storage: NewStorage, s3_server: str, capfd: pytest.CaptureFixture[str]
 ) -> None:

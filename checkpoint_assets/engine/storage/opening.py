@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,6 +66,7 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> St
                 "Point base_dir at a folder (it is created if missing), or move the file away.",
             )
         return LocalStore(LocalFileSystem(), root, root)
+    _refuse_credentials_in(url, options)
     # A resume must see what the previous run committed, never a cached listing.
     options["use_listings_cache"] = False
     try:
@@ -79,6 +82,7 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> St
             f"available ({e}). {todo}"
         ) from e
     if protocol in _S3:
+        _refuse_unknown_options(fs_cls, options, url)
         options.setdefault("cache_regions", False)
         options["config_kwargs"] = merge_options(_S3_CONFIG, options.get("config_kwargs") or {})
     try:
@@ -93,6 +97,68 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> St
         fs.retries = _S3FS_RETRIES
         return S3Store(fs, root, f"{protocol}://{root}")
     return ObjectStore(fs, root, f"{protocol}://{root}")
+
+
+# Options every fsspec filesystem takes besides its own (AbstractFileSystem, AsyncFileSystem).
+_FSSPEC_OPTIONS = frozenset(
+    {
+        "asynchronous",
+        "loop",
+        "batch_size",
+        "skip_instance_cache",
+        "use_listings_cache",
+        "listings_expiry_time",
+        "max_paths",
+    }
+)
+
+
+def _refuse_credentials_in(url: str, options: Mapping[str, Any]) -> None:
+    """Credentials written into a URI (``s3://KEY:SECRET@bucket``, an endpoint with
+    ``user:password@``) would show in paths, messages and logs: refuse them, without repeating
+    them."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" in parts.netloc:
+        shown = f"{parts.scheme}://***@{parts.netloc.rsplit('@', 1)[1]}{parts.path}"
+        raise StorageError(
+            f"Cannot open checkpoint storage {shown}: the URI carries credentials "
+            "(user:password@).",
+            "Give them in storage_options (key and secret for s3://) or through the environment "
+            "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), never inside base_dir.",
+        )
+    client = options.get("client_kwargs") or {}
+    for endpoint in (options.get("endpoint_url"), client.get("endpoint_url")):
+        if isinstance(endpoint, str) and "@" in urllib.parse.urlsplit(endpoint).netloc:
+            raise StorageError(
+                "Cannot open checkpoint storage: the endpoint_url in storage_options carries "
+                "credentials (user:password@).",
+                "Give the endpoint without them, and the credentials as key and secret in "
+                "storage_options or through the environment.",
+            )
+
+
+def _refuse_unknown_options(fs_cls: type, options: Mapping[str, Any], url: str) -> None:
+    """s3fs takes any keyword and fails only at the first request: name unknown ones now.
+
+    Its own keywords, fsspec's, and aiobotocore's session keywords (``profile``...), which s3fs
+    passes on, are known.
+    """
+    try:
+        from aiobotocore.session import AioSession
+
+        own = inspect.signature(getattr(fs_cls, "__init__")).parameters  # noqa: B009
+        session = inspect.signature(AioSession.__init__).parameters
+    except (ImportError, TypeError, ValueError):
+        return
+    known = {p for p in [*own, *session] if p not in ("self", "args", "kwargs")}
+    known |= _FSSPEC_OPTIONS
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise StorageError(
+            f"Invalid storage_options for {url!r}: unknown option(s) {unknown} (it takes "
+            f"{sorted(known - _FSSPEC_OPTIONS)}).",
+            "Fix their names; see s3fs.S3FileSystem for what each one does.",
+        )
 
 
 def s3_options(
