@@ -43,6 +43,7 @@ from checkpoint_assets.engine.lock import Lease
 from checkpoint_assets.engine.opening import Start
 from checkpoint_assets.engine.rows import CURRENT, SEQ
 
+_NULL = str(pl.Null)
 Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
 
 
@@ -59,6 +60,7 @@ class Sink:
         outputs: list[str] | None,
         where: str,
         max_unflushed: int | None = None,
+        types: dict[str, str] | None = None,
     ) -> None:
         self.id_column = id_column
         self.interval = interval
@@ -66,7 +68,10 @@ class Sink:
         self.flush_seconds = flush_seconds
         self.min_flush_seconds = min_flush_seconds
         self.outputs = outputs  # the output columns, once known
-        self._checked: list[str] = []  # the columns of the last result checked
+        # The output types seen so far (a column that was all null takes its first real type),
+        # and the schema of the last result checked.
+        self.types: dict[str, str] = dict(types or {})
+        self._checked: pl.Schema | None = None
         self.where = where  # the checkpoint, for messages
         self.buffer: list[pl.DataFrame] = []
         self.buffered_rows = 0
@@ -77,13 +82,19 @@ class Sink:
 
     # -- what every sink does ------------------------------------------------------------
     def learn_outputs(self, sample: pl.DataFrame) -> None:
-        """Record the output columns on the first result; refuse a change later."""
-        columns = sample.columns
-        if columns == self._checked:
-            return  # the columns of the previous result, already checked (the usual case)
-        outputs = {c: str(sample.schema[c]) for c in rows.outputs_of(sample, self.id_column)}
+        """Record the output columns and types on the first result; refuse a change later.
+
+        A type that changes between results would be coerced when rows are merged (1 becoming
+        "1", or 1.0), rewriting results already stored: it is refused, except for a column that
+        was null in every row so far.
+        """
+        schema = sample.schema
+        if schema == self._checked:
+            return  # the schema of the previous result, already checked (the usual case)
+        outputs = {c: str(schema[c]) for c in rows.outputs_of(sample, self.id_column)}
         if self.outputs is None:
             self.outputs = list(outputs)
+            self.types = dict(outputs)
             self.record_outputs(sample, outputs)
         elif sorted(outputs) != sorted(self.outputs):  # metas of old versions kept them sorted
             raise JobMismatchError(
@@ -92,7 +103,28 @@ class Sink:
                 f"{self.where} holds results with {self.outputs}. A changed output schema is a "
                 "different job.",
             )
-        self._checked = columns
+        else:
+            self._check_types(outputs)
+        self._checked = schema
+
+    def _check_types(self, outputs: dict[str, str]) -> None:
+        for column, new in outputs.items():
+            old = self.types.get(column)
+            if old is None or old == _NULL:
+                self.types[column] = new
+            elif new not in (old, _NULL):
+                error = JobMismatchError(
+                    self.where,
+                    f"The function returned the column {column!r} as {new}, but earlier results "
+                    f"(of this run or stored in {self.where}) have it as {old}; merging them "
+                    "would change the stored values.",
+                )
+                error.remedy = (
+                    "Return one type for every batch (cast the column in the function); if the "
+                    "type changed on purpose, it is a different job: use a new checkpoint tag or "
+                    "run with resume=False."
+                )
+                raise error
 
     def add(self, computed: pl.DataFrame) -> None:
         self.buffer.append(computed)
@@ -195,6 +227,7 @@ class PartWriter(Sink):
             flush_seconds=flush_seconds,
             min_flush_seconds=min_flush_seconds,
             outputs=list(meta.output_schema) if meta and meta.output_schema else None,
+            types=meta.output_schema if meta else None,
             where=checkpoint.url,
             max_unflushed=max_unflushed,
         )

@@ -504,11 +504,6 @@ def finish_with(box: Sandbox, df: pl.DataFrame, good: Function, s: runner.Settin
     ],
     ids=["int-then-string", "int-then-float", "struct-field-type"],
 )
-@pytest.mark.xfail(
-    strict=True,
-    reason="the runner compares only the names of output columns between batches; a changed "
-    "type is silently coerced to a supertype, so earlier results are rewritten (1 -> '1')",
-)
 def test_an_output_type_changing_between_batches_is_never_coerced(
     tmp_path: Path, first: pl.Expr, later: pl.Expr
 ) -> None:
