@@ -6,6 +6,8 @@ real runs and then damaged: truncated, or with their end overwritten by garbage 
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import logging
 import os
@@ -15,6 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from helpers.jobs import ASSET, Storage, build_job, route, run_logs, tickets
 
@@ -414,3 +418,92 @@ def test_a_holder_whose_lock_file_turns_to_garbage_stops_writing(storage: Storag
     finally:
         lease.release()
     assert checkpoint.store.get(checkpoint.files.lock) == b"garbage"  # not its lock to delete
+
+
+# -- bytes changed inside a file's pages -------------------------------------------------------
+def page_bytes(data: bytes) -> list[range]:
+    """The byte ranges of every column chunk (its pages) of the Parquet file ``data``."""
+    meta = pq.ParquetFile(pa.BufferReader(data)).metadata
+    chunks: list[range] = []
+    for g in range(meta.num_row_groups):
+        for c in range(meta.num_columns):
+            column = meta.row_group(g).column(c)
+            start = column.data_page_offset
+            if column.has_dictionary_page:
+                start = min(start, column.dictionary_page_offset)
+            chunks.append(range(start, start + column.total_compressed_size))
+    return chunks
+
+
+def overwritten(data: bytes, at: int, rng: random.Random) -> bytes:
+    """``data`` with the 16 bytes from ``at`` replaced by other random bytes."""
+    junk = bytes(b ^ (rng.randrange(255) + 1) for b in data[at : at + 16])
+    return data[:at] + junk + data[at + 16 :]
+
+
+def test_every_change_inside_a_merged_files_pages_stops_the_next_run(tmp_path: Any) -> None:
+    """Sixteen bytes changed anywhere in the pages of a merged file (seeded: 50 places in its
+    column chunks) never decode into other values: each next run stops naming verify and repair,
+    and verify names the file."""
+    settings = dataclasses.replace(SETTINGS, checkpoint_interval=500)
+    checkpoint = Checkpoint(open_store(str(tmp_path)), "routed/default/all")
+    engine_run(checkpoint, tickets(2000), [], settings=settings)
+    path = checkpoint.files.merged
+    sound = checkpoint.store.get(path)
+    rng = random.Random(20261201)
+    places = [i for chunk in page_bytes(sound) for i in chunk if i + 16 <= chunk.stop]
+    assert len(places) > 1000
+
+    for at in rng.sample(places, 50):
+        checkpoint.store.put(path, overwritten(sound, at, rng))
+        calls: list[int] = []
+        with pytest.raises(CorruptCheckpointError) as error:
+            engine_run(fresh(checkpoint), tickets(2000), calls, settings=settings)
+        assert f"Checkpoint file {checkpoint.url} is unreadable" in str(error.value), at
+        assert f"checkpoint-assets verify {tmp_path} {checkpoint.name}" in str(error.value)
+        assert f"checkpoint-assets repair {tmp_path} {checkpoint.name}" in str(error.value)
+        assert calls == []
+        found = problems(fresh(checkpoint))
+        assert any(checkpoint.url in p and "is unreadable" in p for p in found), (at, found)
+
+    checkpoint.store.put(path, sound)
+    calls = []
+    assert engine_run(fresh(checkpoint), tickets(2000), calls, settings=settings).height == 2000
+    assert calls == []
+
+
+def test_a_merged_file_written_without_page_checksums_still_resumes(tmp_path: Any) -> None:
+    """A merged file as older versions wrote it (polars, no page checksums) is read as before."""
+    checkpoint = Checkpoint(open_store(str(tmp_path)), "routed/default/all")
+    first = engine_run(checkpoint, tickets(24), [])
+    path = checkpoint.files.merged
+    new = checkpoint.store.get(path)
+    old = io.BytesIO()
+    pl.read_parquet(new).write_parquet(
+        old, compression="zstd", compression_level=1, metadata=pl.read_parquet_metadata(new)
+    )
+    checkpoint.store.put(path, old.getvalue())
+    assert pq.ParquetFile(pa.BufferReader(old.getvalue())).metadata.created_by.startswith("Polars")
+
+    calls: list[int] = []
+    again = engine_run(fresh(checkpoint), tickets(24), calls)
+
+    assert calls == []
+    assert again.sort("ticket_id").equals(first.sort("ticket_id"))
+    assert problems(fresh(checkpoint)) == []
+
+
+def test_every_change_inside_a_parts_pages_makes_it_unreadable(tmp_path: Any) -> None:
+    """The same for a part (seeded: 50 places in its column chunks): each read of it fails, so the
+    next run moves it aside (see the tests above)."""
+    checkpoint, _ = interrupted((str(tmp_path), {}), 600, 500)
+    part = max(checkpoint.list_parts()[0], key=lambda p: p.size)
+    sound = checkpoint.store.get(part.path)
+    rng = random.Random(20261202)
+    places = [i for chunk in page_bytes(sound) for i in chunk if i + 16 <= chunk.stop]
+    assert len(places) > 200
+
+    for at in rng.sample(places, 50):
+        checkpoint.store.put(part.path, overwritten(sound, at, rng))
+        with pytest.raises(CorruptCheckpointError, match="is unreadable"):
+            fresh(checkpoint).read_file(part.path)
