@@ -21,7 +21,7 @@ Settings (environment):
 
 - ``CHECKPOINT_KILLS``: kills for the engine on local disk (default 100: 20 to 45 s on a busy
   2-core machine) and, unless ``CHECKPOINT_KILLS_S3`` says otherwise, on the moto S3 server
-  (default 50 there, 30 to 60 s: each run makes real HTTP requests).
+  (default 30 there, 20 to 40 s: each run makes real HTTP requests).
 - ``CHECKPOINT_KILLS_DAGSTER``: kills per storage through Dagster (default 4; marked slow).
 - ``CHECKPOINT_KILLS_SEED``: the plan's seed (default 12); a failure names the seed and the run.
 
@@ -57,7 +57,7 @@ from checkpoint_assets.engine.scheme import Shard
 
 DRIVER = Path(kill_child.__file__)
 KILLS = int(os.environ.get("CHECKPOINT_KILLS", "100"))
-S3_KILLS = int(os.environ.get("CHECKPOINT_KILLS_S3", os.environ.get("CHECKPOINT_KILLS", "50")))
+S3_KILLS = int(os.environ.get("CHECKPOINT_KILLS_S3", os.environ.get("CHECKPOINT_KILLS", "30")))
 DAGSTER_KILLS = int(os.environ.get("CHECKPOINT_KILLS_DAGSTER", "4"))
 SEED = int(os.environ.get("CHECKPOINT_KILLS_SEED", "12"))
 
