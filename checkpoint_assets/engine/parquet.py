@@ -120,7 +120,10 @@ def _read(file: pq.ParquetFile, columns: list[str]) -> pl.DataFrame:
     than the whole table at once."""
     if file.num_row_groups == 0:
         return _frame(file.schema_arrow.empty_table()).select(columns)
-    groups = (file.read_row_group(g, columns=columns) for g in range(file.num_row_groups))
+    groups = (
+        file.read_row_group(g, columns=columns, use_threads=False)
+        for g in range(file.num_row_groups)
+    )
     return pl.concat([_frame(group) for group in groups], rechunk=False)
 
 
