@@ -89,6 +89,19 @@ def _stored(storage: Storage, name: str = "routed/default/all") -> pl.DataFrame:
     return pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
 
 
+def _recomputed(log: list[tuple[int, int]], kills: int) -> tuple[dict[int, set[int]], list[int]]:
+    """The runs that computed each id, and for each killed run the rows a later run computed
+    again (what the kill lost)."""
+    runs_of: dict[int, set[int]] = collections.defaultdict(set)
+    for label, i in log:
+        runs_of[i].add(label)
+    lost = [
+        sum(1 for labels in runs_of.values() if k in labels and max(labels) > k)
+        for k in range(1, kills + 1)
+    ]
+    return runs_of, lost
+
+
 def test_sigkill_mid_shard_loses_at_most_one_interval_and_the_flush_in_flight(
     storage: Storage, tmp_path: Path
 ) -> None:
@@ -103,13 +116,7 @@ def test_sigkill_mid_shard_loses_at_most_one_interval_and_the_flush_in_flight(
     assert _finish(_start(final, tmp_path), tmp_path, final)["success"]
 
     log = _log(tmp_path)
-    runs_of: dict[int, set[int]] = collections.defaultdict(set)
-    for label, i in log:
-        runs_of[i].add(label)
-    lost = [
-        sum(1 for labels in runs_of.values() if k in labels and max(labels) > k)
-        for k in range(1, kills + 1)
-    ]
+    runs_of, lost = _recomputed(log, kills)
     print(f"rows recomputed after each of {kills} SIGKILLs: {lost} (interval {INTERVAL})")
     # The documented bound (engine/sink.py): the buffer and the flush the writer may have been
     # writing when the kill came, each at most max_unflushed_rows (about one interval while
@@ -145,13 +152,7 @@ def test_sigkill_with_one_row_calls_and_32_in_flight_loses_at_most_the_bound(
     assert _finish(_start(final, tmp_path), tmp_path, final)["success"]
 
     log = _log(tmp_path)
-    runs_of: dict[int, set[int]] = collections.defaultdict(set)
-    for label, i in log:
-        runs_of[i].add(label)
-    lost = [
-        sum(1 for labels in runs_of.values() if k in labels and max(labels) > k)
-        for k in range(1, kills + 1)
-    ]
+    _, lost = _recomputed(log, kills)
     max_unflushed = 2 * interval + in_flight * batch
     print(
         f"rows recomputed after each SIGKILL: {lost} (interval {interval}, {in_flight} in flight)"
