@@ -258,7 +258,7 @@ class Run:
         Workers are threads, or tasks on the event loop of an ``async def`` function. A worker
         goes on to its next batch as soon as a call returns, without a round trip through this
         thread. A batch holds a slot from when a worker takes it until its outcome is absorbed
-        here, so calls in flight and results waiting for this thread are ``max_concurrency``
+        here, so calls in flight and results waiting for this thread are ``batches_held``
         batches at most: while this thread waits for storage, workers stop taking batches. The
         shard's throttle decides how many of them may call the function at a time (fewer while
         the endpoint rate limits).
@@ -266,7 +266,7 @@ class Run:
         results: queue.SimpleQueue[Outcome | BaseException | None] = queue.SimpleQueue()
         workers = self.s.max_concurrency
         start = _tasks if caller.loop is not None else _threads
-        release, leave = start(caller, batches, workers, results)
+        release, leave = start(caller, batches, workers, self.s.batches_held, results)
         running = workers
         try:
             while running:
@@ -400,10 +400,11 @@ Results = queue.SimpleQueue[Outcome | BaseException | None]
 
 
 def _threads(
-    caller: Caller, batches: Iterator[pl.DataFrame], workers: int, results: Results
+    caller: Caller, batches: Iterator[pl.DataFrame], workers: int, held: int, results: Results
 ) -> tuple[Callable[[], None], Callable[[], None]]:
-    """Start ``workers`` threads; returns how to release a slot and how to make them leave."""
-    slots = threading.Semaphore(workers)
+    """Start ``workers`` threads taking batches while fewer than ``held`` are out; returns how
+    to release a slot and how to make them leave."""
+    slots = threading.Semaphore(held)
     take = threading.Lock()
     leaving = threading.Event()
 
@@ -434,12 +435,12 @@ def _threads(
 
 
 def _tasks(
-    caller: Caller, batches: Iterator[pl.DataFrame], workers: int, results: Results
+    caller: Caller, batches: Iterator[pl.DataFrame], workers: int, held: int, results: Results
 ) -> tuple[Callable[[], None], Callable[[], None]]:
     """Start ``workers`` tasks on the function's event loop (one thread for every call)."""
     loop = caller.loop
     assert loop is not None
-    slots = asyncio.Semaphore(workers)
+    slots = asyncio.Semaphore(held)
     leaving = threading.Event()
 
     async def work() -> None:

@@ -76,6 +76,16 @@ class Settings:
         being written, rows done meanwhile join the next one (group commit) up to this bound."""
         return 2 * self.checkpoint_interval + self.max_concurrency * self.batch_rows
 
+    @property
+    def batches_held(self) -> int:
+        """Batches a shard holds at once: in flight, or done and not yet handed to the sink.
+
+        ``max_concurrency`` calls, plus a quarter more done batches, so a worker whose call has
+        returned takes its next batch without waiting for the run loop to take its result (that
+        round trip between threads costs one-row calls about 5 % of their throughput).
+        """
+        return self.max_concurrency + -(-self.max_concurrency // 4)
+
 
 @dataclass
 class RunStats:

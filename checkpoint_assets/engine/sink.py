@@ -19,10 +19,11 @@ Loss bound. A hard kill (SIGKILL, a lost node) loses the rows that are not durab
   rows done in ``min_flush_seconds``, when that is more) while storage keeps up, and never more
   than ``max_unflushed`` rows;
 - the flush being written (one at most, no larger than the buffer was);
-- the calls in flight: ``max_concurrency`` batches of ``batch_size`` rows.
+- the calls in flight and the results the run loop has not taken yet: ``batches_held`` batches
+  of ``batch_size`` rows (``max_concurrency`` and a quarter more).
 
 With one-row calls, ``checkpoint_interval=64`` and 32 calls in flight on local disk that is
-64 + 64 + 32 rows at most, usually far fewer. On S3 (``min_flush_seconds`` 5) with a function
+64 + 64 + 40 rows at most, usually far fewer. On S3 (``min_flush_seconds`` 5) with a function
 doing 100 rows per second it is about 500 rows or 5 s of work, twice that if a write is under
 way. SIGTERM, SIGINT and exceptions flush before leaving and lose nothing.
 """

@@ -70,14 +70,14 @@ def loss_bound(settings: Settings) -> tuple[int, int]:
     """(rows, calls) a hard kill may make later runs pay for again, per the sink's docstring.
 
     The buffer (at most ``max_unflushed_rows``, which the last call's rows may cross), the flush
-    being written (no larger) and the calls in flight (``max_concurrency`` batches). The minimum
-    time between flushes is 0 here. Written against the settings, so it follows their defaults.
+    being written (no larger) and the calls in flight with the results not taken from them yet
+    (``batches_held`` batches). The minimum time between flushes is 0 here. Written against the
+    settings, so it follows their defaults.
     """
-    batch = int(getattr(settings, "batch_rows", settings.checkpoint_interval))
-    unflushed = int(getattr(settings, "max_unflushed_rows", settings.checkpoint_interval))
-    buffered = max(unflushed, settings.checkpoint_interval) + batch - 1
-    rows = 2 * buffered + settings.max_concurrency * batch
-    calls = 2 * math.ceil(buffered / batch) + settings.max_concurrency
+    batch = settings.batch_rows
+    buffered = max(settings.max_unflushed_rows, settings.checkpoint_interval) + batch - 1
+    rows = 2 * buffered + settings.batches_held * batch
+    calls = 2 * math.ceil(buffered / batch) + settings.batches_held
     return rows, calls
 
 
