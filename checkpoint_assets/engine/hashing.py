@@ -1,12 +1,22 @@
 """Stable, vectorised hashes: shard assignment, per-row input hashes, fingerprints.
 
 Everything here is specified by bytes, not by a library's internal hash, so the same data gives
-the same values on every machine, version and process (``tests/test_hashing.py`` pins them):
+the same values on every machine, version and process (``tests/engine/test_hashing.py`` pins
+them):
 
 - The *text* of a value is its UTF-8 string; integers in decimal (``42`` → ``b"42"``), other
-  scalars as polars casts them to ``String`` (times of day with their fraction of a second,
-  ``01:02:03.5``; durations in ISO 8601, ``PT1.5S``), binary values in hex, nested values as polars'
-  JSON encoding (with binary values inside them in hex, since JSON has no bytes).
+  scalars as polars casts them to ``String`` (floats ``1.5``, ``NaN``, ``inf``, ``-inf``; times of
+  day with their fraction of a second, ``01:02:03.5``; durations in ISO 8601, ``PT1.5S``), binary
+  values in hex, nested values (lists, arrays, structs) as polars' JSON encoding of ``{"v": value}``
+  (with binary values inside them in hex, since JSON has no bytes): ``[1.5, 2.0]`` →
+  ``{"v":[1.5,2.0]}``.
+- JSON has no NaN or infinity: polars writes them as ``null``, like a null float. So a nested value
+  holding, at any depth, a NaN, an infinity or a null float is written with every float inside it
+  as text, under the key ``floats_as_text``: ``[1.5, NaN]`` → ``{"floats_as_text":["1.5","NaN"]}``,
+  ``[null]`` → ``{"floats_as_text":[null]}``, ``[inf]`` → ``{"floats_as_text":["inf"]}``. This is
+  *input hash format 2*, recorded in a checkpoint's meta (``input_hash_format``). Format 1, of
+  earlier versions, wrote all of them as ``{"v":[null]}``: a change between NaN, infinities and null
+  inside a nested input went unseen. Every other value has the same text in both formats.
 - ``XXH3-64`` (seed 0) of that text, computed by the ``polars-hash`` plugin, is a value's hash.
 - The shard of an id among ``n`` is ``floor(h * n / 2**64)`` of its hash ``h = xxh3_64(text(id))``
   (the *range rule*): shard ``i`` holds the hashes from ``ceil(i * 2**64 / n)`` up to, not
@@ -29,7 +39,7 @@ BLAKE3 stays where a digest is kept and compared as a whole.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import blake3
@@ -43,10 +53,17 @@ _SEED = np.uint64(0xC4EC)  # "checkpoint": the fold's starting value
 _CHUNK_ROWS = 1 << 20
 _SPACE = 1 << 64  # the hash space
 MAX_SHARDS = (1 << 32) - 1  # keeps the exact shard arithmetic within uint64
+# The input hash format: 2 tells NaN, infinities and null apart inside nested values; 1 did not.
+HASH_FORMAT = 2
+EXACT_FLOATS_KEY = "floats_as_text"
 
 
-def value_text(column: str, dtype: pl.DataType) -> pl.Expr:
-    """The canonical text of a column's values (see the module docstring)."""
+def value_text(column: str, dtype: pl.DataType, *, hash_format: int = HASH_FORMAT) -> pl.Expr:
+    """The canonical text of a column's values (see the module docstring).
+
+    ``hash_format=1``: the text of earlier versions, where NaN, infinities and null inside nested
+    values were all JSON's ``null`` (used only to recognise rows stored by them).
+    """
     if dtype == pl.String:
         return pl.col(column)
     if dtype == pl.Time:
@@ -61,38 +78,82 @@ def value_text(column: str, dtype: pl.DataType) -> pl.Expr:
         return pl.col(column).bin.encode("hex")
     if dtype == pl.Categorical or isinstance(dtype, pl.Enum):
         return pl.col(column).cast(pl.String)
-    value = _binary_as_hex(pl.col(column), dtype) if _holds_binary(dtype) else pl.col(column)
-    return pl.struct(value.alias("v")).struct.json_encode()
+    value = pl.col(column)
+    text = pl.struct(_rewrite(value, dtype, _as_hex).alias("v")).struct.json_encode()
+    if hash_format < 2 or not _holds(dtype, _is_float):
+        return text
+    # JSON has no NaN or infinity: polars writes them as null. A value holding one (or a null
+    # float, which the earlier text could not tell from them) has every float inside it as text,
+    # under another key, so the text of every other value stays as it was.
+    exact = pl.struct(_rewrite(value, dtype, _as_exact_text).alias(EXACT_FLOATS_KEY))
+    return (
+        pl.when(_any_unclear_float(value, dtype)).then(exact.struct.json_encode()).otherwise(text)
+    )
 
 
-def _holds_binary(dtype: pl.DataType) -> bool:
+# How a non-nested value inside a nested one is rewritten before JSON encoding (None: kept).
+_Rule = Callable[[pl.DataType], Callable[[pl.Expr], pl.Expr] | None]
+
+
+def _as_hex(dtype: pl.DataType) -> Callable[[pl.Expr], pl.Expr] | None:
     if dtype == pl.Binary:
-        return True
+        return lambda value: value.bin.encode("hex")  # JSON has no bytes
+    return None
+
+
+def _as_exact_text(dtype: pl.DataType) -> Callable[[pl.Expr], pl.Expr] | None:
+    if dtype.is_float():
+        # "NaN", "inf", "-inf", and the shortest round-trip digits of any other float
+        return lambda value: value.cast(pl.String)
+    return _as_hex(dtype)
+
+
+def _is_float(dtype: pl.DataType) -> bool:
+    return dtype.is_float()
+
+
+def _holds(dtype: pl.DataType, leaf: Callable[[pl.DataType], bool]) -> bool:
+    """Whether ``dtype`` is, or holds at any depth, a type that ``leaf`` accepts."""
     if isinstance(dtype, pl.List | pl.Array):
-        return _holds_binary(dtype.inner)  # type: ignore[arg-type]
+        return _holds(dtype.inner, leaf)  # type: ignore[arg-type]
     if isinstance(dtype, pl.Struct):
-        return any(_holds_binary(f.dtype) for f in dtype.fields)  # type: ignore[arg-type]
-    return False
+        return any(_holds(f.dtype, leaf) for f in dtype.fields)  # type: ignore[arg-type]
+    return leaf(dtype)
 
 
-def _binary_as_hex(expr: pl.Expr, dtype: pl.DataType) -> pl.Expr:
-    """``expr`` with every binary value inside it as hex text (polars cannot JSON bytes)."""
-    if not _holds_binary(dtype):
+def _rewrite(expr: pl.Expr, dtype: pl.DataType, rule: _Rule) -> pl.Expr:
+    """``expr`` with every non-nested value inside it rewritten by ``rule``."""
+    if not _holds(dtype, lambda d: rule(d) is not None):
         return expr
-    if dtype == pl.Binary:
-        return expr.bin.encode("hex")
-    if isinstance(dtype, pl.List):
-        return expr.list.eval(_binary_as_hex(pl.element(), dtype.inner))  # type: ignore[arg-type]
-    if isinstance(dtype, pl.Array):
-        inner = _binary_as_hex(pl.element(), dtype.inner)  # type: ignore[arg-type]
-        return expr.arr.to_list().list.eval(inner)
-    assert isinstance(dtype, pl.Struct)
-    fields = [
-        _binary_as_hex(expr.struct.field(f.name), f.dtype).alias(f.name)  # type: ignore[arg-type]
-        for f in dtype.fields
-    ]
-    # A null struct stays null, not a struct of null fields: they are different values.
-    return pl.when(expr.is_null()).then(None).otherwise(pl.struct(fields))
+    if isinstance(dtype, pl.List | pl.Array):
+        items = expr.arr.to_list() if isinstance(dtype, pl.Array) else expr
+        return items.list.eval(_rewrite(pl.element(), dtype.inner, rule))  # type: ignore[arg-type]
+    if isinstance(dtype, pl.Struct):
+        fields = [
+            _rewrite(expr.struct.field(f.name), f.dtype, rule).alias(f.name)  # type: ignore[arg-type]
+            for f in dtype.fields
+        ]
+        # A null struct stays null, not a struct of null fields: they are different values.
+        return pl.when(expr.is_null()).then(None).otherwise(pl.struct(fields))
+    rewrite = rule(dtype)
+    assert rewrite is not None
+    return rewrite(expr)
+
+
+def _any_unclear_float(expr: pl.Expr, dtype: pl.DataType) -> pl.Expr:
+    """True where a value holds, at any depth, a NaN, an infinity or a null float."""
+    if isinstance(dtype, pl.List | pl.Array):
+        items = expr.arr.to_list() if isinstance(dtype, pl.Array) else expr
+        inner = _any_unclear_float(pl.element(), dtype.inner)  # type: ignore[arg-type]
+        return items.list.eval(inner).list.any().fill_null(False)
+    if isinstance(dtype, pl.Struct):
+        fields = [
+            _any_unclear_float(expr.struct.field(f.name), f.dtype)  # type: ignore[arg-type]
+            for f in dtype.fields
+            if _holds(f.dtype, _is_float)  # type: ignore[arg-type]
+        ]
+        return pl.when(expr.is_null()).then(False).otherwise(pl.any_horizontal(fields))
+    return expr.is_finite().not_().fill_null(True)  # a float: null, NaN, inf or -inf
 
 
 def xxh3(df: pl.DataFrame, column: str) -> np.ndarray:
@@ -140,12 +201,17 @@ def overlapping(index: int, n: int, other: int) -> range:
     return range(first * other // _SPACE, (end - 1) * other // _SPACE + 1)
 
 
-def row_hashes(df: pl.DataFrame, columns: Sequence[str]) -> np.ndarray:
-    """The input hash of each row over ``columns`` (id first, then the input columns)."""
+def row_hashes(
+    df: pl.DataFrame, columns: Sequence[str], *, hash_format: int = HASH_FORMAT
+) -> np.ndarray:
+    """The input hash of each row over ``columns`` (id first, then the input columns).
+
+    ``hash_format=1``: as earlier versions computed it (see ``value_text``).
+    """
     exprs = [
         pl.when(pl.col(c).is_null())
         .then(pl.lit(_NULL, pl.UInt64))
-        .otherwise(_text_hash(c, df.schema[c]))
+        .otherwise(_text_hash(c, df.schema[c], hash_format))
         .alias(f"__hash{i}")
         for i, c in enumerate(columns)
     ]
@@ -159,8 +225,8 @@ def row_hashes(df: pl.DataFrame, columns: Sequence[str]) -> np.ndarray:
     return out
 
 
-def _text_hash(column: str, dtype: pl.DataType) -> pl.Expr:
-    return value_text(column, dtype).nchash.xxh3_64()  # type: ignore[attr-defined, no-any-return]
+def _text_hash(column: str, dtype: pl.DataType, hash_format: int = HASH_FORMAT) -> pl.Expr:
+    return value_text(column, dtype, hash_format=hash_format).nchash.xxh3_64()  # type: ignore[attr-defined, no-any-return]
 
 
 def _by_chunk(df: pl.DataFrame, exprs: list[pl.Expr]) -> Iterator[tuple[int, pl.DataFrame]]:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from checkpoint_assets.engine.errors import CorruptCheckpointError
+from checkpoint_assets.engine.hashing import HASH_FORMAT
 from checkpoint_assets.engine.scheme import Scheme
 
 FORMAT_VERSION = 1
@@ -30,6 +31,10 @@ class Meta:
     usage: dict[str, float] = field(default_factory=dict)  # usage_columns summed, same time
     finalized_at: float | None = None
     format_version: int = FORMAT_VERSION
+    # The oldest input hash format its rows may carry (see ``hashing.py``): a meta without it
+    # was written by versions whose format 1 could not tell NaN, infinities and null apart inside
+    # nested values. It stays 1 while the checkpoint lives, since rows of that format remain.
+    input_hash_format: int = HASH_FORMAT
 
     def to_json(self) -> bytes:
         data = asdict(self)
@@ -42,6 +47,7 @@ class Meta:
         try:
             raw = json.loads(data)
             raw["scheme"] = Scheme.from_json(raw.get("scheme"))
+            raw.setdefault("input_hash_format", 1)
             return cls(**raw)
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise CorruptCheckpointError(

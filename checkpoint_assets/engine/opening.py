@@ -80,6 +80,7 @@ def open_run(
         if reshard and start.meta is not None:
             start.meta.scheme = scheme  # its rows are resharded now: record the current rule
             checkpoint.write_meta(start.meta)
+    earlier_hashes = start.meta is not None and start.meta.input_hash_format < 2
     found = plan(
         inputs,
         stored,
@@ -87,6 +88,7 @@ def open_run(
         resume=settings.resume,
         retry_failed=settings.retry_failed,
         on_input_change=settings.on_input_change,
+        rehash_columns=[settings.id_column, *settings.input_columns] if earlier_hashes else None,
     )
     _log_plan(found, log, label)
     todo, copies = found.todo, None
@@ -254,6 +256,14 @@ def _log_plan(p: Plan, log: Logger, label: str) -> None:
         )
     if p.changed:
         log.warning("%s: recomputing %d row(s) whose input changed.", label, p.changed)
+    if p.rehashed:
+        log.warning(
+            "%s: recomputing %d stored row(s) whose input holds NaN, an infinity or a null "
+            "float inside a nested value: they were stored by an earlier version, whose input "
+            "hash could not tell these values apart, so whether their input changed is unknown.",
+            label,
+            p.rehashed,
+        )
     if p.resumed or p.kept_failed:
         log.info(
             "%s: resuming; %d of %d rows are done, %d to compute.",

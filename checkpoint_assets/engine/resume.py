@@ -6,6 +6,7 @@ against the input's, so 10**8 finished ids need no Python objects per row.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import polars as pl
@@ -78,6 +79,9 @@ class Plan:
     changed: int  # finished rows whose input changed (recomputed)
     dropped: int  # stored rows whose id is no longer in the input
     total: int
+    # finished rows stored with an earlier hash format that cannot tell whether their input
+    # changed (NaN, infinities and null inside nested values): recomputed, not counted as changed
+    rehashed: int = 0
 
 
 def plan(
@@ -88,8 +92,15 @@ def plan(
     resume: bool,
     retry_failed: bool,
     on_input_change: OnInputChange,
+    rehash_columns: Sequence[str] | None = None,
 ) -> Plan:
-    """Split ``inputs`` (with ``_input_hash``) into rows to compute and rows already done."""
+    """Split ``inputs`` (with ``_input_hash``) into rows to compute and rows already done.
+
+    ``rehash_columns``: the id and input columns, when the stored hashes may be of hash format 1.
+    A stored row whose hash differs from its input's but equals the format-1 hash of it may or
+    may not have another input (format 1 wrote NaN, infinities and null inside nested values
+    alike): it is recomputed, and counted in ``rehashed`` rather than as changed.
+    """
     total = inputs.height
     if not resume or stored.height == 0:
         todo = inputs.with_columns(pl.lit(0, pl.Int32).alias(ATTEMPTS))
@@ -113,6 +124,12 @@ def plan(
         failed.sum().alias("failed"),
     ).row(0, named=True)
     changed = joined.filter(found & ~same) if counts["changed"] else joined.clear()
+    rehashed = 0
+    if changed.height and rehash_columns:
+        earlier = hashing.row_hashes(changed, rehash_columns, hash_format=1)
+        unclear = changed.get_column("__stored_hash").to_numpy() == earlier
+        rehashed = int(unclear.sum())
+        changed = changed.filter(pl.Series(~unclear))
     if changed.height and on_input_change == OnInputChange.fail:
         sample = changed.get_column(id_column).head(5).to_list()
         raise InputChangedError(changed.height, total, sample)
@@ -121,7 +138,7 @@ def plan(
     dropped = stored.height - int(counts["found"])  # ids are unique on both sides
     if resumed + kept_failed == total:  # nothing left to do: skip filtering every row
         todo = inputs.clear().with_columns(pl.lit(0, pl.Int32).alias(ATTEMPTS))
-        return Plan(todo, resumed, kept_failed, changed.height, dropped, total)
+        return Plan(todo, resumed, kept_failed, changed.height, dropped, total, rehashed)
     keep_out = done if retry_failed else done | failed
     todo = (
         joined.filter(~keep_out.fill_null(False))
@@ -135,7 +152,7 @@ def plan(
         )
         .drop("__stored_hash", "__ok", "__attempts")
     )
-    return Plan(todo, resumed, kept_failed, changed.height, dropped, total)
+    return Plan(todo, resumed, kept_failed, changed.height, dropped, total, rehashed)
 
 
 def _align(ids: pl.Series, prior: pl.DataFrame, id_column: str) -> pl.DataFrame:

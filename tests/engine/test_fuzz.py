@@ -26,6 +26,7 @@ import dataclasses
 import datetime as dt
 import decimal
 import io
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -41,7 +42,7 @@ from polars.testing import assert_frame_equal
 from polars.testing.parametric import dtypes, series
 
 from checkpoint_assets import cli
-from checkpoint_assets.engine import parquet, runner
+from checkpoint_assets.engine import hashing, parquet, runner
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
     CheckpointError,
@@ -51,7 +52,7 @@ from checkpoint_assets.engine.errors import (
     JobMismatchError,
     OutageError,
 )
-from checkpoint_assets.engine.rows import ERROR
+from checkpoint_assets.engine.rows import CURRENT, ERROR, INPUT_HASH, SEQ
 from checkpoint_assets.engine.storage import open_store
 
 settings.register_profile(
@@ -587,22 +588,138 @@ def test_output_columns_out_of_alphabetical_order_resume(tmp_path: Path, what: s
     assert again.get_column(ERROR).null_count() == (4 if what == "retry-failed-rows" else 3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a row's input hash encodes nested values as JSON, where NaN and infinities become "
-    "null: a list input that changes from [NaN] to [null] is not seen as changed",
+NAN, INF = float("nan"), float("inf")
+FLOATS_IN_LIST = pl.List(pl.Float64)
+FLOATS_DEEP = pl.List(pl.Struct({"a": pl.List(pl.Float32), "b": pl.String}))
+
+
+@pytest.mark.parametrize(
+    "dtype, before, after",
+    [
+        (FLOATS_IN_LIST, [NAN], [None]),
+        (FLOATS_IN_LIST, [INF], [None]),
+        (FLOATS_IN_LIST, [NAN], [INF]),
+        (FLOATS_IN_LIST, [-INF], [INF]),
+        (FLOATS_IN_LIST, [None], [-INF]),
+        (pl.Array(pl.Float64, 2), [1.0, NAN], [1.0, None]),
+        (FLOATS_DEEP, [{"a": [NAN], "b": "x"}], [{"a": [None], "b": "x"}]),
+        (FLOATS_DEEP, [{"a": [-INF], "b": "x"}], [{"a": [INF], "b": "x"}]),
+    ],
+    ids=[
+        "nan-to-null",
+        "inf-to-null",
+        "nan-to-inf",
+        "-inf-to-inf",
+        "null-to--inf",
+        "array",
+        "struct-in-list-nan-to-null",
+        "struct-in-list--inf-to-inf",
+    ],
 )
-def test_a_nan_inside_a_nested_input_changing_to_null_is_a_changed_input(tmp_path: Path) -> None:
-    df = pl.DataFrame({ID: [1], "scores": [[float("nan")]]})
+def test_a_nan_inside_a_nested_input_changing_to_null_is_a_changed_input(
+    tmp_path: Path, dtype: pl.DataType, before: Any, after: Any
+) -> None:
+    df = pl.DataFrame({ID: [1, 2], "scores": pl.Series([before, before], dtype=dtype)})
     fn = Function(("scores",))
     box = Sandbox(tmp_path)
-    box.attempt(df, fn, _settings(df))
+    first = box.attempt(df, fn, _settings(df))
+    assert first.error is None and box.attempt(df, fn, _settings(df)).calls == 0
+    changed_df = df.with_columns(pl.Series("scores", [before, after], dtype=dtype))
 
-    changed = box.attempt(
-        df.with_columns(pl.lit([None], pl.List(pl.Float64)).alias("scores")), fn, _settings(df)
+    changed = box.attempt(changed_df, fn, _settings(df))
+    recomputed = box.attempt(changed_df, fn, _settings(df), on_input_change="recompute")
+
+    assert isinstance(changed.error, InputChangedError), repr(changed.error)
+    assert changed.error.changed == 1 and changed.calls == 0
+    assert recomputed.error is None and recomputed.result is not None
+    assert fn.calls[-1] == [2]  # only the changed row
+    assert check_complete(changed_df, fn, recomputed.result) == set()
+
+
+# -- checkpoints of input hash format 1 --------------------------------------------------------
+def _as_written_by_hash_format_1(box: Sandbox, df: pl.DataFrame, s: runner.Settings) -> None:
+    """Make the box's checkpoint one that versions before input hash format 2 wrote: its meta
+    records no format, and its rows carry format-1 input hashes (where NaN, infinities and null
+    inside nested values were all JSON's null). The rows are stored as one more part, written by
+    the engine's own writer; the checkpoint stays valid (``verify`` passes)."""
+    checkpoint = box.checkpoint()
+    meta = checkpoint.read_meta()
+    assert meta is not None and meta.input_hash_format == 2
+    raw = json.loads(meta.to_json())
+    del raw["input_hash_format"]
+    checkpoint.store.put(checkpoint.files.meta, json.dumps(raw, indent=2).encode())
+    stored = checkpoint.load(ID, meta.base_seq, list(meta.output_schema or {}))
+    columns = [ID, *s.input_columns]
+    inputs = runner.prepare(df, s)
+    earlier = inputs.select(
+        ID, pl.Series("__earlier", hashing.row_hashes(inputs, columns, hash_format=1))
     )
+    rows = (
+        stored.rows.drop(CURRENT, strict=False)
+        .join(earlier, on=ID)
+        .with_columns(pl.col("__earlier").alias(INPUT_HASH), pl.lit(stored.next_seq).alias(SEQ))
+        .drop("__earlier")
+    )
+    checkpoint.write_part(rows, stored.next_seq)
+    assert checkpoint.read_meta().input_hash_format == 1  # type: ignore[union-attr]
 
-    assert isinstance(changed.error, InputChangedError)
+
+FORMAT_1_BEFORE = [[1.5, 2.0], [NAN], [NAN], [INF], [None], [1.5], [-INF]]
+FORMAT_1_AFTER = [[1.5, 2.0], [NAN], [None], [-INF], [None], [1.5], [NAN]]
+# ids 2-5 and 7 hold a NaN, an infinity or a null float: format 1 cannot tell whether they changed
+
+
+def test_a_format_1_checkpoint_recomputes_once_exactly_the_rows_it_cannot_tell_apart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ids = list(range(1, len(FORMAT_1_BEFORE) + 1))
+    before = pl.DataFrame({ID: ids, "scores": pl.Series(FORMAT_1_BEFORE, dtype=FLOATS_IN_LIST)})
+    after = before.with_columns(pl.Series("scores", FORMAT_1_AFTER, dtype=FLOATS_IN_LIST))
+    fn = Function(("scores",))
+    box = Sandbox(tmp_path)
+    s = _settings(before)
+    assert box.attempt(before, fn, s).error is None
+    _as_written_by_hash_format_1(box, before, s)
+    box.verify()
+
+    with caplog.at_level("WARNING", logger="checkpoint_assets"):
+        upgraded = box.attempt(after, fn, s)  # on_input_change="fail": nothing is known changed
+    again = box.attempt(after, fn, s)
+
+    assert upgraded.error is None and upgraded.result is not None, repr(upgraded.error)
+    assert sorted(i for call in fn.calls[-upgraded.calls :] for i in call) == [2, 3, 4, 5, 7]
+    assert check_complete(after, fn, upgraded.result) == set()
+    assert "recomputing 5 stored row(s) whose input holds NaN" in caplog.text
+    assert "earlier version" in caplog.text
+    assert "whose input changed" not in caplog.text
+    assert again.error is None and again.calls == 0
+    assert box.checkpoint().read_meta().input_hash_format == 1  # type: ignore[union-attr]
+    box.verify()
+
+
+def test_a_format_1_checkpoint_still_refuses_a_row_whose_input_really_changed(
+    tmp_path: Path,
+) -> None:
+    before = pl.DataFrame(
+        {ID: [1, 2], "scores": pl.Series([[1.5], [NAN]], dtype=FLOATS_IN_LIST), "t": ["a", "b"]}
+    )
+    fn = Function(("scores", "t"))
+    box = Sandbox(tmp_path)
+    s = _settings(before)
+    assert box.attempt(before, fn, s).error is None
+    _as_written_by_hash_format_1(box, before, s)
+    # id 1: a finite value changed; id 2: NaN kept, but its text changed as well
+    after = before.with_columns(pl.Series("scores", [[2.5], [NAN]], dtype=FLOATS_IN_LIST))
+    after = after.with_columns(pl.Series("t", ["a", "b!"]))
+
+    refused = box.attempt(after, fn, s)
+    recomputed = box.attempt(after, fn, s, on_input_change="recompute")
+
+    assert isinstance(refused.error, InputChangedError), repr(refused.error)
+    assert refused.error.changed == 2 and refused.calls == 0
+    assert recomputed.error is None and recomputed.result is not None
+    assert check_complete(after, fn, recomputed.result) == set()
+    assert recomputed.calls == 1
 
 
 @pytest.mark.parametrize(

@@ -2,15 +2,25 @@
 
 The values below were computed once and are pinned: a change here moves rows between shards
 and invalidates every stored checkpoint, so it must be a deliberate, documented format change.
+Input hash format 2 changed only the text of nested values holding a NaN, an infinity or a null
+float; the format-1 values of everything else are pinned as format 2's too.
 """
 
 from __future__ import annotations
 
+import copy
+import math
+from collections.abc import Iterator
+from typing import Any
+
 import numpy as np
 import polars as pl
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from checkpoint_assets.engine import hashing
+from checkpoint_assets.engine.meta import Meta
 
 
 def test_shard_of_integer_ids_is_pinned() -> None:
@@ -153,3 +163,241 @@ def test_a_changed_value_a_swap_of_columns_and_null_against_text_change_the_row_
         hashing.row_hashes(null_vs_text, ["id", "x", "y"])[0]
         != hashing.row_hashes(text_null, ["id", "x", "y"])[0]
     )
+
+
+# -- nested values: NaN, infinities and null -------------------------------------------------
+NAN, INF = float("nan"), float("inf")
+# Nested values without a NaN, an infinity or a null float: format 2 keeps their format-1 text
+# and hash (computed by the format-1 code before format 2 existed), so checkpoints whose nested
+# inputs hold none of them resume as before.
+UNCHANGED_BY_FORMAT_2 = [
+    (
+        pl.List(pl.Float64),
+        [1.5, -0.0, 1e308, 2.0],
+        '{"v":[1.5,-0.0,1e+308,2.0]}',
+        6390909059473706324,
+    ),
+    (pl.List(pl.Float64), [], '{"v":[]}', 11495886103672785079),
+    (pl.List(pl.Float32), [1.5, 0.1], '{"v":[1.5,0.1]}', 2823572677017765130),
+    (pl.Array(pl.Float64, 2), [1.5, 2.25], '{"v":[1.5,2.25]}', 9904439386385938381),
+    (
+        pl.Struct({"a": pl.Float64, "b": pl.String}),
+        {"a": 1.5, "b": "x"},
+        '{"v":{"a":1.5,"b":"x"}}',
+        11413986721433114118,
+    ),
+    (
+        pl.List(pl.Struct({"a": pl.Float64, "b": pl.List(pl.Float64)})),
+        [{"a": 1.5, "b": [2.5]}],
+        '{"v":[{"a":1.5,"b":[2.5]}]}',
+        8515804310681438467,
+    ),
+    (pl.List(pl.Binary), [b"\x00", None], '{"v":["00",null]}', 3666449607366903982),
+]
+
+
+def _xxh3(dtype: pl.DataType, value: Any, hash_format: int = hashing.HASH_FORMAT) -> int:
+    df = pl.DataFrame({"v": pl.Series([value], dtype=dtype)})
+    return int(df.select(hashing._text_hash("v", dtype, hash_format)).item())
+
+
+@pytest.mark.parametrize("hash_format", [1, 2])
+@pytest.mark.parametrize(
+    "dtype, value, text, pinned",
+    UNCHANGED_BY_FORMAT_2,
+    ids=[str(c[0]) for c in UNCHANGED_BY_FORMAT_2],
+)
+def test_nested_values_without_nan_infinity_or_null_floats_keep_their_format_1_text(
+    hash_format: int, dtype: pl.DataType, value: Any, text: str, pinned: int
+) -> None:
+    df = pl.DataFrame({"v": pl.Series([value], dtype=dtype)})
+
+    assert df.select(hashing.value_text("v", dtype, hash_format=hash_format)).item() == text
+    assert _xxh3(dtype, value, hash_format) == pinned
+
+
+# Format 1 wrote all four as JSON's null; format 2 writes the floats of such a value as text.
+NON_FINITE_PINNED = [
+    ([NAN], '{"floats_as_text":["NaN"]}', 8546332465733912057),
+    ([None], '{"floats_as_text":[null]}', 8194460745104624994),
+    ([INF], '{"floats_as_text":["inf"]}', 4138861045856732673),
+    ([-INF], '{"floats_as_text":["-inf"]}', 1351094315571038013),
+    ([1.5, NAN], '{"floats_as_text":["1.5","NaN"]}', None),
+]
+FORMAT_1_NULL_LIST = 5457870857245523162  # '{"v":[null]}', what format 1 gave all four
+
+
+def test_nan_infinities_and_null_inside_a_list_have_distinct_pinned_texts() -> None:
+    dtype = pl.List(pl.Float64)
+    for value, text, pinned in NON_FINITE_PINNED:
+        df = pl.DataFrame({"v": pl.Series([value], dtype=dtype)})
+        assert df.select(hashing.value_text("v", dtype)).item() == text
+        if pinned is not None:
+            assert _xxh3(dtype, value) == pinned
+    for value, _, _ in NON_FINITE_PINNED[:4]:
+        assert _xxh3(dtype, value, hash_format=1) == FORMAT_1_NULL_LIST
+
+
+def test_the_exact_float_text_reaches_every_depth_and_keeps_binary_as_hex() -> None:
+    dtype = pl.List(pl.Struct({"a": pl.Float32, "b": pl.Binary, "c": pl.Array(pl.Float64, 1)}))
+    value = [{"a": NAN, "b": b"\x02", "c": [-INF]}, None, {"a": 1.0, "b": None, "c": None}]
+    df = pl.DataFrame({"v": pl.Series([value], dtype=dtype)})
+
+    text = df.select(hashing.value_text("v", dtype)).item()
+
+    assert text == (
+        '{"floats_as_text":[{"a":"NaN","b":"02","c":["-inf"]},null,{"a":"1.0","b":null,"c":null}]}'
+    )
+
+
+def test_a_meta_without_an_input_hash_format_was_written_by_format_1() -> None:
+    meta = Meta(job_fingerprint="f", job={}, id_column="id", id_dtype="Int64")
+    assert meta.input_hash_format == hashing.HASH_FORMAT == 2
+    assert Meta.from_json(meta.to_json(), "here").input_hash_format == 2
+    earlier = meta.to_json().replace(b'"input_hash_format": 2', b'"unrelated": 0')
+    earlier = earlier.replace(b',\n  "unrelated": 0', b"")
+    assert b"input_hash_format" not in earlier
+
+    assert Meta.from_json(earlier, "here").input_hash_format == 1
+
+
+# Property: nested values of several shapes whose float leaves are NaN, inf, -inf, null or finite.
+SPECIAL = [NAN, INF, -INF, None]
+F64 = st.one_of(st.sampled_from(SPECIAL), st.floats(allow_nan=False, allow_infinity=False))
+F32 = st.one_of(
+    st.sampled_from(SPECIAL), st.floats(allow_nan=False, allow_infinity=False, width=32)
+)
+
+
+def _maybe_null(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(st.none(), inner)
+
+
+SHAPES: list[tuple[pl.DataType, st.SearchStrategy[Any]]] = [
+    (pl.List(pl.Float64), st.lists(F64, max_size=4)),
+    (pl.List(pl.Float32), st.lists(F32, max_size=4)),
+    (pl.Array(pl.Float64, 2), st.lists(F64, min_size=2, max_size=2)),
+    (pl.List(pl.List(pl.Float64)), st.lists(_maybe_null(st.lists(F64, max_size=3)), max_size=3)),
+    (
+        pl.Struct({"a": pl.Float64, "b": pl.List(pl.Float32), "s": pl.String}),
+        st.fixed_dictionaries(
+            {"a": F64, "b": _maybe_null(st.lists(F32, max_size=3)), "s": st.text(max_size=2)}
+        ),
+    ),
+    (
+        pl.List(pl.Struct({"a": pl.Float64, "c": pl.Array(pl.Float64, 2)})),
+        st.lists(
+            _maybe_null(
+                st.fixed_dictionaries(
+                    {"a": F64, "c": _maybe_null(st.lists(F64, min_size=2, max_size=2))}
+                )
+            ),
+            max_size=3,
+        ),
+    ),
+    (
+        pl.Struct({"x": pl.Struct({"y": pl.List(pl.List(pl.Float64))}), "n": pl.Int64}),
+        st.fixed_dictionaries(
+            {
+                "x": _maybe_null(
+                    st.fixed_dictionaries(
+                        {"y": _maybe_null(st.lists(st.lists(F64, max_size=2), max_size=2))}
+                    )
+                ),
+                "n": st.integers(-5, 5),
+            }
+        ),
+    ),
+]
+
+
+@st.composite
+def nested_values(draw: st.DrawFn) -> tuple[pl.DataType, Any]:
+    dtype, values = draw(st.sampled_from(SHAPES))
+    return dtype, draw(values)
+
+
+def _float_leaves(
+    value: Any, dtype: pl.DataType, path: tuple[Any, ...] = ()
+) -> Iterator[tuple[Any, ...]]:
+    """The paths of the float values (null ones too) inside ``value`` of type ``dtype``."""
+    if dtype.is_float():
+        yield path
+    elif value is None:
+        return
+    elif isinstance(dtype, pl.List | pl.Array):
+        for i, item in enumerate(value):
+            yield from _float_leaves(item, dtype.inner, (*path, i))  # type: ignore[arg-type]
+    elif isinstance(dtype, pl.Struct):
+        for f in dtype.fields:
+            yield from _float_leaves(value[f.name], f.dtype, (*path, f.name))  # type: ignore[arg-type]
+
+
+def _replaced(value: Any, path: tuple[Any, ...], leaf: Any) -> Any:
+    if not path:
+        return leaf
+    head, rest = path[0], path[1:]
+    if isinstance(value, list):
+        return [_replaced(v, rest, leaf) if i == head else v for i, v in enumerate(value)]
+    return {k: _replaced(v, rest, leaf) if k == head else v for k, v in value.items()}
+
+
+def _leaf_at(value: Any, path: tuple[Any, ...]) -> Any:
+    for step in path:
+        value = value[step]
+    return value
+
+
+def _kind(leaf: float | None) -> str:
+    if leaf is None:
+        return "null"
+    if math.isnan(leaf):
+        return "nan"
+    return repr(leaf)  # "inf", "-inf", or the finite value itself ("-0.0" apart from "0.0")
+
+
+def _unclear(value: Any, dtype: pl.DataType) -> bool:
+    kinds = {_kind(_leaf_at(value, p)) for p in _float_leaves(value, dtype)}
+    return bool(kinds & {"null", "nan", "inf", "-inf"})
+
+
+def _row_hash(dtype: pl.DataType, values: list[Any], hash_format: int = 2) -> list[int]:
+    df = pl.DataFrame({"id": [0] * len(values), "v": pl.Series(values, dtype=dtype)})
+    return hashing.row_hashes(df, ["id", "v"], hash_format=hash_format).tolist()
+
+
+PROPERTY = settings(max_examples=100, deadline=None, derandomize=True)
+
+
+@PROPERTY
+@given(case=nested_values(), data=st.data())
+def test_equal_nested_values_hash_equal_and_one_changed_float_leaf_changes_the_hash(
+    case: tuple[pl.DataType, Any], data: st.DataObject
+) -> None:
+    dtype, value = case
+    leaves = list(_float_leaves(value, dtype))
+    # Equal values, built separately, alone or among other rows: equal hashes.
+    same = _row_hash(dtype, [value, None, copy.deepcopy(value)])
+    assert same[0] == same[2] == _row_hash(dtype, [copy.deepcopy(value)])[0]
+    if not leaves:
+        return
+    path = data.draw(st.sampled_from(leaves))
+    old = _leaf_at(value, path)
+    new = data.draw(
+        st.sampled_from([NAN, INF, -INF, None, 2.5]).filter(lambda x: _kind(x) != _kind(old))
+    )
+    changed = _replaced(value, path, new)
+
+    assert _row_hash(dtype, [changed])[0] != same[0], (old, new)
+
+
+@PROPERTY
+@given(case=nested_values())
+def test_format_2_changes_the_hash_of_exactly_the_values_holding_unclear_floats(
+    case: tuple[pl.DataType, Any],
+) -> None:
+    dtype, value = case
+
+    format_1, format_2 = _row_hash(dtype, [value], 1), _row_hash(dtype, [value], 2)
+
+    assert (format_1 != format_2) == _unclear(value, dtype)
