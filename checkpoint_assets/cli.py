@@ -406,7 +406,7 @@ def inspect(base_dir: str, name: str, failed: bool, options: dict[str, Any]) -> 
         ("checkpoint", checkpoint.url),
         ("job", f"{meta.job_fingerprint}  {json.dumps(meta.job, sort_keys=True)}"),
         ("scheme", meta.scheme.label if meta.scheme else "-"),
-        ("input", meta.input_fingerprint or "-"),
+        ("input", f"{meta.input_fingerprint or '-'}  (input hash format {meta.input_hash_format})"),
         ("finalized", _when(meta.finalized_at)),
         ("parts", f"{len(stored.parts)} unmerged (merged up to flush {stored.watermark})"),
         ("rows", f"{current.height - n_failed:,} ok, {n_failed:,} failed" + gone),

@@ -695,6 +695,10 @@ def test_a_format_1_checkpoint_recomputes_once_exactly_the_rows_it_cannot_tell_a
     assert again.error is None and again.calls == 0
     assert box.checkpoint().read_meta().input_hash_format == 1  # type: ignore[union-attr]
     box.verify()
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        assert cli.main(["inspect", box.base, NAME]) == 0
+    assert "(input hash format 1)" in shown.getvalue()
 
 
 def test_a_format_1_checkpoint_still_refuses_a_row_whose_input_really_changed(
