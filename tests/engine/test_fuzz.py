@@ -636,6 +636,20 @@ def test_a_nan_inside_a_nested_input_changing_to_null_is_a_changed_input(
     assert check_complete(changed_df, fn, recomputed.result) == set()
 
 
+def test_dedupe_never_shares_a_result_between_nan_infinities_and_null_inside_a_list(
+    tmp_path: Path,
+) -> None:
+    values = [[NAN], [None], [INF], [-INF], [NAN], [None]]
+    df = pl.DataFrame({ID: range(1, 7), "scores": pl.Series(values, dtype=FLOATS_IN_LIST)})
+    fn = Function(("scores",), with_id_output=False)
+
+    tried = Sandbox(tmp_path).attempt(df, fn, _settings(df, dedupe=True))
+
+    assert tried.error is None and tried.result is not None, repr(tried.error)
+    assert sorted(i for call in fn.calls for i in call) == [1, 2, 3, 4]  # 5 and 6 are copies
+    assert check_complete(df, fn, tried.result) == set()
+
+
 # -- checkpoints of input hash format 1 --------------------------------------------------------
 def _as_written_by_hash_format_1(box: Sandbox, df: pl.DataFrame, s: runner.Settings) -> None:
     """Make the box's checkpoint one that versions before input hash format 2 wrote: its meta
