@@ -79,7 +79,7 @@ class Plan:
     changed: int  # finished rows whose input changed (recomputed)
     dropped: int  # stored rows whose id is no longer in the input
     total: int
-    # finished rows stored with an earlier hash format that cannot tell whether their input
+    # stored rows whose earlier-format hash cannot tell whether their input
     # changed (NaN, infinities and null inside nested values): recomputed, not counted as changed
     rehashed: int = 0
 

@@ -9,6 +9,7 @@ float; the format-1 values of everything else are pinned as format 2's too.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -254,11 +255,10 @@ def test_a_meta_without_an_input_hash_format_was_written_by_format_1() -> None:
     meta = Meta(job_fingerprint="f", job={}, id_column="id", id_dtype="Int64")
     assert meta.input_hash_format == hashing.HASH_FORMAT == 2
     assert Meta.from_json(meta.to_json(), "here").input_hash_format == 2
-    earlier = meta.to_json().replace(b'"input_hash_format": 2', b'"unrelated": 0')
-    earlier = earlier.replace(b',\n  "unrelated": 0', b"")
-    assert b"input_hash_format" not in earlier
+    earlier = json.loads(meta.to_json())
+    del earlier["input_hash_format"]
 
-    assert Meta.from_json(earlier, "here").input_hash_format == 1
+    assert Meta.from_json(json.dumps(earlier).encode(), "here").input_hash_format == 1
 
 
 # Property: nested values of several shapes whose float leaves are NaN, inf, -inf, null or finite.
