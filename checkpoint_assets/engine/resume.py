@@ -79,8 +79,8 @@ class Plan:
     changed: int  # finished rows whose input changed (recomputed)
     dropped: int  # stored rows whose id is no longer in the input
     total: int
-    # stored rows whose earlier-format hash cannot tell whether their input
-    # changed (NaN, infinities and null inside nested values): recomputed, not counted as changed
+    # stored rows whose format-1 hash cannot tell whether their input changed (NaN, infinities
+    # and null inside nested values): recomputed, not counted as changed
     rehashed: int = 0
 
 
