@@ -7,8 +7,8 @@ failed-partition sensor and the completeness and failed-row checks complete the 
 
 Tunable through the environment, so the same definitions serve the demo, tests and benchmarks:
 ``DEMO_TICKETS`` (rows, default 100000), ``DEMO_LATENCY_MS`` (per call, default 2),
-``DEMO_ERROR_RATE`` (transient error probability per call, default 0.02) and
-``CHECKPOINT_BASE_DIR`` (default: ``$DAGSTER_HOME/checkpoints``).
+``DEMO_ERROR_RATE`` (transient error probability per call, default 0.02), ``DEMO_SHARDS``
+(default 8) and ``CHECKPOINT_BASE_DIR`` (default: ``$DAGSTER_HOME/checkpoints``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from checkpoint_assets import (
 from examples.ticket_routing.data import generate_tickets
 from examples.ticket_routing.model import FakeRouter
 
-SHARDS = shard_partitions(8)
+SHARDS = shard_partitions(int(os.environ.get("DEMO_SHARDS", "8")))
 router = FakeRouter(
     latency_ms=float(os.environ.get("DEMO_LATENCY_MS", "2")),
     transient_error_rate=float(os.environ.get("DEMO_ERROR_RATE", "0.02")),

@@ -26,8 +26,8 @@ from deploy_services import ROOT, dagster_dev, postgres_server, ray_head, unavai
 from helpers.graphql import launch_backfill
 
 MODULE = "examples.ticket_routing.definitions"
-SHARDS = [f"{i}-of-8" for i in range(8)]
-TICKETS = 4000  # 500 rows a shard: 8 calls of 64 rows
+SHARDS = [f"{i}-of-4" for i in range(4)]
+TICKETS = 2000  # 500 rows a shard: 8 calls of 64 rows
 LATENCY_MS = 1500  # per call: ~12 s of work a shard, a flush (every 5 s on S3) half-way
 RAY_TAG = {"num_cpus": 0.5}  # four runs at once on the 2-CPU head
 MAX_RETRIES = 2  # run_retries.max_retries in deploy/ray/dagster.yaml
@@ -80,6 +80,7 @@ def test_backfill_runs_each_shard_as_a_ray_job_and_a_stopped_job_resumes_on_retr
         "DEMO_TICKETS": str(TICKETS),
         "DEMO_LATENCY_MS": str(LATENCY_MS),
         "DEMO_ERROR_RATE": "0",
+        "DEMO_SHARDS": str(len(SHARDS)),
     }
     s3 = {
         "CHECKPOINT_BASE_DIR": base_dir,
