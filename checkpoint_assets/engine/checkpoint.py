@@ -270,7 +270,7 @@ class Checkpoint:
         )
         if waited:
             what += (
-                " Their rows are not taken as done, nor computed again: nothing was computed, "
+                " Their rows are neither taken as done nor computed again, and nothing was "
                 "merged or deleted."
             )
         return StorageError(

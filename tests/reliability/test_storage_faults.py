@@ -474,7 +474,7 @@ def test_a_gap_that_stays_stops_the_run_before_any_call_and_a_rerun_resumes(
     message = str(failed.value)
     assert "holds flush 2, though parts of later flushes are there" in message
     assert "lags behind its writes, or those parts were deleted" in message
-    assert "nothing was computed, merged or deleted" in message
+    assert "neither taken as done nor computed again, and nothing was merged or" in message
     assert "Run again in a few minutes" in message and "checkpoint-assets repair" in message
     assert calls == []  # nothing paid for
     assert len(pauses) == len(checkpoint_module._RELIST_SECONDS)  # bounded: then it gives up
