@@ -30,6 +30,9 @@ Damaged files. Nothing unreadable is ever taken as done, and nothing damaged is 
   meta file is the other way out.
 - Parts and files that already are below the merged file's watermark are not read: they are
   deleted by the next finalize whatever they hold.
+- A gap in the sequence (parts above the watermark that leave out flushes, or parts while the
+  merged file holding the flushes below them is gone) means a listing that lags behind writes, or
+  parts deleted outside this package; see ``_parts_in_known``.
 - A temporary file left by a killed local write (``<file>.tmp-<hex>``, see ``storage/local.py``;
   object stores have none) is never read or counted as a part; finalize (and so ``compact``) and
   ``repair`` delete those older than ``STALE_TEMPORARY_SECONDS``, which no write takes.
@@ -55,8 +58,10 @@ from checkpoint_assets.engine.storage.local import is_temporary
 
 Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
 
-# A listing that misses parts this process wrote or saw is listed again after these pauses (s).
+# A listing that misses parts this process wrote or saw, or that leaves a gap in the sequence, is
+# listed again after these pauses (s).
 _RELIST_SECONDS = (0.2, 0.5, 1.0, 2.0)
+Flushes = tuple[int, int]  # first, last
 # No write of one file takes this long: a temporary file this old is a killed writer's.
 STALE_TEMPORARY_SECONDS = 15 * 60
 
@@ -72,6 +77,7 @@ class Stored:
     leftover: list[Part] = field(default_factory=list)  # merged or covered, not yet deleted
     files: int = 0  # data files found (merged file and parts), before any was moved aside
     quarantined: list[str] = field(default_factory=list)  # damaged parts moved aside (to)
+    gaps: list[Flushes] = field(default_factory=list)  # flushes no file holds (``accept_gaps``)
 
 
 class Checkpoint:
@@ -189,14 +195,30 @@ class Checkpoint:
         parts.sort(key=lambda p: (p.first, -p.last))
         return parts
 
-    def _parts_in_known(self, watermark: int) -> list[Part]:
-        """``_parts_in()``, checked against the parts this object wrote or listed before.
+    def _parts_in_known(
+        self, watermark: int, start: int, *, accept_gaps: bool = False, log: Logger | None = None
+    ) -> tuple[list[Part], list[Flushes]]:
+        """``_parts_in()``, checked against the parts this object wrote or listed before, and for
+        gaps in the sequence from ``start``; returns the parts and the gaps accepted.
 
         A listing that lags behind writes (some S3-compatible stores, caching gateways) would
         make a finalize merge without a part and then record a watermark above it: its rows
-        would be lost. Such a listing is listed again after a pause; if the parts still do not
-        show (or a part covering them: compaction), nothing is merged or deleted and a
-        ``StorageError`` says so. Parts at or below the watermark are merged already.
+        would be lost. At the start of a run it would make the run compute the rows of the
+        parts it misses again: paid twice. So a listing is listed again after a pause when it
+        misses a part this object wrote or saw (or a part covering it: compaction), or when the
+        parts from ``start`` (the flush after the watermark) leave a gap: flushes are numbered
+        without holes, so a gap is a part the listing does not show. The one gap this package
+        leaves itself is a damaged part moved aside to the quarantine folder, which is listed
+        (once, only when a gap is seen) to tell them apart: that gap is no reason to list
+        again, and a ``log`` (a run's start) gets a warning naming it. If the listing still
+        misses parts after the pauses, nothing is merged, deleted or computed: a
+        ``StorageError`` says so, unless ``accept_gaps`` (``repair``), which gets them back.
+
+        A part whose write failed is written again under its own number before the run stops,
+        and compaction's parts cover the numbers of the parts they merge: neither leaves a gap.
+        A listing that misses only the newest parts leaves none either, so that is not seen
+        here: the run computes their rows again (paid twice) and writes its first part under
+        the same number; ``load`` reads both, so no row is lost.
         """
         for pause in (*_RELIST_SECONDS, None):
             shown = self._parts_in()
@@ -206,21 +228,83 @@ class Checkpoint:
                 if p.last > watermark
                 and not any(q.first <= p.first and q.last >= p.last for q in shown)
             ]
-            if not missing:
+            gaps, moved = ([], []) if missing else self._gaps(shown, start)
+            if not missing and not gaps:
+                if moved and log is not None:
+                    log.warning(
+                        "Checkpoint %s: no part holds %s: damaged, moved aside to %s/ by an "
+                        "earlier run; their rows are computed again.",
+                        self.url,
+                        _flushes(moved),
+                        self.store.display(self.files.quarantine),
+                    )
                 self.parts_known.update((p.path, p) for p in shown if p.last > watermark)
-                return shown
+                return shown, []
             if pause is not None:
                 time.sleep(pause)
         folder = self.store.display(self.files.parts)
-        raise StorageError(
-            f"The listing of {folder} does not show {len(missing)} part(s) this run wrote or saw, "
-            f"such as {self.store.display(missing[0].path)}, even after listing again for "
-            f"{sum(_RELIST_SECONDS):.0f} s: the store's listings lag behind its writes. Nothing "
-            "was merged or deleted.",
-            "Run again: it resumes. If it happens again, use a store whose listings show every "
-            "completed write (S3 does), or turn off the listing cache of any gateway in front "
-            "of it.",
+        waited = f"even after listing again for {sum(_RELIST_SECONDS):.0f} s"
+        if missing:
+            raise StorageError(
+                f"The listing of {folder} does not show {len(missing)} part(s) this run wrote or "
+                f"saw, such as {self.store.display(missing[0].path)}, {waited}: the store's "
+                "listings lag behind its writes. Nothing was merged or deleted.",
+                "Run again: it resumes. If it happens again, use a store whose listings show "
+                "every completed write (S3 does), or turn off the listing cache of any gateway "
+                "in front of it.",
+            )
+        if accept_gaps:
+            self.parts_known.update((p.path, p) for p in shown if p.last > watermark)
+            return shown, gaps
+        raise self.gap_error(gaps, watermark, waited)
+
+    def gap_error(self, gaps: Sequence[Flushes], watermark: int, waited: str = "") -> StorageError:
+        """The error of parts that leave out ``gaps`` above the merged file's ``watermark``;
+        ``waited``: how long a run listed again before giving up."""
+        folder = self.store.display(self.files.parts)
+        below = f"merged up to flush {watermark}" if watermark else "there is no merged file"
+        what = (
+            f"No part in the listing of {folder} holds {_flushes(gaps)}, though parts of later "
+            f"flushes are there ({below}){', ' + waited if waited else ''}. Either the store's "
+            "listing lags behind its writes, or those parts were deleted."
         )
+        if waited:
+            what += (
+                " Their rows are neither taken as done nor computed again, and nothing was "
+                "merged or deleted."
+            )
+        return StorageError(
+            what,
+            "Run again in a few minutes: once the listing shows the parts, the run resumes. If "
+            f"they were deleted (by hand, a lifecycle rule), run {self._command('repair')}: it "
+            "merges what is stored and the next run computes the rows of the missing flushes "
+            "again. If listings keep lagging, use a store whose listings show every completed "
+            "write (S3, GCS and Azure do), or turn off the listing cache of any gateway in "
+            "front of it.",
+        )
+
+    def parts_and_gaps(self, watermark: int, base_seq: int = 0) -> tuple[list[Part], list[Flushes]]:
+        """(live parts, flushes above ``watermark`` that no part holds) after listing again
+        while there is a gap (see ``_parts_in_known``); raises nothing about gaps."""
+        listed, gaps = self._parts_in_known(
+            watermark, max(watermark + 1, base_seq), accept_gaps=True
+        )
+        return _split(listed)[0], gaps
+
+    def _gaps(self, shown: list[Part], start: int) -> tuple[list[Flushes], list[Flushes]]:
+        """(flushes from ``start`` that no part of ``shown`` holds, below the highest shown;
+        those of them held by damaged parts moved to the quarantine folder), listing that
+        folder only when there is a gap."""
+        gaps = _holes(((p.first, p.last) for p in shown), start)
+        if not gaps:
+            return [], []
+        moved: list[Flushes] = []
+        for info in self.store.list(self.files.quarantine):
+            found = part_range(info.name.split(".parquet.", 1)[0] + ".parquet")
+            if found is not None:
+                moved.append(found)
+        unexplained = _holes([*((p.first, p.last) for p in shown), *moved], start)
+        return unexplained, [g for g in gaps if g not in unexplained]
 
     def read_file(self, path: str, data: bytes | None = None) -> pl.DataFrame:
         """One stored Parquet file (``data``, if already fetched); unreadable means corrupt."""
@@ -247,23 +331,33 @@ class Checkpoint:
         outputs: Sequence[str] | None = None,
         *,
         quarantine: Logger | None = None,
+        accept_gaps: bool = False,
     ) -> Stored:
-        """Read the merged file and every live part, resolved to one row per id.
+        """Read the merged file and every part above its watermark, resolved to one row per id.
 
         ``outputs``, the job's output columns when known, must be in every file with successes.
         ``quarantine``: the caller holds the lock, so an unreadable part is moved aside with a
         warning on this logger and its rows count as not done; without it, it raises. An
-        unreadable merged file always raises (see the module docstring).
+        unreadable merged file always raises (see the module docstring). A listing that leaves
+        a gap in the sequence raises ``StorageError`` unless ``accept_gaps`` (``Stored.gaps``).
         """
         merged, watermark = self.read_merged()
-        listed = self._parts_in_known(watermark)
+        listed, gaps = self._parts_in_known(
+            watermark, max(watermark + 1, base_seq), accept_gaps=accept_gaps, log=quarantine
+        )
         files = len(listed) + (merged is not None)
         frames_of: dict[str, pl.DataFrame] = {}
         moved: list[str] = []
         while True:  # again after a part is moved aside: parts it covered are live again
             live, redundant = _split(listed)
             parts = [p for p in live if p.last > watermark]
-            damaged = self._read_parts(parts, base_seq, id_column, outputs, frames_of, quarantine)
+            # A part covered by another (compaction's input left by a crash, usually) is read
+            # too: the part covering it may be one that a run wrote under the same flush number
+            # after a listing that missed this one, holding other rows.
+            covered = [p for p in redundant if p.last > watermark]
+            damaged = self._read_parts(
+                parts + covered, base_seq, id_column, outputs, frames_of, quarantine
+            )
             if damaged is None:
                 break
             to = self.set_aside(damaged.path)
@@ -282,12 +376,14 @@ class Checkpoint:
         if merged is not None and use_merged:
             self.check_file(merged, id_column, self.files.merged, outputs)
             frames.append(_since(merged, base_seq))
-        frames += [_since(frames_of[p.path], base_seq) for p in parts if p.path in frames_of]
+        frames += [
+            _since(frames_of[p.path], base_seq) for p in parts + covered if p.path in frames_of
+        ]
         highest = max([watermark, *(p.last for p in parts)])
         stored = rows.concat(frames, self.url) if frames else rows.empty(id_column)
         if len(frames) > 1 or not use_merged:
             stored = rows.pick_winners(stored, id_column)  # the merged file alone was checked
-        return Stored(stored, watermark, highest + 1, parts, leftover, files, moved)
+        return Stored(stored, watermark, highest + 1, parts, leftover, files, moved, gaps)
 
     def _read_parts(
         self,
@@ -467,6 +563,24 @@ def _split(parts: list[Part]) -> tuple[list[Part], list[Part]]:
         else:
             live.append(part)
     return live, redundant
+
+
+def _holes(ranges: Iterable[Flushes], start: int) -> list[Flushes]:
+    """The flushes from ``start`` that none of ``ranges`` holds, below the highest of them."""
+    holes: list[Flushes] = []
+    expected = start
+    for first, last in sorted(ranges):
+        if first > expected:
+            holes.append((expected, first - 1))
+        expected = max(expected, last + 1)
+    return holes
+
+
+def _flushes(gaps: Sequence[Flushes]) -> str:
+    """``gaps`` for people: "flush 5", "flushes 5 to 7", the first three of several."""
+    said = [f"flush {a}" if a == b else f"flushes {a} to {b}" for a, b in gaps[:3]]
+    more = f" and {len(gaps) - 3} more gap(s)" if len(gaps) > 3 else ""
+    return ", ".join(said) + more
 
 
 def _first_line(error: Exception) -> str:

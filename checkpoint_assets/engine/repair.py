@@ -10,7 +10,9 @@ named; a dead holder's lock is taken over), then:
    type). When the merged file is moved aside, parts it had already merged but that are still
    stored are used again. Then it merges what is left into a new merged file, as ``compact``
    does, and records the new counts in the meta file. Rows lost with a damaged file are simply
-   not stored: the next run computes them again;
+   not stored: the next run computes them again. So are the rows of flushes that no part holds
+   while later ones do (parts deleted outside this package, after listing again in case the
+   listing lags): they are named, and the new merged file covers them;
 3. with a meta file that is unreadable, or missing while data files remain, nothing records the
    job that wrote the rows (code version, settings), and rows of an unknown job are never
    resumed: it cannot rebuild the meta file, says so, and moves the meta file and every data file
@@ -53,6 +55,7 @@ class Repaired:
     rows_ok: int = 0  # rows of the result afterwards
     rows_failed: int = 0
     meta_lost: str | None = None  # why the meta file could not be used, when it could not
+    missing: list[tuple[int, int]] = field(default_factory=list)  # flushes no file held
 
     def summary(self) -> str:
         """One sentence for people."""
@@ -62,6 +65,9 @@ class Repaired:
                 "file(s) aside: the next run starts the checkpoint again"
             )
         did = [f"moved {len(self.moved)} damaged file(s) aside"] if self.moved else []
+        if self.missing:
+            gaps = ", ".join(f"{a}" if a == b else f"{a} to {b}" for a, b in self.missing)
+            did.append(f"no part held flush(es) {gaps}: their rows are computed again")
         if self.parts_merged:
             did.append(f"merged {self.parts_merged} part(s)")
         if self.removed_temporary:
@@ -124,9 +130,10 @@ def _set_all_aside(checkpoint: Checkpoint, done: Repaired, lost: str) -> None:
 
 
 def _rebuild(checkpoint: Checkpoint, meta: Meta, done: Repaired) -> None:
-    watermark = 0
+    watermark = merged_to = 0
     try:
         merged, watermark = checkpoint.read_merged()
+        merged_to = watermark
         problem = (
             None
             if merged is None
@@ -147,7 +154,10 @@ def _rebuild(checkpoint: Checkpoint, meta: Meta, done: Repaired) -> None:
             problem = e.problem
         if problem is not None:
             _move(checkpoint, done, part.path, problem)
-    stored = checkpoint.load(meta.id_column, meta.base_seq, list(meta.output_schema or {}))
+    outputs = list(meta.output_schema or {})
+    stored = checkpoint.load(meta.id_column, meta.base_seq, outputs, accept_gaps=True)
+    # Flushes in the merged file moved aside are no news: it is named above.
+    done.missing = [(max(a, merged_to + 1), b) for a, b in stored.gaps if b > merged_to]
     # New flushes must stay in the current generation even when its merged file was moved aside.
     stored.next_seq = max(stored.next_seq, meta.base_seq + 1)
     done.parts_merged = len(stored.parts)

@@ -46,7 +46,10 @@ def problems(checkpoint: Checkpoint) -> list[str]:
             files.append((checkpoint.files.merged, merged))
     except CheckpointError as e:
         found.append(str(e))
-    for part in checkpoint.list_parts()[0]:
+    parts, gaps = checkpoint.parts_and_gaps(watermark, meta.base_seq)
+    if gaps:
+        found.append(str(checkpoint.gap_error(gaps, watermark)))
+    for part in parts:
         if part.last <= watermark:
             continue  # merged already; the next writer deletes it
         try:

@@ -23,6 +23,7 @@ import pytest
 from helpers.jobs import build_job, tickets
 
 from checkpoint_assets import shard_partitions
+from checkpoint_assets.engine.layout import part_range
 
 TESTS = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "checkpoint-assets")
@@ -274,12 +275,14 @@ def test_verify_flags_a_corrupted_part_and_passes_sound_checkpoints(
     assert ok.stdout == ""
     assert "Verified 6 checkpoint(s): 0 with problems." in ok.stderr
 
-    corrupt = base / f"{KILLED}.parquet.parts" / "part-000000009999-000000009999-0123ab.parquet"
+    parts = base / f"{KILLED}.parquet.parts"
+    seq = 1 + max(r[1] for r in map(part_range, os.listdir(parts)) if r)  # no gap: the next flush
+    corrupt = parts / f"part-{seq:012d}-{seq:012d}-0123ab.parquet"
     corrupt.write_bytes(b"not parquet")
     flagged = cli("verify", str(base))
     assert flagged.returncode == 1
     assert flagged.stdout.startswith(f"{KILLED}: Checkpoint file ")
-    assert "part-000000009999-000000009999-0123ab.parquet is unreadable" in flagged.stdout
+    assert f"{corrupt.name} is unreadable" in flagged.stdout
     assert len(flagged.stdout.splitlines()) == 1
     assert corrupt.exists()  # verify only looks
 

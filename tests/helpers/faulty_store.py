@@ -5,7 +5,8 @@
 operation and a regular expression over the path, lets ``skip`` matching calls through, then acts
 ``times`` times: with an ``error``, raises it; without one (``list`` only), answers with what the
 first matching listing answered (a stale listing), or, with ``hide``, leaves out the files whose
-name matches it (a listing that misses one write).
+name matches it (a listing that misses one write). Every listing is recorded in ``listed`` (the
+folders, in order), so a test can count them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class StoreFault:
 
 class _Faulty:
     faults: list[StoreFault]
+    listed: list[str]
 
     def _fault(self, op: str, path: str) -> StoreFault | None:
         for fault in self.faults:
@@ -56,6 +58,7 @@ class _Faulty:
         return super().get(path)  # type: ignore[misc, no-any-return]
 
     def list(self, folder: str) -> Listing:
+        self.listed.append(folder)
         listing: Listing = super().list(folder)  # type: ignore[misc]
         for fault in self.faults:
             stale = fault.op == "list" and fault.error is None and fault.hide is None
@@ -85,4 +88,5 @@ def faulty(store: Store, *faults: StoreFault) -> Any:
     out = copy.copy(store)
     out.__class__ = type(f"Faulty{type(store).__name__}", (_Faulty, type(store)), {})
     out.faults = list(faults)
+    out.listed = []
     return out

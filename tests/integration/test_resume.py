@@ -182,8 +182,9 @@ def test_an_unreadable_part_is_moved_aside_not_deleted_and_the_run_goes_on(
     job = build_job(storage, tickets(20))
     job.materialize(limit=8)
     checkpoint = job.checkpoint()
+    seq = checkpoint.read_merged()[1] + 1  # the next flush: a part at another number is a gap
     bad = checkpoint.store.path(
-        f"{checkpoint.name}.parquet.parts", "part-000000000099-000000000099-0badc0ffee00.parquet"
+        f"{checkpoint.name}.parquet.parts", f"part-{seq:012d}-{seq:012d}-0badc0ffee00.parquet"
     )
     checkpoint.store.put(bad, b"PAR1 this is not parquet")
     job.calls.clear()
@@ -201,12 +202,12 @@ def test_checkpoint_with_duplicate_ids_points_at_two_jobs_sharing_a_tag(storage:
     job = build_job(storage, tickets(20))
     job.materialize(limit=8)
     checkpoint = job.checkpoint()
-    stored, _ = checkpoint.read_merged()
+    stored, watermark = checkpoint.read_merged()
     assert stored is not None
     foreign = pl.concat([stored.head(2), stored.head(2)]).with_columns(
-        pl.lit(50, pl.Int64).alias(SEQ)
+        pl.lit(watermark + 1, pl.Int64).alias(SEQ)
     )
-    checkpoint.write_part(foreign, 50)
+    checkpoint.write_part(foreign, watermark + 1)
     job.calls.clear()
 
     with pytest.raises(CorruptCheckpointError) as raised:
@@ -224,14 +225,15 @@ def test_checkpoint_without_the_output_columns_points_at_two_jobs_sharing_a_tag(
     job = build_job(storage, tickets(12))
     job.materialize(limit=8)
     checkpoint = job.checkpoint()
+    seq = checkpoint.read_merged()[1] + 1
     other_job = (
         job.checkpoint()
         .load("ticket_id")
         .rows.head(3)
         .select("ticket_id", "_error", "_attempts", "_input_hash", score=pl.lit(0.5))
-        .with_columns(pl.lit(50, pl.Int64).alias(SEQ))
+        .with_columns(pl.lit(seq, pl.Int64).alias(SEQ))
     )
-    checkpoint.write_part(other_job, 50)
+    checkpoint.write_part(other_job, seq)
     job.calls.clear()
 
     with pytest.raises(CorruptCheckpointError) as raised:

@@ -2,7 +2,8 @@
 
 Any backend (local disk and S3) gets faults from a fault-injecting store
 (``helpers/faulty_store.py``): a part write that fails once or keeps failing, a failed delete
-after the merged file, a failed read at resume, a listing of the parts that misses recent writes.
+after the merged file, a failed read at resume, a listing of the parts that misses recent writes
+(at finalize, or at the start of a run: a gap in the flush numbers, or the newest part).
 S3 faults also come from a real HTTP proxy on 127.0.0.1 in front of the moto server
 (``helpers/fault_proxy.py``): ``503 SlowDown`` (S3's throttling), a request that hangs past the
 client's read timeout, a PUT cut off half way, a listing that does not show recent writes. A full
@@ -12,8 +13,11 @@ resumes: it computes only what was not stored.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import logging
 import os
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,8 +30,11 @@ from helpers.faulty_store import StoreFault, faulty
 from helpers.jobs import Storage
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine import checkpoint as checkpoint_module
 from checkpoint_assets.engine.errors import StorageError
+from checkpoint_assets.engine.repair import repair
 from checkpoint_assets.engine.storage import Store
+from checkpoint_assets.engine.verify import problems
 
 ROWS = 40
 SETTINGS = Settings(
@@ -54,13 +61,19 @@ def _fn(calls: list[int]) -> Any:
     return fn
 
 
-def _run(store: Store, calls: list[int] | None = None) -> pl.DataFrame:
+def _run(
+    store: Store,
+    calls: list[int] | None = None,
+    settings: Settings = SETTINGS,
+    logger: logging.Logger | None = None,
+) -> pl.DataFrame:
     result, _ = run(
         _fn([] if calls is None else calls),
         _inputs(),
         Checkpoint(store, "job"),
-        SETTINGS,
+        settings,
         job={"v": 1},
+        logger=logger,
     )
     return result
 
@@ -364,23 +377,53 @@ class _Crash(BaseException):
     """The run stops (like a Ctrl-C): it flushes what it computed, then leaves."""
 
 
-@pytest.mark.parametrize("times", [1, 10**6])
-def test_a_listing_that_misses_a_part_seen_at_the_start_never_loses_it(
-    storage: Storage, times: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr("checkpoint_assets.engine.checkpoint._RELIST_SECONDS", (0.01, 0.01))
+def _stop_at(store: Store, row: int) -> list[tuple[int, list[int]]]:
+    """A run that stops at the batch holding ``row``, after flushing every batch before it;
+    returns (flush, ids) of each part it left, in order."""
     route = _fn([])
 
     def stops(batch: pl.DataFrame) -> pl.DataFrame:
-        if 12 in batch["ticket_id"]:
+        if row in batch["ticket_id"]:
             raise _Crash()
         return route(batch)  # type: ignore[no-any-return]
 
+    checkpoint = Checkpoint(store, "job")
     with pytest.raises(_Crash):
-        run(stops, _inputs(), Checkpoint(open_store(*storage), "job"), SETTINGS, job={"v": 1})
-    assert _stored_ids(open_store(*storage)) == set(range(12))  # parts 1, 2 and 3
-    # The next run sees the three parts when it starts; at finalize the listing misses part 1.
-    hidden = StoreFault("list", r"\.parquet\.parts$", hide=r"^part-0+1-0+1-", skip=1, times=times)
+        run(stops, _inputs(), checkpoint, SETTINGS, job={"v": 1})
+    parts = checkpoint.list_parts()[0]
+    return [(p.first, sorted(checkpoint.read_file(p.path)["ticket_id"])) for p in parts]
+
+
+def _part(n: int) -> str:
+    """A pattern matching the name of the part of flush ``n`` alone."""
+    return rf"^part-0*{n}-0*{n}-"
+
+
+def _three_parts(storage: Storage) -> list[tuple[int, list[int]]]:
+    """Parts of a run stopped at row 36: three at least (rows done meanwhile join a flush)."""
+    parts = _stop_at(open_store(*storage), 36)
+    assert len(parts) >= 3 and [n for n, _ in parts] == list(range(1, len(parts) + 1))
+    assert sorted(i for _, ids in parts for i in ids) == list(range(36))
+    return parts
+
+
+@pytest.fixture
+def pauses(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The pauses taken before listing again (none taken for real)."""
+    taken: list[float] = []
+    fake = types.SimpleNamespace(time=checkpoint_module.time.time, sleep=taken.append)
+    monkeypatch.setattr(checkpoint_module, "time", fake)
+    return taken
+
+
+@pytest.mark.parametrize("times", [1, 10**6])
+def test_a_listing_that_misses_a_part_seen_at_the_start_never_loses_it(
+    storage: Storage, times: int, pauses: list[float]
+) -> None:
+    _stop_at(open_store(*storage), 12)
+    assert _stored_ids(open_store(*storage)) == set(range(12))
+    # The next run sees the parts when it starts; at finalize the listing misses part 1.
+    hidden = StoreFault("list", r"\.parquet\.parts$", hide=_part(1), skip=1, times=times)
     store = faulty(open_store(*storage), hidden)
     calls: list[int] = []
 
@@ -393,3 +436,138 @@ def test_a_listing_that_misses_a_part_seen_at_the_start_never_loses_it(
         _run(open_store(*storage), calls)
     assert sorted(calls) == list(range(12, ROWS))
     _assert_complete(store)
+
+
+# -- stale listings at the start of a run -------------------------------------------------------
+
+
+def test_a_listing_stale_at_the_start_is_listed_again_and_nothing_is_computed_twice(
+    storage: Storage, pauses: list[float]
+) -> None:
+    parts = _three_parts(storage)
+    # The first listing of the next run misses part 2: flushes 1 and 3 with a gap between.
+    store = faulty(open_store(*storage), StoreFault("list", r"\.parquet\.parts$", hide=_part(2)))
+    calls: list[int] = []
+
+    result = _run(store, calls)
+
+    assert len(pauses) == 1  # one pause, one listing more
+    assert sorted(calls) == list(range(36, ROWS))  # the rows of part 2 are not computed again
+    assert sorted(result["ticket_id"].to_list()) == list(range(ROWS))
+    assert len(parts[1][1]) > 0
+    _assert_complete(store)
+
+
+def test_a_gap_that_stays_stops_the_run_before_any_call_and_a_rerun_resumes(
+    storage: Storage, pauses: list[float]
+) -> None:
+    _three_parts(storage)
+    checkpoint = Checkpoint(open_store(*storage), "job")
+    before = {f.path: checkpoint.store.get(f.path) for f in checkpoint.list_files()}
+    hidden = StoreFault("list", r"\.parquet\.parts$", hide=_part(2), times=10**6)
+    store = faulty(open_store(*storage), hidden)
+    calls: list[int] = []
+
+    with pytest.raises(StorageError) as failed:
+        _run(store, calls)
+
+    message = str(failed.value)
+    assert "holds flush 2, though parts of later flushes are there" in message
+    assert "lags behind its writes, or those parts were deleted" in message
+    assert "neither taken as done nor computed again, and nothing was merged or" in message
+    assert "Run again in a few minutes" in message and "checkpoint-assets repair" in message
+    assert calls == []  # nothing paid for
+    assert len(pauses) == len(checkpoint_module._RELIST_SECONDS)  # bounded: then it gives up
+    after = {f.path: checkpoint.store.get(f.path) for f in checkpoint.list_files()}
+    assert after == before  # the lock is released, nothing else was touched
+    # Once the listing shows the part again, the run resumes.
+    _run(open_store(*storage), calls)
+    assert sorted(calls) == list(range(36, ROWS))
+    _assert_complete(checkpoint.store)
+
+
+def test_a_part_deleted_outside_the_package_stops_runs_until_repair_accepts_the_loss(
+    storage: Storage, pauses: list[float]
+) -> None:
+    lost = _three_parts(storage)[1][1]
+    checkpoint = Checkpoint(open_store(*storage), "job")
+    (second,) = [p for p in checkpoint.list_parts()[0] if p.first == 2]
+    checkpoint.store.delete([second.path])  # a lifecycle rule, or by hand
+
+    with pytest.raises(StorageError, match="holds flush 2"):
+        _run(open_store(*storage))
+    (flagged,) = problems(checkpoint)
+    assert "holds flush 2, though parts of later flushes are there" in flagged
+    done = repair(Checkpoint(open_store(*storage), "job"))
+
+    assert problems(checkpoint) == []
+    assert done.missing == [(2, 2)]
+    assert "no part held flush(es) 2: their rows are computed again" in done.summary()
+    calls: list[int] = []
+    _run(open_store(*storage), calls)
+    assert sorted(calls) == lost + list(range(36, ROWS))  # only what was lost
+    _assert_complete(checkpoint.store)
+
+
+def test_a_gap_left_by_a_quarantined_part_is_no_reason_to_list_again(
+    storage: Storage, pauses: list[float], caplog: pytest.LogCaptureFixture
+) -> None:
+    damaged = _three_parts(storage)[1][1]
+    checkpoint = Checkpoint(open_store(*storage), "job")
+    (second,) = [p for p in checkpoint.list_parts()[0] if p.first == 2]
+    checkpoint.store.put(second.path, b"PAR1 damaged")
+    # The next run moves part 2 aside, computes its rows again, then stops too: the gap stays
+    # for the run after it.
+    _stop_at(open_store(*storage), 38)
+    assert 2 not in [p.first for p in checkpoint.list_parts()[0]]
+    store = faulty(open_store(*storage))
+    calls: list[int] = []
+
+    with caplog.at_level(logging.WARNING):
+        _run(store, calls, logger=logging.getLogger("stale-test"))
+
+    assert pauses == []  # the quarantine folder tells why the gap is there
+    assert store.listed.count(checkpoint.files.quarantine) <= 3  # start, finalize, cleanup
+    assert "no part holds flush 2: damaged, moved aside" in caplog.text
+    assert sorted(calls) == list(range(36, ROWS))
+    assert damaged  # computed by the run that moved them aside
+    _assert_complete(store)
+
+
+def test_a_listing_that_misses_the_newest_part_costs_its_rows_twice_but_loses_none(
+    storage: Storage, pauses: list[float]
+) -> None:
+    parts = _three_parts(storage)
+    newest, again = parts[-1]
+    # A listing that misses the newest part leaves no gap: nothing tells the run it exists. It
+    # computes its rows again and writes its first part under the same flush number, holding
+    # other rows (8 per flush now).
+    hidden = StoreFault("list", r"\.parquet\.parts$", hide=_part(newest))
+    store = faulty(open_store(*storage), hidden)
+    calls: list[int] = []
+
+    result = _run(store, calls, dataclasses.replace(SETTINGS, checkpoint_interval=8))
+
+    assert pauses == []
+    assert sorted(calls) == again + list(range(36, ROWS))  # the documented limit: paid twice
+    assert sorted(result["ticket_id"].to_list()) == list(range(ROWS))
+    _assert_complete(store)  # both parts of that number were read: no row is lost
+
+
+@pytest.mark.parametrize("order", ["old first", "new first"])
+def test_two_parts_under_one_flush_number_are_both_read(storage: Storage, order: str) -> None:
+    # What a listing that missed the newest part leaves: the part a stopped run wrote, and the
+    # part the next run wrote under the same number, holding other rows. Both names sort either
+    # way, so one of the two orders would hide a part if either were skipped.
+    checkpoint = Checkpoint(open_store(*storage), "job")
+    rows = _fn([])(_inputs()).join(_inputs(), on="ticket_id").drop("body")
+    stamped = rows.with_columns(_error=pl.lit(None, pl.String), _attempts=1, _seq=1)
+    old, new = stamped.slice(0, 4), stamped.slice(0, 8)  # the new part holds rows 4 to 7 too
+    names = ["0" * 12, "f" * 12] if order == "old first" else ["f" * 12, "0" * 12]
+    for frame, tag in zip([old, new], names, strict=True):
+        path = f"{checkpoint.files.parts}/part-{1:012d}-{1:012d}-{tag}.parquet"
+        checkpoint.store.put(path, checkpoint.encode_part(frame))
+
+    stored = checkpoint.load("ticket_id")
+
+    assert sorted(stored.rows["ticket_id"].to_list()) == list(range(8))
