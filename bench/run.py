@@ -102,6 +102,8 @@ def sizes_from(args: argparse.Namespace) -> Sizes:
         reshard_rows=int(pick(args.reshard_rows, 1_000_000, 4_000)),
         reshard_sample=int(pick(None, reshard.SAMPLE, 4)),
         global_rows=tuple(int(float(r)) for r in global_rows.split(",") if r.strip()),
+        global_checkpoints=int(pick(None, 256, 16)),
+        overhead_rounds=int(pick(None, 5, 1)),
     )
 
 
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             status_scale.status_scale(_counts(args.status_checkpoints), workdir, sizes.repeat)
         ],
         "reshard": lambda: [reshard.reshard(sizes.reshard_rows, sizes.reshard_sample, workdir)],
-        "global_table": lambda: [reshard.global_table(sizes.global_rows, 256, workdir)],
+        "global_table": lambda: [reshard.global_table(sizes.global_rows, sizes.global_checkpoints, workdir)],
     }
     started = datetime.datetime.now(datetime.UTC)
     results: list[Result] = []

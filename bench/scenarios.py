@@ -52,6 +52,8 @@ class Sizes:
     reshard_rows: int = 1_000_000
     reshard_sample: int = 50
     global_rows: tuple[int, ...] = (10_000_000, 30_000_000)
+    global_checkpoints: int = 256
+    overhead_rounds: int = 5  # at least; more with a larger ``repeat``
 
 
 def _median(values: list[float]) -> float:
@@ -182,7 +184,7 @@ def overhead(sizes: Sizes, workdir: str) -> Result:
         seconds = {key: [] for key in runs}
         # Round 0 warms every path up (first materializations are slower) and is not counted;
         # then the jobs alternate, so background noise hits all alike.
-        for i in range(max(5, sizes.repeat) + 1):
+        for i in range(max(sizes.overhead_rounds, sizes.repeat) + 1):
             if i == 1:
                 waits.clear()
             for key, job in runs.items():
