@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
             status_scale.status_scale(_counts(args.status_checkpoints), workdir, sizes.repeat)
         ],
         "reshard": lambda: [reshard.reshard(sizes.reshard_rows, sizes.reshard_sample, workdir)],
-        "global_table": lambda: [reshard.global_table(sizes.global_rows, sizes.global_checkpoints, workdir)],
+        "global_table": lambda: [
+            reshard.global_table(sizes.global_rows, sizes.global_checkpoints, workdir)
+        ],
     }
     started = datetime.datetime.now(datetime.UTC)
     results: list[Result] = []
