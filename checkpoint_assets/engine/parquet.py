@@ -17,6 +17,7 @@ import io
 
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from checkpoint_assets.engine.errors import CheckpointError
@@ -59,22 +60,25 @@ def _encode(table: pa.Table, metadata: dict[str, str] | None, part: bool) -> byt
 
 
 def decode(raw: bytes) -> pl.DataFrame:
-    """A Parquet file as a DataFrame, each column that is null in every row as a constant.
+    """A Parquet file as a DataFrame, each column that holds one value in every row as a constant.
 
-    Raises if a page's checksum does not match its bytes. Polars gives every string value a
-    16-byte view, nulls included: the ``_error`` column of 10**7 successful rows would take 160 MB,
-    a constant takes nothing. The null counts come from the file's column statistics; a file
-    without them is read as it is.
+    Raises if a page's checksum does not match its bytes: every page of every column is read and
+    checked. Polars gives every value of a column its own slot (16 bytes for a string, nulls
+    included), a constant takes nothing: the ``_error`` column of 10**7 successful rows would
+    take 160 MB, ``_attempts`` 40 MB. Which columns may be constant comes from the file's column
+    statistics (their null counts, and minimum equal to maximum for integers, booleans and
+    strings); such a column is kept as a constant only if its values read back all equal to
+    it. A file without statistics (parts) is read as it is.
     """
     file = pq.ParquetFile(pa.BufferReader(raw), pre_buffer=False, page_checksum_verification=True)
     names = file.schema_arrow.names
-    empty = _all_null_columns(file.metadata)
-    frame = _read(file, [c for c in names if c not in empty])
-    if not empty:
+    constants = _constants(raw, file)
+    frame = _read(file, [c for c in names if c not in constants])
+    if not constants:
         return frame
     schema = _frame(file.schema_arrow.empty_table()).schema
-    nulls = [pl.lit(None, schema[c]).alias(c) for c in empty]
-    return frame.with_columns(nulls).select(names)
+    values = [pl.lit(value, schema[c]).alias(c) for c, value in constants.items()]
+    return frame.with_columns(values).select(names)
 
 
 def watermark(raw: bytes) -> int:
@@ -127,23 +131,90 @@ def _read(file: pq.ParquetFile, columns: list[str]) -> pl.DataFrame:
     return pl.concat([_frame(group) for group in groups], rechunk=False)
 
 
+def _constants(raw: bytes, file: pq.ParquetFile) -> dict[str, object]:
+    """The columns of ``file`` (``raw``) that hold one value, or only nulls, in every row.
+
+    The candidates come from the statistics; each is then read, a row group at a time (its pages
+    checked), and kept only if every value equals the candidate's. Strings are read as
+    dictionaries: 4 bytes a row instead of a 16-byte view. Read before the other columns, these
+    short-lived buffers leave no gaps among the ones that stay.
+    """
+    candidates = _constant_candidates(file.metadata)
+    if not candidates:
+        return {}
+    reader = pq.ParquetFile(
+        pa.BufferReader(raw),
+        metadata=file.metadata,
+        read_dictionary=[c for c, v in candidates.items() if isinstance(v, str)],
+        pre_buffer=False,
+        page_checksum_verification=True,
+    )
+    for g in range(reader.num_row_groups):
+        group = reader.read_row_group(g, columns=list(candidates), use_threads=False)
+        for name in list(candidates):
+            if not _all_equal(group.column(name), candidates[name]):
+                del candidates[name]
+        if not candidates:
+            break
+    return candidates
+
+
+def _all_equal(column: pa.ChunkedArray, value: object) -> bool:
+    if value is None:
+        return bool(column.null_count == len(column))
+    if column.null_count:
+        return False
+    for chunk in column.chunks:
+        if isinstance(chunk, pa.DictionaryArray):
+            chunk = chunk.dictionary.take(pc.unique(chunk.indices))
+        extremes = pc.min_max(chunk)
+        if len(chunk) and not extremes["min"].as_py() == extremes["max"].as_py() == value:
+            return False
+    return True
+
+
 def _frame(table: pa.Table) -> pl.DataFrame:
     frame = pl.from_arrow(table, rechunk=False)
     assert isinstance(frame, pl.DataFrame)
     return frame
 
 
-def _all_null_columns(meta: pq.FileMetaData) -> set[str]:
-    flat = {f.name for f in meta.schema.to_arrow_schema() if not pa.types.is_nested(f.type)}
-    nulls = dict.fromkeys(flat, 0)
+def _constant_candidates(meta: pq.FileMetaData) -> dict[str, object]:
+    """Columns whose statistics say they hold one value, or only nulls, in every row."""
+    schema = meta.schema.to_arrow_schema()
+    kinds = {f.name: f.type for f in schema if not pa.types.is_nested(f.type)}
+    seen: dict[str, set[object]] = {name: set() for name in kinds}
+    nulls = dict.fromkeys(kinds, 0)
     for g in range(meta.num_row_groups):
         group = meta.row_group(g)
         for i in range(group.num_columns):
             column = group.column(i)
-            if column.path_in_schema not in nulls:
+            name = column.path_in_schema
+            if name not in seen:
                 continue
             stats = column.statistics
-            known = stats is not None and stats.has_null_count
-            nulls[column.path_in_schema] += stats.null_count if known else -(meta.num_rows + 1)
-    empty = {c for c, n in nulls.items() if n == meta.num_rows > 0}
-    return empty if len(empty) < len(meta.schema.to_arrow_schema()) else set()
+            if stats is None or not stats.has_null_count:
+                del seen[name]
+                continue
+            nulls[name] += stats.null_count
+            if stats.null_count == group.num_rows:
+                continue
+            if _exact(kinds[name]) and stats.has_min_max and stats.min == stats.max:
+                seen[name].add(stats.min)
+            else:
+                del seen[name]
+    found: dict[str, object] = {}
+    for name, values in seen.items():
+        if meta.num_rows and nulls[name] == meta.num_rows:
+            found[name] = None
+        elif nulls[name] == 0 and len(values) == 1:
+            found[name] = values.pop()
+    if found and len(found) == len(schema):  # read one column, for the number of rows
+        found.pop(schema.names[0])
+    return found
+
+
+def _exact(kind: pa.DataType) -> bool:
+    """Types whose statistics are their exact values (floats leave NaN out)."""
+    exact = (pa.types.is_integer, pa.types.is_boolean, pa.types.is_string, pa.types.is_large_string)
+    return any(is_type(kind) for is_type in exact) or kind == pa.string_view()

@@ -1,0 +1,110 @@
+"""Reading stored files: columns with one value in every row come back as constants (no memory per
+row), every other column as it was written, and every page of every column is checked."""
+
+from __future__ import annotations
+
+import io
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from checkpoint_assets.engine import parquet
+
+ROWS = 300_000
+
+
+def stored(rows: int = ROWS) -> pl.DataFrame:
+    """A merged file's rows where most rows succeeded on the first attempt."""
+    return pl.DataFrame(
+        {
+            "id": pl.int_range(rows, eager=True),
+            "score": pl.int_range(rows, eager=True) % 7,
+            "label": pl.Series(["short"] * rows),
+            "mixed": pl.Series(["a", "b"] * (rows // 2)),
+            "ratio": pl.Series([0.5] * rows),
+            "_attempts": pl.Series([1] * rows, dtype=pl.Int32),
+            "_error": pl.Series([None] * rows, dtype=pl.String),
+            "_input_hash": pl.Series([2**64 - 1] * rows, dtype=pl.UInt64),
+            "_current": pl.Series([True] * rows),
+        }
+    )
+
+
+def merged_file(frame: pl.DataFrame, row_group_size: int | None = None) -> bytes:
+    """Bytes of ``frame`` as a merged file, optionally in smaller row groups."""
+    data = parquet.encode(frame, {parquet.WATERMARK_KEY: "3"})
+    if row_group_size is None:
+        return data
+    table = pq.read_table(pa.BufferReader(data))
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, row_group_size=row_group_size, write_page_checksum=True)
+    return buffer.getvalue()
+
+
+def constant(frame: pl.DataFrame, column: str) -> bool:
+    """Whether ``column`` of ``frame`` takes no memory per row (a constant)."""
+    return frame.select(column).estimated_size() < 1000
+
+
+def test_columns_with_one_value_read_back_equal_and_as_constants() -> None:
+    frame = stored()
+
+    read = parquet.decode(merged_file(frame, row_group_size=ROWS // 3))
+
+    assert read.schema == frame.schema
+    assert read.equals(frame)
+    for column in ("label", "_attempts", "_error", "_input_hash", "_current"):
+        assert constant(read, column), column
+    for column in ("id", "score", "mixed", "ratio"):  # floats: their statistics leave NaN out
+        assert not constant(read, column), column
+
+
+def test_a_column_constant_within_each_row_group_but_not_across_them_is_read_as_it_is() -> None:
+    rows = ROWS // 3
+    ids = pl.int_range(3 * rows, eager=True)
+    frame = pl.DataFrame({"id": ids, "_seq": ids // rows})
+    partly_null = pl.DataFrame(
+        {"id": ids[: 2 * rows], "_error": [None] * rows + ["boom"] * rows},
+        schema={"id": pl.Int64, "_error": pl.String},
+    )
+
+    read = parquet.decode(merged_file(frame, row_group_size=rows))
+    read_nulls = parquet.decode(merged_file(partly_null, row_group_size=rows))
+
+    assert read.equals(frame) and not constant(read, "_seq")
+    assert read_nulls.equals(partly_null) and not constant(read_nulls, "_error")
+
+
+def test_a_file_of_one_row_or_none_reads_back_equal() -> None:
+    one = stored().head(1)
+    none = stored().clear()
+
+    assert parquet.decode(merged_file(one)).equals(one)
+    assert parquet.decode(merged_file(none)).equals(none)
+
+
+def test_a_part_without_statistics_reads_back_as_it_is() -> None:
+    frame = stored(1000)
+
+    read = parquet.decode(parquet.encode(frame, part=True))
+
+    assert read.equals(frame) and not constant(read, "_attempts")
+
+
+@pytest.mark.parametrize("column", ["label", "_attempts", "_error", "_current"])
+def test_a_changed_byte_in_the_pages_of_a_constant_column_makes_the_file_unreadable(
+    column: str,
+) -> None:
+    """Constants come from the statistics, but their pages are read and checked all the same."""
+    data = merged_file(stored())
+    meta = pq.ParquetFile(pa.BufferReader(data)).metadata
+    index = meta.schema.to_arrow_schema().get_field_index(column)
+    chunk = meta.row_group(0).column(index)
+    start = min(chunk.data_page_offset, chunk.dictionary_page_offset or chunk.data_page_offset)
+    at = start + chunk.total_compressed_size - 2  # inside its last data page
+    damaged = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :]
+
+    with pytest.raises(OSError, match="CRC"):
+        parquet.decode(damaged)
