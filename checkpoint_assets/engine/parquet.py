@@ -23,6 +23,8 @@ import pyarrow.parquet as pq
 from checkpoint_assets.engine.errors import CheckpointError
 
 WATERMARK_KEY = "checkpoint_assets.watermark"
+# Files of fewer rows are read as they are: constants would spare little memory for a second read.
+CONSTANT_MIN_ROWS = 1 << 16
 
 
 def encode(
@@ -68,7 +70,8 @@ def decode(raw: bytes) -> pl.DataFrame:
     take 160 MB, ``_attempts`` 40 MB. Which columns may be constant comes from the file's column
     statistics (their null counts, and minimum equal to maximum for integers, booleans and
     strings); such a column is kept as a constant only if its values read back all equal to
-    it. A file without statistics (parts) is read as it is.
+    it. A file without statistics (parts), or of fewer than ``CONSTANT_MIN_ROWS`` rows, is read
+    as it is.
     """
     file = pq.ParquetFile(pa.BufferReader(raw), pre_buffer=False, page_checksum_verification=True)
     names = file.schema_arrow.names
@@ -139,6 +142,8 @@ def _constants(raw: bytes, file: pq.ParquetFile) -> dict[str, object]:
     dictionaries: 4 bytes a row instead of a 16-byte view. Read before the other columns, these
     short-lived buffers leave no gaps among the ones that stay.
     """
+    if file.metadata.num_rows < CONSTANT_MIN_ROWS:
+        return {}
     candidates = _constant_candidates(file.metadata)
     if not candidates:
         return {}

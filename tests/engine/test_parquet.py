@@ -77,12 +77,14 @@ def test_a_column_constant_within_each_row_group_but_not_across_them_is_read_as_
     assert read_nulls.equals(partly_null) and not constant(read_nulls, "_error")
 
 
-def test_a_file_of_one_row_or_none_reads_back_equal() -> None:
+def test_a_file_of_one_row_or_none_or_of_constants_only_reads_back_equal() -> None:
     one = stored().head(1)
     none = stored().clear()
+    only = stored().select("label", "_attempts", "_error")
 
     assert parquet.decode(merged_file(one)).equals(one)
     assert parquet.decode(merged_file(none)).equals(none)
+    assert parquet.decode(merged_file(only)).equals(only)
 
 
 def test_a_part_without_statistics_reads_back_as_it_is() -> None:
