@@ -150,7 +150,7 @@ def _constants(raw: bytes, file: pq.ParquetFile) -> dict[str, object]:
     reader = pq.ParquetFile(
         pa.BufferReader(raw),
         metadata=file.metadata,
-        read_dictionary=[c for c, v in candidates.items() if isinstance(v, str)],
+        read_dictionary=[c for c in candidates if _is_string(file.schema_arrow.field(c).type)],
         pre_buffer=False,
         page_checksum_verification=True,
     )
@@ -221,5 +221,9 @@ def _constant_candidates(meta: pq.FileMetaData) -> dict[str, object]:
 
 def _exact(kind: pa.DataType) -> bool:
     """Types whose statistics are their exact values (floats leave NaN out)."""
-    exact = (pa.types.is_integer, pa.types.is_boolean, pa.types.is_string, pa.types.is_large_string)
-    return any(is_type(kind) for is_type in exact) or kind == pa.string_view()
+    return bool(pa.types.is_integer(kind) or pa.types.is_boolean(kind)) or _is_string(kind)
+
+
+def _is_string(kind: pa.DataType) -> bool:
+    plain = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+    return bool(plain) or kind == pa.string_view()
