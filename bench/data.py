@@ -39,7 +39,7 @@ def score(batch: pl.DataFrame) -> pl.DataFrame:
     return batch.select(
         ID,
         (length * 2).alias("score"),
-        pl.when(length > 28).then(pl.lit("long")).otherwise(pl.lit("short")).alias("size"),
+        pl.when(length > 26).then(pl.lit("long")).otherwise(pl.lit("short")).alias("size"),
     )
 
 
