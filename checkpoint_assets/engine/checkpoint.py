@@ -235,7 +235,7 @@ class Checkpoint:
                         "Checkpoint %s: no part holds %s: damaged, moved aside to %s/ by an "
                         "earlier run; their rows are computed again.",
                         self.url,
-                        _flushes(moved),
+                        describe_flushes(moved),
                         self.store.display(self.files.quarantine),
                     )
                 self.parts_known.update((p.path, p) for p in shown if p.last > watermark)
@@ -264,9 +264,9 @@ class Checkpoint:
         folder = self.store.display(self.files.parts)
         below = f"merged up to flush {watermark}" if watermark else "there is no merged file"
         what = (
-            f"No part in the listing of {folder} holds {_flushes(gaps)}, though parts of later "
-            f"flushes are there ({below}){', ' + waited if waited else ''}. Either the store's "
-            "listing lags behind its writes, or those parts were deleted."
+            f"No part in the listing of {folder} holds {describe_flushes(gaps)}, though parts "
+            f"of later flushes are there ({below}){', ' + waited if waited else ''}. Either the "
+            "store's listing lags behind its writes, or those parts were deleted."
         )
         if waited:
             what += (
@@ -576,7 +576,7 @@ def _holes(ranges: Iterable[Flushes], start: int) -> list[Flushes]:
     return holes
 
 
-def _flushes(gaps: Sequence[Flushes]) -> str:
+def describe_flushes(gaps: Sequence[Flushes]) -> str:
     """``gaps`` for people: "flush 5", "flushes 5 to 7", the first three of several."""
     said = [f"flush {a}" if a == b else f"flushes {a} to {b}" for a, b in gaps[:3]]
     more = f" and {len(gaps) - 3} more gap(s)" if len(gaps) > 3 else ""

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoint import Checkpoint, describe_flushes
 from checkpoint_assets.engine.errors import CheckpointError, CorruptCheckpointError
 from checkpoint_assets.engine.lock import Lease
 from checkpoint_assets.engine.meta import Meta
@@ -66,8 +66,8 @@ class Repaired:
             )
         did = [f"moved {len(self.moved)} damaged file(s) aside"] if self.moved else []
         if self.missing:
-            gaps = ", ".join(f"{a}" if a == b else f"{a} to {b}" for a, b in self.missing)
-            did.append(f"no part held flush(es) {gaps}: their rows are computed again")
+            gaps = describe_flushes(self.missing)
+            did.append(f"no part held {gaps}: their rows are computed again")
         if self.parts_merged:
             did.append(f"merged {self.parts_merged} part(s)")
         if self.removed_temporary:

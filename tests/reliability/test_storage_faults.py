@@ -502,7 +502,7 @@ def test_a_part_deleted_outside_the_package_stops_runs_until_repair_accepts_the_
 
     assert problems(checkpoint) == []
     assert done.missing == [(2, 2)]
-    assert "no part held flush(es) 2: their rows are computed again" in done.summary()
+    assert "no part held flush 2: their rows are computed again" in done.summary()
     calls: list[int] = []
     _run(open_store(*storage), calls)
     assert sorted(calls) == lost + list(range(36, ROWS))  # only what was lost
