@@ -311,7 +311,7 @@ def test_compact_merges_parts_and_skips_a_checkpoint_a_live_run_holds(
     assert cli("compact", str(base), LOCKED).returncode == 0  # free now
 
 
-def test_compact_says_a_damaged_checkpoint_is_an_error_and_what_to_do_not_skipped(
+def test_compact_says_a_checkpoint_it_cannot_compact_is_an_error_and_what_to_do_not_skipped(
     copy_of: Callable[[], Path],
 ) -> None:
     base = copy_of()
@@ -337,6 +337,13 @@ def test_compact_says_a_damaged_checkpoint_is_an_error_and_what_to_do_not_skippe
     assert nothing.returncode == 2, nothing.stderr
     assert "routed/nope/all: error: No checkpoint 'routed/nope/all'" in nothing.stderr
     assert f"`checkpoint-assets status {base}` lists the checkpoints there" in nothing.stderr
+
+    # repair goes through the same loop: an error per checkpoint, in its JSON report too
+    unknown = cli("repair", str(base), "routed/nope/all", "--json")
+    assert unknown.returncode == 2, unknown.stderr
+    (report,) = json.loads(unknown.stdout)
+    assert report["name"] == "routed/nope/all" and report["skipped"] is None
+    assert report["error"].startswith("No checkpoint 'routed/nope/all'")
 
 
 def test_clean_deletes_a_tags_checkpoints_but_not_a_held_one_nor_other_tags(
