@@ -6,6 +6,7 @@ rows of other checkpoints (global resume), and plan what is left to compute.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from checkpoint_assets.engine import function_fingerprint, hashing, rows
 from checkpoint_assets.engine.checkpoint import Checkpoint, Stored
 from checkpoint_assets.engine.compaction import Part
 from checkpoint_assets.engine.errors import CorruptCheckpointError, JobMismatchError
+from checkpoint_assets.engine.global_resume import FUNCTION
 from checkpoint_assets.engine.meta import Meta
 from checkpoint_assets.engine.resume import Copies, Plan, dedupe, plan
 from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH, SEQ
@@ -233,6 +235,7 @@ def _import(
         wanted = wanted.join(done, on=[id_column, INPUT_HASH], how="anti")
     if wanted.height == 0:
         return stored
+    wanted = _note_imported_functions(opened, wanted)
     assert opened.meta is not None
     outputs = {c: str(wanted.schema[c]) for c in rows.outputs_of(wanted, id_column)}
     if not opened.meta.output_schema:
@@ -274,6 +277,18 @@ def _log_function_changed(changed: list[str], resumed: int, log: Logger, label: 
         ", ".join(changed),
         resumed,
     )
+
+
+def _note_imported_functions(opened: Start, wanted: pl.DataFrame) -> pl.DataFrame:
+    """Add what differs between the functions that computed the imported rows (recorded by
+    their checkpoints) and this run's to ``opened.function_changed``; drop their column."""
+    if FUNCTION not in wanted.columns:
+        return wanted  # a global resume table of an earlier version
+    if opened.function_fingerprint:
+        for text in wanted.get_column(FUNCTION).cast(pl.String).drop_nulls().unique().sort():
+            found = function_fingerprint.changes(json.loads(text), opened.function_fingerprint)
+            opened.function_changed += [c for c in found if c not in opened.function_changed]
+    return wanted.drop(FUNCTION)
 
 
 def _log_plan(p: Plan, log: Logger, label: str) -> None:

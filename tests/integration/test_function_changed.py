@@ -18,7 +18,13 @@ import polars as pl
 import pytest
 from helpers.jobs import ASSET, run_logs, stats, tickets
 
-from checkpoint_assets import CheckpointIOManager, JobMismatchError, checkpointed_asset
+from checkpoint_assets import (
+    CheckpointIOManager,
+    JobMismatchError,
+    checkpointed_asset,
+    global_resume_asset,
+    shard_partitions,
+)
 from checkpoint_assets.engine import Checkpoint, open_store
 
 ID = "ticket_id"
@@ -38,7 +44,8 @@ class Model(dg.ConfigurableResource):  # type: ignore[misc]
 
 
 class Runner:
-    """Materializes an asset over ``tickets(n)`` into one checkpoint, on one instance."""
+    """Materializes an asset over ``tickets(n)`` into its checkpoints, on one instance (or only
+    ``only``, an asset beside it)."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.base_dir = str(tmp_path / "checkpoints")
@@ -49,6 +56,8 @@ class Runner:
         asset: dg.AssetsDefinition,
         n: int = 12,
         resources: dict[str, Any] | None = None,
+        partition_key: str | None = None,
+        only: dg.AssetsDefinition | None = None,
         **config: Any,
     ) -> dg.ExecuteInProcessResult:
         @dg.asset(name="tickets", io_manager_key="source_io")
@@ -56,7 +65,9 @@ class Runner:
             return tickets(n)
 
         return dg.materialize(
-            [source, asset],
+            [source, asset, *([only] if only else [])],
+            selection=[only] if only else None,
+            partition_key=partition_key,
             instance=self.instance,
             resources={
                 "io_manager": CheckpointIOManager(base_dir=self.base_dir),
@@ -65,6 +76,11 @@ class Runner:
             },
             run_config={"ops": {ASSET: {"config": config}}} if config else None,
         )
+
+    def shards(self, asset: dg.AssetsDefinition, n: int = 12, **config: Any) -> list[Any]:
+        """Materialize every shard of ``asset``, one run each; returns their results."""
+        keys = asset.partitions_def.get_partition_keys() if asset.partitions_def else [None]
+        return [self(asset, n, partition_key=key, **config) for key in keys]
 
     def warnings(self, result: dg.ExecuteInProcessResult) -> list[str]:
         return [m for m in run_logs(result, self.instance) if WARNING in m]
@@ -294,3 +310,40 @@ def test_without_checkpointing_nothing_is_compared_or_recorded(runner: Runner) -
     assert runner.meta() == before
     checkpointed = runner(support([]), n=12)
     assert stats(checkpointed)["function_changed"] is True
+
+
+def sharded(calls: Calls, shards: int | None, route: str) -> dg.AssetsDefinition:
+    record = _recorded(calls)
+
+    @checkpointed_asset(
+        source="tickets",
+        id_column=ID,
+        name=ASSET,
+        code_version="1",
+        partitions_def=shard_partitions(shards) if shards else None,
+    )
+    def routed(batch: pl.DataFrame) -> pl.DataFrame:
+        record(batch)
+        return batch.select(ID, route=pl.lit(route))
+
+    return routed
+
+
+@pytest.mark.parametrize(("old", "new"), [(2, 4), (None, 2)], ids=["range", "table"])
+def test_rows_imported_by_global_resume_from_another_function_are_reported(
+    runner: Runner, old: int | None, new: int
+) -> None:
+    runner.shards(sharded([], old, "billing"))
+    calls: Calls = []
+    after = sharded(calls, new, "support")
+    if old is None:  # unpartitioned checkpoints are read through the global resume table
+        runner(after, only=global_resume_asset(after))
+
+    results = runner.shards(after, global_resume=True)
+
+    assert calls == []  # every row was imported
+    for result in results:
+        assert stats(result)["function_changes"] == "the constant route"
+        assert len(runner.warnings(result)) == 1
+    quiet = runner.shards(after)
+    assert [stats(r)["function_changed"] for r in quiet] == [False] * new
