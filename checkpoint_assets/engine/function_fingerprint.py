@@ -31,6 +31,8 @@ from typing import Any
 
 import blake3
 
+from checkpoint_assets.engine.errors import CheckpointError
+
 CODE = "code"
 CONSTANT = "constant:"
 RESOURCE = "resource:"
@@ -54,9 +56,18 @@ def of_resources(resources: Mapping[str, object]) -> dict[str, str]:
     parts: dict[str, str] = {}
     for key, resource in sorted(resources.items()):
         declared = getattr(resource, "checkpoint_fingerprint", None)
-        if callable(declared):
+        if not callable(declared):
+            continue
+        try:
             for setting, value in dict(declared()).items():
                 parts[f"{RESOURCE}{key}.{setting}"] = _digest(value)
+        except Exception as e:
+            raise CheckpointError(
+                f"The resource {key!r} cannot be fingerprinted: its checkpoint_fingerprint() "
+                f"failed or returned something else than settings ({type(e).__name__}: {e}).",
+                "Make it return a mapping of the request settings that change results (model, "
+                "temperature, ...) to JSON values: strings, numbers, booleans, lists, mappings.",
+            ) from e
     return parts
 
 
@@ -75,7 +86,7 @@ def _describe(part: str) -> str:
 
 
 def _digest(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
     return blake3.blake3(text.encode()).hexdigest()[:32]
 
 

@@ -14,7 +14,7 @@ import polars as pl
 import pytest
 from helpers.jobs import route, tickets
 
-from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, CheckpointError, Settings, open_store, prepare, run
 from checkpoint_assets.engine.function_fingerprint import changes, of_function, of_resources
 
 LABEL = "Route this ticket."
@@ -105,6 +105,20 @@ def test_resources_contribute_their_declared_settings_by_name() -> None:
         "the function's code",
         "the resource setting llm.model",
     ]
+
+
+@pytest.mark.parametrize(
+    "declared",
+    [lambda: {"client": object()}, lambda: ["model"], lambda: 1 / 0],
+    ids=["not-json", "not-a-mapping", "raises"],
+)
+def test_a_resource_that_cannot_be_fingerprinted_says_what_to_fix(declared: Any) -> None:
+    class Resource:
+        checkpoint_fingerprint = staticmethod(declared)
+
+    with pytest.raises(CheckpointError, match="resource 'llm' cannot be fingerprinted") as e:
+        of_resources({"llm": Resource()})
+    assert "mapping of the request settings" in str(e.value)
 
 
 def _run(tmp_path: Path, fingerprint: dict[str, str] | None) -> Any:
