@@ -99,7 +99,7 @@ def _function_of(fn: Callable[..., Any]) -> types.FunctionType | None:
     if isinstance(fn, types.MethodType):
         fn = fn.__func__
     if not isinstance(fn, types.FunctionType):
-        call = getattr(type(fn), "__call__", None)  # noqa: B004  (the class's, not the object's)
+        call = inspect.getattr_static(type(fn), "__call__", None)  # the function, not bound
         return call if isinstance(call, types.FunctionType) else None
     return fn
 
