@@ -269,10 +269,10 @@ def _log_function_changed(changed: list[str], resumed: int, log: Logger, label: 
     log.warning(
         "%s: the function changed since its stored results were computed (%s), but the job's "
         "code version did not: %d stored result(s) of the earlier function are kept and only "
-        "the rest is computed with the new one. To recompute everything, bump the code version "
-        "(the asset's `code_version`) and run with resume off or a new checkpoint tag; to keep "
-        "the stored results, nothing to do: once this run finishes, the checkpoint records the "
-        "new function and the next run is quiet.",
+        "the rest is computed with the new one. To recompute everything, set or bump the code "
+        "version (the asset's `code_version`) and run with `resume: false` or a new checkpoint "
+        "tag; to keep the stored results, nothing to do: once this run finishes, the checkpoint "
+        "records the new function and the next run is quiet.",
         label,
         ", ".join(changed),
         resumed,

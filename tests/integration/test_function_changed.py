@@ -190,7 +190,7 @@ def test_a_changed_function_body_is_reported_and_stored_rows_are_kept(runner: Ru
     assert _ids(calls) == [12, 13, 14, 15]  # the stored rows were not computed again
     [warning] = runner.warnings(changed)
     assert "the function's code" in warning and "12 stored result(s)" in warning
-    assert "`code_version`" in warning and "resume off" in warning
+    assert "`code_version`" in warning and "`resume: false`" in warning
     routes = changed.output_for_node(ASSET).sort(ID).get_column("route").to_list()
     assert routes == ["billing"] * 12 + ["support"] * 4
 
