@@ -10,6 +10,7 @@ Where each part lives (ARCHITECTURE.md says more):
 - ``opening.py`` (job check, load, plan; ``resume.py``), ``calls.py`` (the user's function),
   ``sink.py`` (flushes), ``runner.py`` (the loop): one run;
 - ``global_resume.py``: finished rows across every checkpoint of an asset;
+- ``function_fingerprint.py``: what counts as a change of the user's function;
 - ``settings.py``: run settings and their defaults; ``errors.py``: what can go wrong.
 """
 

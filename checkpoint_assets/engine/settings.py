@@ -117,6 +117,8 @@ class RunStats:
     # Sums of the ``usage_columns``: over the rows this run computed, and over every stored row.
     usage: dict[str, float] = field(default_factory=dict)
     usage_total: dict[str, float] = field(default_factory=dict)
+    # What differs from the function that computed the stored results it reused (same job).
+    function_changed: list[str] = field(default_factory=list)
 
     @property
     def rows_per_second(self) -> float:

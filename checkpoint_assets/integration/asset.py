@@ -14,7 +14,7 @@ import polars as pl
 import pyarrow as pa
 from pydantic import Field
 
-from checkpoint_assets.engine import hashing, runner
+from checkpoint_assets.engine import function_fingerprint, hashing, runner
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError, TooManyFailuresError
 from checkpoint_assets.engine.global_resume import JOB, shard_rows
@@ -149,6 +149,7 @@ def checkpointed_asset(
     def decorator(fn: Callable[..., Any]) -> dg.AssetsDefinition:
         asset_name = name or fn.__name__
         signature = Signature.of(fn)
+        code = function_fingerprint.of_function(fn)  # resources add theirs at run time
         base = Settings(
             id_column=id_column,
             input_columns=tuple(input_columns or ()),
@@ -186,6 +187,8 @@ def checkpointed_asset(
             call = signature.bind(fn, context)
             store = io_manager.store()
             settings = _settings(base, config, table)
+            resources = {r: getattr(context.resources, r) for r in signature.resources}
+            printed = {**code, **function_fingerprint.of_resources(resources)}
             job = {
                 "format": JOB_FORMAT,
                 "asset": context.asset_key.to_user_string(),
@@ -212,7 +215,16 @@ def checkpointed_asset(
                 try:
                     with saved:  # on a failure or interrupt: say what the checkpoint holds
                         frame, one = _run_partition(
-                            context, config, call, settings, checkpoint, rows, key, job, imported
+                            context,
+                            config,
+                            call,
+                            settings,
+                            checkpoint,
+                            rows,
+                            key,
+                            job,
+                            imported,
+                            printed,
                         )
                 except TooManyFailuresError as e:
                     # A ranged run still finishes its other shards, so their retries are free.
@@ -281,6 +293,7 @@ def _run_partition(
     partition: str | None,
     job: dict[str, Any],
     imported: pl.DataFrame | None,
+    printed: dict[str, str],
 ) -> tuple[pl.DataFrame, RunStats]:
     """Run one partition's checkpoint over its input rows; returns its result and stats."""
     if config.limit is not None:
@@ -305,6 +318,7 @@ def _run_partition(
         logger=context.log,  # type: ignore[arg-type]
         label=label,
         imported=imported,
+        function_fingerprint=printed,
     )
 
 
