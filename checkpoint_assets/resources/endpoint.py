@@ -4,7 +4,10 @@ An async client (``AsyncOpenAI``, ``AsyncAnthropic``) belongs to the event loop 
 on: its pooled connections fail with "Event loop is closed" once used from another loop. So
 :meth:`EndpointResource.client` keeps one client per running event loop and per configuration,
 made on first use and reused by every call on that loop, so the calls in flight share its
-connections; the clients of loops that have closed are dropped. The sync client (for plain
+connections. The clients of loops that have closed are released when the step that used the
+resource ends (its connections hold their loop: without that, each run's loop and sockets would
+stay for the life of the process), not on the next call: a client dropped while a loop runs
+schedules its own close on that loop, where it fails. The sync client (for plain
 ``def`` functions, whose calls run in threads) is one per process and configuration, as both
 packages' sync clients are thread-safe.
 
@@ -96,9 +99,13 @@ class EndpointResource(dg.ConfigurableResource):
                 "plain `def`"
             ) from None
         with _LOCK:
-            for closed in [other for other in _LOOP_CLIENTS if other.is_closed()]:
-                del _LOOP_CLIENTS[closed]
             return self._cached(_LOOP_CLIENTS.setdefault(loop, {}), self._client_classes[0])
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        """Release the clients of the event loops that have closed: the run's are done."""
+        with _LOCK:
+            released = [_LOOP_CLIENTS.pop(loop) for loop in list(_LOOP_CLIENTS) if loop.is_closed()]
+        released.clear()  # outside the lock: a client's finalizer may run here
 
     def _process_client(self) -> Any:
         with _LOCK:
