@@ -23,6 +23,9 @@ class AnthropicResource(EndpointResource):
     """Anthropic's Messages API, or a server that speaks it. Needs
     ``pip install "checkpoint-assets[anthropic]"``.
 
+    The Messages API takes no sampling temperature; ``max_tokens`` is the request setting it
+    adds to ``model`` (``request_defaults()``).
+
     A rate limit arrives as ``anthropic.RateLimitError`` (429) and an overloaded API as
     ``anthropic.OverloadedError`` (529): with ``max_retries=0`` both reach the checkpointed
     asset, which pauses the shard instead of failing rows.
@@ -41,6 +44,7 @@ class AnthropicResource(EndpointResource):
 
     _package: ClassVar[str] = "anthropic"
     _client_classes: ClassVar[tuple[str, str]] = ("AsyncAnthropic", "Anthropic")
+    _answer_settings: ClassVar[tuple[str, ...]] = ("max_tokens",)
 
     base_url: str | None = Field(
         default=None,

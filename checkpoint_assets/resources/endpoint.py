@@ -39,28 +39,18 @@ _LOCK: Final = threading.Lock()
 class EndpointResource(dg.ConfigurableResource):
     """The settings and client handling of :class:`OpenAIResource` and :class:`AnthropicResource`.
 
-    Subclasses name their package and its two client classes, and declare ``base_url`` and
-    ``api_key`` (whose conventions differ by provider).
+    Subclasses name their package and its two client classes, declare ``base_url`` and
+    ``api_key`` (whose conventions differ by provider), and name the request settings they add
+    that change the answers.
     """
 
     _package: ClassVar[str]  # the optional package, also the name of the extra installing it
     _client_classes: ClassVar[tuple[str, str]]  # (async, sync) client classes of the package
+    _answer_settings: ClassVar[tuple[str, ...]]  # fields sent with every request, besides model
 
     base_url: str | None
     api_key: str
     model: str = Field(description="The model named in every request (`request_defaults()`).")
-    temperature: float | None = Field(
-        default=None,
-        ge=0,
-        description="Sampling temperature sent with every request (`request_defaults()`); "
-        "unset leaves the endpoint's default.",
-    )
-    max_tokens: int | None = Field(
-        default=None,
-        gt=0,
-        description="Most tokens an answer may have, sent with every request "
-        "(`request_defaults()`); unset leaves the endpoint's default.",
-    )
     timeout_seconds: float = Field(
         default=60.0, gt=0, description="Seconds before one request fails with a timeout."
     )
@@ -73,20 +63,16 @@ class EndpointResource(dg.ConfigurableResource):
     )
 
     def request_defaults(self) -> dict[str, Any]:
-        """The keyword arguments every request takes from this resource: ``model``, and
-        ``temperature`` and ``max_tokens`` when set."""
-        options = {"temperature": self.temperature, "max_tokens": self.max_tokens}
-        return {"model": self.model, **{k: v for k, v in options.items() if v is not None}}
+        """The keyword arguments every request takes from this resource: ``model``, and the
+        request settings that are set (``max_tokens``, ``temperature``)."""
+        settings = {name: getattr(self, name) for name in self._answer_settings}
+        return {"model": self.model, **{k: v for k, v in settings.items() if v is not None}}
 
     def checkpoint_fingerprint(self) -> dict[str, Any]:
-        """The settings that change the answers: the API, ``model``, ``temperature`` and
-        ``max_tokens`` (unset ones as None). Never the key, the URL or the timeouts."""
-        return {
-            "api": self._package,
-            "model": self.model,
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-        }
+        """The settings that change the answers: the API, ``model`` and the request settings
+        (unset ones as None). Never the key, the URL or the timeouts."""
+        settings = {name: getattr(self, name) for name in self._answer_settings}
+        return {"api": self._package, "model": self.model, **settings}
 
     def _loop_client(self) -> Any:
         try:

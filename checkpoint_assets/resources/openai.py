@@ -3,6 +3,8 @@
 >>> from checkpoint_assets import OpenAIResource
 >>> OpenAIResource(api_key="local", model="gpt-4o-mini", temperature=0).request_defaults()
 {'model': 'gpt-4o-mini', 'temperature': 0.0}
+>>> OpenAIResource(api_key="local", model="gpt-4o-mini").checkpoint_fingerprint()
+{'api': 'openai', 'model': 'gpt-4o-mini', 'max_tokens': None, 'temperature': None}
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class OpenAIResource(EndpointResource):
 
     _package: ClassVar[str] = "openai"
     _client_classes: ClassVar[tuple[str, str]] = ("AsyncOpenAI", "OpenAI")
+    _answer_settings: ClassVar[tuple[str, ...]] = ("max_tokens", "temperature")
 
     base_url: str | None = Field(
         default=None,
@@ -51,6 +54,18 @@ class OpenAIResource(EndpointResource):
     api_key: str = Field(
         description="API key, sent as a bearer token. Usually dg.EnvVar('OPENAI_API_KEY'); any "
         "value for a local server that checks none."
+    )
+    max_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="Most tokens an answer may have, sent as max_tokens with every request "
+        "(`request_defaults()`); unset leaves the endpoint's default.",
+    )
+    temperature: float | None = Field(
+        default=None,
+        ge=0,
+        description="Sampling temperature sent with every request (`request_defaults()`); "
+        "unset leaves the endpoint's default.",
     )
 
     def client(self) -> openai.AsyncOpenAI:

@@ -58,7 +58,7 @@ async def ticket_department_anthropic(
     reply = await claude.client().messages.create(
         system=SYSTEM,
         messages=[{"role": "user", "content": f"{ticket['subject']}\n\n{ticket['body']}"}],
-        **claude.request_defaults(),  # model, max_tokens, and temperature
+        **claude.request_defaults(),  # model and max_tokens
     )
     text = "".join(block.text for block in reply.content if block.type == "text")
     return pl.DataFrame(
@@ -81,7 +81,6 @@ defs = dg.Definitions(
             api_key=dg.EnvVar("ANTHROPIC_API_KEY"),
             model=os.environ.get("ANTHROPIC_MODEL", "claude-haiku-4-5"),
             max_tokens=8,  # a department name
-            temperature=0.0,
         ),
     },
 )

@@ -317,19 +317,17 @@ def test_an_async_asset_gets_its_endpoint_from_the_environment(
 
 
 # -- settings -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", KINDS)
-def test_the_fingerprint_holds_the_settings_that_change_answers_and_no_secret(kind: str) -> None:
-    chat = endpoint(
-        kind, "http://secret-host:9/v1", api_key="sk-secret", model="m1", temperature=0.2
-    )
+@pytest.mark.parametrize(
+    "kind, settings",
+    [("openai", {"max_tokens": 8, "temperature": 0.2}), ("anthropic", {"max_tokens": 8})],
+)
+def test_the_fingerprint_holds_the_settings_that_change_answers_and_no_secret(
+    kind: str, settings: dict[str, Any]
+) -> None:
+    chat = endpoint(kind, "http://secret-host:9/v1", api_key="sk-secret", model="m1", **settings)
     fingerprint = chat.checkpoint_fingerprint()
 
-    assert fingerprint == {
-        "api": kind,
-        "model": "m1",
-        "temperature": 0.2,
-        "max_tokens": chat.max_tokens,
-    }
+    assert fingerprint == {"api": kind, "model": "m1", **settings}
     assert "secret" not in repr(fingerprint)
     for unchanged in (
         {"api_key": "sk-other"},
@@ -338,21 +336,28 @@ def test_the_fingerprint_holds_the_settings_that_change_answers_and_no_secret(ki
         {"max_retries": 2},
     ):
         assert chat.model_copy(update=unchanged).checkpoint_fingerprint() == fingerprint
-    for changed in ({"model": "m2"}, {"temperature": 0.0}, {"max_tokens": 3}):
-        assert chat.model_copy(update=changed).checkpoint_fingerprint() != fingerprint
+    for name, value in {"model": "m2", **settings}.items():
+        changed = chat.model_copy(update={name: value * 2})
+        assert changed.checkpoint_fingerprint() != fingerprint, name
 
 
 def test_request_defaults_send_only_the_settings_that_are_set() -> None:
     assert OpenAIResource(api_key="k", model="m").request_defaults() == {"model": "m"}
-    assert OpenAIResource(api_key="k", model="m", max_tokens=5).request_defaults() == {
+    assert OpenAIResource(api_key="k", model="m", temperature=0).request_defaults() == {
         "model": "m",
-        "max_tokens": 5,
+        "temperature": 0.0,
+    }
+    # An unset setting is still in the fingerprint: setting it later changes the answers.
+    assert OpenAIResource(api_key="k", model="m").checkpoint_fingerprint() == {
+        "api": "openai",
+        "model": "m",
+        "max_tokens": None,
+        "temperature": None,
     }
     # The Messages API requires max_tokens: the Anthropic resource always has one.
-    assert AnthropicResource(api_key="k", model="m", temperature=0).request_defaults() == {
+    assert AnthropicResource(api_key="k", model="m").request_defaults() == {
         "model": "m",
         "max_tokens": 1024,
-        "temperature": 0.0,
     }
 
 
