@@ -125,6 +125,8 @@ def test_every_argument_of_checkpointed_asset_is_documented() -> None:
         ("checkpoint_checks", lambda: keyword_parameters(checkpoint_assets.checkpoint_checks)),
         ("global_resume_asset", lambda: keyword_parameters(checkpoint_assets.global_resume_asset)),
         ("CheckpointIOManager", lambda: set(checkpoint_assets.CheckpointIOManager.model_fields)),
+        ("OpenAIResource", lambda: set(checkpoint_assets.OpenAIResource.model_fields)),
+        ("AnthropicResource", lambda: set(checkpoint_assets.AnthropicResource.model_fields)),
         (
             "CheckpointedAssetComponent",
             lambda: set(checkpoint_assets.CheckpointedAssetComponent.model_fields),
