@@ -185,6 +185,8 @@ class Run:
             settings.max_concurrency,
             max_seconds=settings.max_throttle_seconds,
             base_delay=settings.retry_delay_seconds,
+            min_concurrency=settings.min_concurrency,
+            adaptive=settings.adaptive_concurrency,
         )
         self.usage = dict.fromkeys(settings.usage_columns, 0.0)
         self.started = time.monotonic()
