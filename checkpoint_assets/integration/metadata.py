@@ -32,6 +32,7 @@ GLOBAL_RESUME_OF = "checkpoint_assets/global_resume_of"
 ROWS_FAILED = "rows_failed"
 CHECKPOINT_TAG = "checkpoint_tag"
 CHECKPOINTING = "checkpointing"
+THROTTLED_CALLS = "throttled_calls"
 THROTTLE_EVENTS = "throttle_events"
 THROTTLED_SECONDS = "throttled_seconds"
 CONCURRENCY_FINAL = "concurrency_final"
@@ -118,6 +119,7 @@ def _function(runs: Sequence[RunStats]) -> dict[str, Any]:
 
 def _throttling(runs: Sequence[RunStats]) -> dict[str, Any]:
     return {
+        THROTTLED_CALLS: sum(r.throttled_calls for r in runs),
         THROTTLE_EVENTS: sum(r.throttle_events for r in runs),
         THROTTLED_SECONDS: round(sum(r.throttled_seconds for r in runs), 3),
         CONCURRENCY_FINAL: min((r.concurrency_final for r in runs), default=0),
