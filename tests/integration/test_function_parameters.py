@@ -173,9 +173,8 @@ def test_usage_and_throttling_reach_the_materialization_metadata(storage: Storag
     assert second["throttle_events"] == 0 and second["throttled_calls"] == 0
 
 
-@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "fixed"])
-def test_adaptive_concurrency_and_its_floor_come_from_the_decorator(
-    storage: Storage, adaptive: bool
+def test_adaptive_concurrency_off_keeps_max_concurrency_against_a_refusing_endpoint(
+    storage: Storage,
 ) -> None:
     lock = threading.Lock()
     busy = [0]
@@ -199,16 +198,20 @@ def test_adaptive_concurrency_and_its_floor_come_from_the_decorator(
         batch_size=1,
         checkpoint_interval=16,
         max_concurrency=8,
-        min_concurrency=2,
-        adaptive_concurrency=adaptive,
+        adaptive_concurrency=False,
     )
     meta = stats(job.materialize())
 
     assert meta["rows_failed"] == 0 and meta["throttled_calls"] > 0
-    if adaptive:
-        assert 2 <= meta["concurrency_final"] < 8 and meta["throttle_events"] >= 1
-    else:
-        assert meta["concurrency_final"] == 8  # (most calls refused: the shard still pauses)
+    assert meta["concurrency_final"] == 8  # (most calls refused: the shard still pauses)
+
+
+def test_a_min_concurrency_above_max_concurrency_fails_the_definition() -> None:
+    with pytest.raises(ValueError, match=r"min_concurrency must be between 1 and max_concurrency"):
+
+        @checkpointed_asset(source="tickets", id_column=ID, max_concurrency=4, min_concurrency=8)
+        def asset(batch: pl.DataFrame) -> pl.DataFrame:
+            return batch
 
 
 def test_the_asset_key_of_a_function_with_resources_is_its_name() -> None:
