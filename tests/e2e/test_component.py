@@ -311,6 +311,7 @@ def test_a_new_create_dagster_project_reaches_dg_launch_as_the_readme_says(tmp_p
         [sys.executable, "-c", "from create_dagster.cli import main; main()",
          "project", "my-project", "--no-uv-sync"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, DAGSTER_DG_UPDATE_CHECK_ENABLED="0"),  # no PyPI query
     )  # fmt: skip
     assert created.returncode == 0, created.stderr[-3000:]
     project = tmp_path / "my-project"
