@@ -167,9 +167,10 @@ class TooManyFailuresError(CheckpointError):
                 "The failed rows are computed again on the next run (while retry_failed is on).",
             )
             return
+        more = "..." if no_result > len(self.no_result_ids) else ""
         super().__init__(
             f"{label}: the function returned no row for {no_result:,} of the {total:,} ids it "
-            f"was given (ids {self.no_result_ids}...), so {over}.",
+            f"was given (ids {self.no_result_ids}{more}), so {over}.",
             self.NO_RESULT_REMEDY,
         )
 
