@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 import polars as pl
 import pyarrow as pa
 
-from checkpoint_assets.engine.rows import ATTEMPTS, BOOKKEEPING, ERROR, INPUT_HASH
+from checkpoint_assets.engine.rows import ATTEMPTS, BOOKKEEPING, ERROR, INPUT_HASH, NO_RESULT
 from checkpoint_assets.engine.throttle import Throttle, throttled
 
 BatchFn = Callable[[pl.DataFrame], Any]
@@ -332,8 +332,7 @@ class Caller:
             outcome.ok.append(_successes(got, batch, self.id_column, used))
             if got.height < batch.height:  # its ids are unique and from the batch (checked)
                 missing = batch.join(got.select(self.id_column), on=self.id_column, how="anti")
-                reason = "the function returned no result for this row"
-                outcome.failed.append(_failures(missing, self.id_column, reason, used))
+                outcome.failed.append(_failures(missing, self.id_column, NO_RESULT, used))
             return not self.stopping
         used = before + attempts
         if batch.height == 1:

@@ -129,20 +129,55 @@ class StorageError(CheckpointError):
 
 
 class TooManyFailuresError(CheckpointError):
-    """More rows failed than the asset tolerates; everything else is checkpointed."""
+    """More rows failed than the asset tolerates; everything else is checkpointed.
+
+    ``no_result`` counts the failed rows the function returned no row for (``no_result_ids``, a
+    few of them): when they are most of the failures, the function has a bug to fix, and the
+    message says so instead of suggesting to tolerate them.
+    """
+
+    NO_RESULT_REMEDY = (
+        "Make the function return one row per input id (with the id column), or raise for the "
+        "rows it cannot do: they are stored as failed and retried. The ids with no row are "
+        "computed again on the next run."
+    )
 
     def __init__(
-        self, label: str, failed: int, total: int, allowed: float, last_error: str
+        self,
+        label: str,
+        failed: int,
+        total: int,
+        allowed: float,
+        last_error: str,
+        no_result: int = 0,
+        no_result_ids: Sequence[Any] = (),
     ) -> None:
         self.failed = failed
         self.total = total
+        self.no_result = no_result
+        self.no_result_ids = list(no_result_ids)[:5]
         fraction = failed / max(total, 1)
-        super().__init__(
-            f"{label}: {failed:,} of {total:,} rows failed ({fraction:.2%}), more than "
-            f"max_failed_fraction={allowed:.2%}. Every other row is checkpointed "
-            f"(last error: {last_error or 'stored'}).",
-            "The failed rows are computed again on the next run (while retry_failed is on).",
+        over = (
+            f"{failed:,} of {total:,} rows failed ({fraction:.2%}), more than "
+            f"max_failed_fraction={allowed:.2%}. Every other row is checkpointed"
         )
+        if not self.missing_results:
+            super().__init__(
+                f"{label}: {over} (last error: {last_error or 'stored'}).",
+                "The failed rows are computed again on the next run (while retry_failed is on).",
+            )
+            return
+        more = "..." if no_result > len(self.no_result_ids) else ""
+        super().__init__(
+            f"{label}: the function returned no row for {no_result:,} of the {total:,} ids it "
+            f"was given (ids {self.no_result_ids}{more}), so {over}.",
+            self.NO_RESULT_REMEDY,
+        )
+
+    @property
+    def missing_results(self) -> bool:
+        """Most failed rows are ids the function returned no row for: a bug in the function."""
+        return self.no_result * 2 > self.failed
 
     @classmethod
     def of_several(cls, errors: Sequence[TooManyFailuresError]) -> TooManyFailuresError:
@@ -151,7 +186,17 @@ class TooManyFailuresError(CheckpointError):
         combined.what = " ".join(e.what for e in errors)
         combined.failed = sum(e.failed for e in errors)
         combined.total = sum(e.total for e in errors)
+        combined.no_result = sum(e.no_result for e in errors)
+        combined.no_result_ids = [i for e in errors for i in e.no_result_ids][:5]
+        if combined.missing_results:
+            combined.remedy = cls.NO_RESULT_REMEDY
         return combined
+
+
+def _ran(done: int) -> str:
+    """What a run that stopped early did: its own rows, told apart from what the checkpoint
+    holds in all (earlier runs' rows too, which the Dagster layer reports beside it)."""
+    return f"this run had finished {done:,} rows of its own (checkpointed)"
 
 
 class OutageError(CheckpointError):
@@ -163,8 +208,8 @@ class OutageError(CheckpointError):
         self.done = done
         super().__init__(
             f"{label}: stopped early after {calls} calls in a row failed (last error: "
-            f"{last_error}). The endpoint looks down or the quota is spent; the {done:,} rows "
-            "done before are checkpointed and the rest were not marked failed.",
+            f"{last_error}). The endpoint looks down or the quota is spent; {_ran(done)}, and "
+            "the rest were not marked failed.",
             "Run again when it is back: the run resumes.",
         )
 
@@ -177,8 +222,8 @@ class QuotaExhaustedError(CheckpointError):
         self.why = why
         self.done = done
         super().__init__(
-            f"{label}: stopped early, {why}. The quota looks spent; the {done:,} rows done "
-            "before are checkpointed and no row was marked failed.",
+            f"{label}: stopped early, {why}. The quota looks spent; {_ran(done)}, and no row was "
+            "marked failed.",
             "Check the endpoint's quota or plan, or raise max_throttle_seconds; running again "
             "resumes.",
         )
@@ -192,7 +237,7 @@ class FunctionError(CheckpointError):
         self.problem = problem
         self.done = done
         super().__init__(
-            f"{label}: the function is broken, not the endpoint: {problem}. The run stopped "
-            f"at once; the {done:,} rows done before are checkpointed.",
+            f"{label}: the function is broken, not the endpoint: {problem}. It stopped at "
+            f"once; {_ran(done)}.",
             "Fix the function and run again: the run resumes.",
         )

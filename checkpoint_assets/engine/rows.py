@@ -28,6 +28,9 @@ INPUT_HASH = "_input_hash"
 SEQ = "_seq"
 CURRENT = "_current"
 BOOKKEEPING = (ERROR, ATTEMPTS, INPUT_HASH, SEQ, CURRENT)
+# The ``_error`` of an input row the function returned no row for: told apart at the end of a
+# run, since it is a bug in the function, not a failure of the row.
+NO_RESULT = "the function returned no result for this row"
 
 
 def empty(id_column: str) -> pl.DataFrame:

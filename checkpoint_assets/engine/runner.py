@@ -42,7 +42,7 @@ from checkpoint_assets.engine.errors import (
 from checkpoint_assets.engine.lock import Lease
 from checkpoint_assets.engine.opening import Job, Opened, open_run
 from checkpoint_assets.engine.resume import canonical_ids, validate_ids
-from checkpoint_assets.engine.rows import ERROR, INPUT_HASH, outputs_of
+from checkpoint_assets.engine.rows import ERROR, INPUT_HASH, NO_RESULT, outputs_of
 from checkpoint_assets.engine.scheme import Scheme
 from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.sink import Logger, MemorySink, PartWriter, Sink
@@ -381,12 +381,15 @@ class Run:
         if stopped is not None:
             raise stopped
         if failed and failed / max(self.stats.rows_total, 1) > self.s.max_failed_fraction:
+            no_result = result.filter(pl.col(ERROR) == NO_RESULT).get_column(self.id)
             raise TooManyFailuresError(
                 self.label,
                 failed,
                 self.stats.rows_total,
                 self.s.max_failed_fraction,
                 self.last_error,
+                no_result=no_result.len(),
+                no_result_ids=no_result.head(5).to_list(),
             )
         return result, self.stats
 

@@ -41,6 +41,12 @@ def advise(error: CheckpointError) -> CheckpointError:
             "Set the checkpointed asset's `input_columns=` to columns of its source asset, or "
             "add the missing columns to the source."
         )
+    elif isinstance(error, TooManyFailuresError) and error.missing_results:
+        error.advise(
+            "Make the function return one row per input id (with the asset's `id_column`), or "
+            "raise for the rows it cannot do: they are stored as failed and retried. Then "
+            "materialize the partition again: only the failed rows are computed."
+        )
     elif isinstance(error, TooManyFailuresError):
         error.advise(
             "The failed rows are retried on the next run while `retry_failed` is on (materialize "

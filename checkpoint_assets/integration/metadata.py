@@ -230,8 +230,9 @@ def report_saved(
         return
     context.log.warning(
         f"{label} stopped ({why}): {ok:,} rows are checkpointed at {checkpoint.url}"
-        f"{f' and {failed:,} stored as failed' if failed else ''}. Materializing the partition "
-        "again resumes from them; only the rest is computed."
+        f"{f' and {failed:,} stored as failed' if failed else ''}, counting this run's and "
+        "earlier runs'. Materializing the partition again resumes from them; only the rest is "
+        "computed."
     )
     context.log_event(
         dg.AssetObservation(

@@ -303,3 +303,44 @@ def test_dg_launch_materializes_a_shard(project: Path) -> None:
         assert {k.name: c.status.value for k, c in checks.items()} == dict.fromkeys(
             CHECKS, "SUCCEEDED"
         )
+
+
+@pytest.mark.slow
+def test_a_new_create_dagster_project_reaches_dg_launch_as_the_readme_says(tmp_path: Path) -> None:
+    created = subprocess.run(
+        [sys.executable, "-c", "from create_dagster.cli import main; main()",
+         "project", "my-project", "--no-uv-sync"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, DAGSTER_DG_UPDATE_CHECK_ENABLED="0"),  # no PyPI query
+    )  # fmt: skip
+    assert created.returncode == 0, created.stderr[-3000:]
+    project = tmp_path / "my-project"
+    assert '"dagster==1.13.27"' in (project / "pyproject.toml").read_text()  # what pip installs
+    defs = project / "src" / "my_project" / "defs"
+    for name in ("tickets.py", "resources.py"):  # copied from the example, as README says
+        shutil.copy(EXAMPLE / "src" / "dg_project" / "defs" / name, defs / name)
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").touch()
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        env = dict(os.environ, DAGSTER_HOME=str(home))
+        env["PYTHONPATH"] = os.pathsep.join([str(project / "src"), env.get("PYTHONPATH", "")])
+        done = subprocess.run(
+            [sys.executable, "-m", "dagster_dg_cli.cli", *args],
+            cwd=project, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "No dagster instance configuration" not in done.stderr
+        return done
+
+    run("scaffold", "defs", COMPONENT, "ticket_routing",
+        "--source", "tickets", "--id-column", "ticket_id", "--shards", "4")  # fmt: skip
+    run("check", "defs")
+    run("launch", "--assets", "tickets")
+    run("launch", "--assets", "ticket_routing", "--partition", "1-of-4")
+
+    stored = pl.read_parquet(home / "checkpoints" / "ticket_routing" / "default" / "1-of-4.parquet")
+    tickets = pl.read_parquet(home / "checkpoints" / "tickets.parquet")
+    assert sorted(stored["ticket_id"]) == sorted(ids_in_shard(tickets, 1, 4))
+    assert set(stored["output"]) == {"todo"}  # the scaffolded stub's answer

@@ -156,7 +156,7 @@ def test_a_broken_result_stops_at_once_after_checkpointing_what_is_done(
         _run(fn, 40, local, checkpoint_interval=4, max_attempts=3)
 
     assert "the function is broken, not the endpoint" in str(raised.value)
-    assert "8 rows done before are checkpointed" in str(raised.value)
+    assert "this run had finished 8 rows of its own (checkpointed)" in str(raised.value)
     assert len(calls) == 3, "a broken function is not retried"
     stored = _stored(local)
     assert stored.height == 8 and stored.get_column("_error").null_count() == 8

@@ -390,7 +390,7 @@ def test_a_quota_that_stays_spent_stops_the_run_with_what_is_done_checkpointed(
 
     message = str(raised.value)
     assert "quota looks spent" in message and "max_throttle_seconds" in message
-    assert "12 rows done before are checkpointed" in message
+    assert "this run had finished 12 rows of its own (checkpointed)" in message
 
     _, again = _run(route, 40, local, checkpoint_interval=4)  # the quota is back
     assert again.rows_resumed == 12 and again.rows_computed == 28

@@ -14,7 +14,17 @@ from typing import Any
 import dagster as dg
 import polars as pl
 import pytest
-from helpers.jobs import Job, Storage, build_job, ids_in_shard, poisoned, stats, tickets
+from helpers.jobs import (
+    Job,
+    Storage,
+    build_job,
+    ids_in_shard,
+    poisoned,
+    route,
+    run_logs,
+    stats,
+    tickets,
+)
 
 from checkpoint_assets import CheckpointError, checkpointed_asset, shard_partitions
 from checkpoint_assets.engine.calls import outage_threshold
@@ -295,3 +305,62 @@ def test_an_output_column_parquet_cannot_store_fails_at_the_first_result_naming_
     assert "Cast them in the function" in str(raised.value)
     assert len(job.calls) == 1  # stopped at the first result
     assert stored(job).height == 0
+
+
+def test_a_function_that_returns_no_row_for_some_ids_is_told_to_return_one_per_id(
+    tmp_path: Any,
+) -> None:
+    def skips_odd_ids(batch: pl.DataFrame) -> pl.DataFrame:
+        return route(batch.filter(pl.col("ticket_id") % 2 == 0))  # a bug: odd ids get no row
+
+    job = build_job(local(tmp_path), tickets(40), fn=skips_odd_ids)
+
+    result = job.materialize(raise_on_error=False)
+
+    name, message = error_of(result)
+    assert name == "TooManyFailuresError"
+    assert "returned no row for 20 of the 40 ids" in message
+    assert "ids [1, 3, 5, 7, 9]" in message
+    assert "return one row per input id" in message and "raise for the rows" in message
+    assert "raise `max_failed_fraction`" not in message  # tolerating a bug is not the fix
+    failed = stored(job).filter(pl.col("_error").is_not_null()).get_column("ticket_id")
+    assert failed.sort().to_list() == list(range(1, 40, 2))  # stored as failed, retried next run
+
+
+def test_failed_rows_with_an_error_still_suggest_max_failed_fraction(tmp_path: Any) -> None:
+    job = build_job(local(tmp_path), tickets(40), fn=poisoned({3}))
+
+    result = job.materialize(raise_on_error=False)
+
+    name, message = error_of(result)
+    assert name == "TooManyFailuresError"
+    assert "no row" not in message and "raise `max_failed_fraction`" in message
+
+
+def test_a_broken_function_says_what_this_run_did_apart_from_what_the_checkpoint_holds(
+    tmp_path: Any,
+) -> None:
+    broken = False
+
+    def breaks(batch: pl.DataFrame) -> Any:
+        return "not a table" if broken else route(batch)
+
+    job = build_job(local(tmp_path), tickets(40), fn=breaks)
+    job.materialize(limit=12)  # 12 rows checkpointed by an earlier run
+    broken = True
+
+    result = job.materialize(raise_on_error=False)
+
+    name, message = error_of(result)
+    assert name == "FunctionError"
+    assert "this run had finished 0 rows of its own" in message
+    assert "0 rows done before are checkpointed" not in message
+    [line] = [m for m in run_logs(result, job.instance) if "rows are checkpointed at" in m]
+    assert (
+        "12 rows are checkpointed at " in line and "counting this run's and earlier runs'" in line
+    )
+
+
+def local(tmp_path: Any) -> Storage:
+    """A local checkpoint root: what these tests check is wording, the same on any store."""
+    return str(tmp_path / "checkpoints"), {}
