@@ -87,10 +87,12 @@ class ShardRows:
             )
         self.rows = rows_in(source, id_column, keys).collect(engine="streaming")
         self.columns = user_columns(self.rows.columns)
+        self.several = len(keys) > 1
 
     def of(self, key: str | None) -> pl.DataFrame:
         """The input rows of shard ``key`` (or of a partition key that takes them all)."""
-        return rows_in(self.rows, self.id_column, [key]).select(self.columns)
+        rows = rows_in(self.rows, self.id_column, [key]) if self.several else self.rows
+        return rows.select(self.columns)
 
 
 def store_output(store: Store, path: str, value: Any, id_columns: Sequence[str]) -> int:
