@@ -116,10 +116,17 @@ def store_output(store: Store, path: str, value: Any, id_columns: Sequence[str])
     return int(rows)
 
 
-def scan(store: Store, path: str) -> pl.LazyFrame:
-    """A lazy scan of the Parquet file at ``path`` through the store's filesystem (local disk,
-    S3 or any fsspec one): filters on columns with statistics skip row groups, and only the
-    byte ranges of the row groups and columns a query needs are read."""
+def scan(store: Store, path: str, *, checked: bool = False) -> pl.LazyFrame:
+    """A lazy scan of the Parquet file at ``path``: filters on columns with statistics skip row
+    groups, and only the row groups and columns a query needs are read.
+
+    On local disk, polars' own reader (parallel, strings decoded straight into polars' layout);
+    on any other filesystem (S3...), pyarrow's through the store's fsspec filesystem, which
+    reads byte ranges. ``checked``: read through pyarrow wherever the file is, every page's
+    checksum checked (checkpoints' merged files carry them).
+    """
+    if store.local and not checked:
+        return pl.scan_parquet(path)
     filesystem = pafs.PyFileSystem(pafs.FSSpecHandler(store.fs))
     return pl.scan_pyarrow_dataset(ds.dataset(path, filesystem=filesystem, format=_PARQUET))
 
@@ -135,7 +142,7 @@ def scan_result(
     live, redundant = checkpoint.list_parts()
     if live or redundant or not checkpoint.store.fs.exists(checkpoint.files.merged):
         return None
-    frame = scan(checkpoint.store, checkpoint.files.merged)
+    frame = scan(checkpoint.store, checkpoint.files.merged, checked=True)
     names = frame.collect_schema().names()
     if base_seq > 0:
         frame = frame.filter(pl.col(SEQ) >= base_seq)  # rows of earlier generations are not done
