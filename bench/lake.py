@@ -17,7 +17,8 @@
      Dagster run (imports, instance, events), paid whatever the size.
 
 Targets (issue 19): peak RSS at most 2x the scan's; wall at most 2x the scan's plus the empty
-run's. Everything is under a temporary folder, removed at the end.
+run's, i.e. ``(checkpointed - empty) / scan <= 2`` (reported for CPU time too, which a busy
+machine disturbs less). Everything is under a temporary folder, removed at the end.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def run_scan(folder: str, shards: int) -> dict[str, Any]:
 def child(kind: str, folder: str, shards: int) -> dict[str, Any]:
     """One Dagster run in this process (``build``, ``checkpointed`` or ``empty``): its wall time,
     rows and peak RSS."""
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     job = definitions(folder, shards).resolve_implicit_global_asset_job_def()
     partition = shard_partitions(shards).get_partition_keys()[SHARD]
     selected = {"checkpointed": "lake_scored", "empty": "empty_scored"}
@@ -132,8 +133,8 @@ def child(kind: str, folder: str, shards: int) -> dict[str, Any]:
     assert result.success
     event = result.asset_materializations_for_node(assets[0])[0]
     rows = event.metadata["rows" if kind == "build" else "rows_total"].value
-    seconds = time.perf_counter() - started
-    return {"kind": kind, "seconds": seconds, "rows": rows, "peak_mib": peak_mib()}
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return {"kind": kind, "seconds": seconds, "cpu": cpu, "rows": rows, "peak_mib": peak_mib()}
 
 
 def main(rows: int, text_bytes: int, shards: int) -> dict[str, Any]:
@@ -155,10 +156,10 @@ def main(rows: int, text_bytes: int, shards: int) -> dict[str, Any]:
     scan, empty, ran = figures["scan"], figures["empty"], figures["checkpointed"]
     assert ran["rows"] == scan["rows"], (ran["rows"], scan["rows"])
     figures["rss_ratio"] = ran["peak_mib"] / scan["peak_mib"]
-    figures["wall_ratio"] = ran["seconds"] / (scan["seconds"] + empty["seconds"])
-    figures["targets_met"] = figures["rss_ratio"] <= 2 and ran["seconds"] <= (
-        2 * scan["seconds"] + empty["seconds"]
-    )
+    # The time a shard takes beyond a Dagster run's fixed cost, against the scan's (<= 2).
+    for clock in ("seconds", "cpu"):
+        figures[f"{clock}_ratio"] = (ran[clock] - empty[clock]) / scan[clock]
+    figures["targets_met"] = figures["rss_ratio"] <= 2 and figures["seconds_ratio"] <= 2
     figures["size"] = {"rows": rows, "text_bytes": text_bytes, "shards": shards}
     return figures
 
@@ -171,12 +172,13 @@ def report(figures: dict[str, Any]) -> str:
     for kind in ("build", "scan", "empty", "checkpointed"):
         f = figures[kind]
         lines.append(
-            f"{kind:>13}: {f['seconds']:7.2f} s {f['peak_mib']:8.0f} MiB peak {f['rows']:>10} rows"
+            f"{kind:>13}: {f['seconds']:7.2f} s wall {f['cpu']:7.2f} s CPU "
+            f"{f['peak_mib']:8.0f} MiB peak {f['rows']:>10} rows"
         )
     lines.append(f"checkpointed / scan peak RSS: {figures['rss_ratio']:.2f} (target <= 2)")
     lines.append(
-        f"checkpointed wall / (scan + empty run): {figures['wall_ratio']:.2f} "
-        f"(target: <= 2x scan + empty run; met: {figures['targets_met']})"
+        f"(checkpointed - empty run) / scan: wall {figures['seconds_ratio']:.2f} (target <= 2), "
+        f"CPU {figures['cpu_ratio']:.2f}; targets met: {figures['targets_met']}"
     )
     return "\n".join(lines)
 

@@ -2,8 +2,8 @@
 
 ``python -m bench.lake_scan PATH COLUMN FIRST END``: ``pl.scan_parquet`` of the stored source,
 filtered to the shard's keys ``[FIRST, END)`` on the stored shard key column (``END`` "none" for
-the last shard), collected by the streaming engine; prints one JSON object (wall time, rows,
-peak RSS).
+the last shard), collected by the streaming engine; prints one JSON object (wall and CPU time,
+rows, peak RSS).
 
 Peak RSS is the process's ``VmHWM`` (Linux), the high-water mark of its own memory since it
 started: ``getrusage``'s ``ru_maxrss`` keeps the parent's RSS at the fork that started the child.
@@ -19,12 +19,12 @@ import polars as pl
 
 
 def main(path: str, column: str, first: int, end: int | None) -> dict[str, float]:
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     key = pl.col(column)
     keep = key >= first if end is None else (key >= first) & (key < end)
     rows = pl.scan_parquet(path).filter(keep).collect(engine="streaming").height
-    seconds = time.perf_counter() - started
-    return {"kind": "scan", "seconds": seconds, "rows": rows, "peak_mib": peak_mib()}
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return {"kind": "scan", "seconds": seconds, "cpu": cpu, "rows": rows, "peak_mib": peak_mib()}
 
 
 def peak_mib() -> float:
