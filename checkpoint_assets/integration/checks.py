@@ -163,8 +163,10 @@ def _partition_keys(
 def _input_ids(source: Any, id_column: str, keys: Sequence[str]) -> pl.Series:
     """The ids the asset's run of these partitions processes: the run's own rule and casts."""
     partitions: list[str | None] = list(keys) or [None]
-    ids = rows_in(as_lazy(source), id_column, partitions).select(id_column)
-    rows = ids.collect(engine="streaming")
+    lazy = rows_in(as_lazy(source), id_column, partitions)
+    if id_column not in lazy.collect_schema():
+        validate_ids(lazy.head(0).collect(), id_column)  # says so, naming the columns there are
+    rows = lazy.select(id_column).collect(engine="streaming")
     validate_ids(rows, id_column)
     rows = canonical_ids(rows, id_column)
     return rows.get_column(id_column)

@@ -181,9 +181,11 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
     ) -> pl.DataFrame | pl.LazyFrame:
         path = self.output_path(store, context.asset_key, partition)
         try:
-            if lazy:
-                return source.scan(store, path)
-            return pl.read_parquet(io.BytesIO(store.get(path)))
+            if not lazy:
+                return pl.read_parquet(io.BytesIO(store.get(path)))
+            if not store.fs.exists(path):  # a scan would only fail when collected
+                raise FileNotFoundError(path)
+            return source.scan(store, path)
         except FileNotFoundError:
             raise CheckpointError(
                 f"No stored output for {context.asset_key.to_user_string()}"
