@@ -9,8 +9,11 @@ The method-calling chain, for a checkpointed asset::
 
 and for any other asset (it is a good default IO manager too)::
 
-    handle_output(context, obj)   polars DataFrame / LazyFrame or pyarrow Table -> Parquet
-    load_input(context)           Parquet -> polars (all requested partitions concatenated)
+    handle_output(context, obj)   polars DataFrame / LazyFrame or pyarrow Table -> Parquet,
+                                  streamed; ordered by the shard key of the checkpointed assets
+                                  that read it (source.py)
+    load_input(context)           Parquet -> polars (all requested partitions concatenated);
+                                  a lazy scan for a checkpointed asset or a LazyFrame input
 """
 
 from __future__ import annotations

@@ -164,12 +164,30 @@ def test_a_shard_reads_only_the_row_groups_its_key_range_overlaps(tmp_path: Path
     assert groups_read(path) == wanted
 
 
+def test_each_shard_of_a_stored_source_gets_exactly_its_rows(storage: Storage) -> None:
+    rows = tickets(5_000)
+    base_dir, options = storage
+    assets = stored_definitions(base_dir, rows).assets
+    io_manager = CheckpointIOManager(base_dir=base_dir, storage_options=options)
+    defs = dg.Definitions(assets=assets, resources={"io_manager": io_manager})
+    job = defs.resolve_implicit_global_asset_job_def()
+    job.execute_in_process(asset_selection=[dg.AssetKey("tickets")])
+
+    for index in (0, 7):
+        key = f"{index}-of-8"
+        result = job.execute_in_process(asset_selection=[dg.AssetKey("routed")], partition_key=key)
+
+        routed = result.output_for_node("routed")
+        assert sorted(routed["ticket_id"]) == ids_in_shard(rows, index, 8)
+        assert stats(result)["rows_total"] == routed.height
+
+
 def test_a_stored_source_reads_back_as_it_was_returned_for_other_assets(storage: Storage) -> None:
     rows = tickets(5_000)
     base_dir, options = storage
-    defs = stored_definitions(base_dir, rows)
+    assets = stored_definitions(base_dir, rows).assets
     io_manager = CheckpointIOManager(base_dir=base_dir, storage_options=options)
-    defs = dg.Definitions(assets=defs.assets, resources={"io_manager": io_manager})
+    defs = dg.Definitions(assets=assets, resources={"io_manager": io_manager})
     job = defs.resolve_implicit_global_asset_job_def()
     job.execute_in_process(asset_selection=[dg.AssetKey("tickets")])
 
