@@ -74,20 +74,23 @@ def without_shard_keys(frame: Frame) -> Frame:
 
 class ShardRows:
     """The input rows of each shard of one run, collected once for all of them (a ranged run)
-    by the streaming engine, so no more than the run's shards are ever in memory."""
+    by the streaming engine, so no more than the run's shards are ever in memory.
+
+    The filter is applied to the source as it is, so polars pushes it down to the scan: the
+    source's own computed columns are computed for these rows only.
+    """
 
     def __init__(self, source: pl.LazyFrame, id_column: str, keys: Sequence[str | None]) -> None:
         self.id_column = id_column
-        schema = source.collect_schema()
-        column = shard_key_column(id_column)
-        if id_column in schema and column not in schema:
-            # Hashed once here, so each shard of a ranged run compares integers.
-            source = source.with_columns(
-                hashing.shard_key(id_column, schema[id_column]).alias(column)
-            )
-        self.rows = rows_in(source, id_column, keys).collect(engine="streaming")
-        self.columns = user_columns(self.rows.columns)
+        rows = rows_in(source, id_column, keys).collect(engine="streaming")
+        self.columns = user_columns(rows.columns)
         self.several = len(keys) > 1
+        column = shard_key_column(id_column)
+        if self.several and id_column in rows.columns and column not in rows.columns:
+            # Hashed once here, so each shard of a ranged run compares integers.
+            key = hashing.shard_key(id_column, rows.schema[id_column])
+            rows = rows.with_columns(key.alias(column))
+        self.rows = rows
 
     def of(self, key: str | None) -> pl.DataFrame:
         """The input rows of shard ``key`` (or of a partition key that takes them all)."""
