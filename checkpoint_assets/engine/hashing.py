@@ -24,6 +24,9 @@ them):
   at most ``ceil(n_old / n_new) + 1`` shards of another. It is computed exactly, in integers. It
   depends on the id alone: not on the row's position, the input's length, or ``limit``.
   Checkpoints written before this rule used ``h % n`` (the *mod rule*); their meta records no rule.
+  As a polars expression (``shard_key``), an id's *shard key* is ``h - 2**63`` as a signed 64-bit
+  integer: ordered as ``h``, and within the integers every Parquet reader compares (a stored
+  source keeps it in a column, so a shard's filter on it skips other row groups).
 - A row's input hash folds the hashes of the id and each input column, in order, with
   ``h = (h ^ x) * 0x9E3779B97F4A7C15 (mod 2**64)``; a null folds in ``0x6E756C6C`` ("null")
   instead of a value's hash. It is stored with each result and detects changed inputs per row.
@@ -199,6 +202,22 @@ def overlapping(index: int, n: int, other: int) -> range:
     """The shards of ``other`` whose hashes overlap those of shard ``index`` of ``n``."""
     first, end = shard_bounds(index, n)
     return range(first * other // _SPACE, (end - 1) * other // _SPACE + 1)
+
+
+def shard_key(column: str, dtype: pl.DataType) -> pl.Expr:
+    """The shard key of each id in ``column`` (``h - 2**63`` as Int64), computed by polars.
+
+    A null id has key ``-2**63`` (``h = 0``), as ``shard_of`` puts it in shard 0: the shard's
+    run then reports it rather than losing it.
+    """
+    flipped = _text_hash(column, dtype).fill_null(0) ^ pl.lit(1 << 63, pl.UInt64)
+    return flipped.reinterpret(signed=True)
+
+
+def shard_key_bounds(index: int, n: int) -> tuple[int, int | None]:
+    """The shard keys of shard ``index`` of ``n``: ``[first, end)``, ``end`` None for the last."""
+    first, end = shard_bounds(index, n)
+    return first - (1 << 63), (end - (1 << 63) if end < _SPACE else None)
 
 
 def row_hashes(

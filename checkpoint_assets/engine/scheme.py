@@ -16,12 +16,13 @@ run and by the completeness check alike.
 
 from __future__ import annotations
 
+import functools
+import operator
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-import numpy as np
 import polars as pl
 
 from checkpoint_assets.engine import hashing
@@ -31,6 +32,8 @@ RANGE: Rule = "range"
 # Checkpoints written before range sharding record no rule: they hold shards by ``h % n``.
 LEGACY_RULE: Rule = "mod"
 _KEY = re.compile(r"^(\d+)-of-(\d+)$")
+SHARD_KEY_PREFIX = "_shard_key:"
+Frame = TypeVar("Frame", pl.DataFrame, pl.LazyFrame)
 
 
 @dataclass(frozen=True)
@@ -117,36 +120,35 @@ def rule_changed(stored: Scheme | None, current: Scheme | None) -> bool:
     return old is not None and new is not None and old.rule != new.rule
 
 
-class ShardIndex:
-    """The shard of each row of one input, hashed once per shard count."""
-
-    def __init__(self, ids: pl.Series) -> None:
-        self.ids = ids
-        self._of: tuple[int, np.ndarray] | None = None
-
-    def mask(self, shards: Sequence[Shard]) -> np.ndarray:
-        """True for the rows of any of ``shards``."""
-        out = np.zeros(len(self.ids), dtype=bool)
-        for count in sorted({s.count for s in shards}):
-            if self._of is None or self._of[0] != count:
-                self._of = (count, hashing.shard_of(self.ids, count))
-            out |= np.isin(self._of[1], [s.index for s in shards if s.count == count])
-        return out
+def shard_key_column(id_column: str) -> str:
+    """The column of a stored source that holds the shard key of ``id_column`` (its rows are
+    stored ordered by it, so a shard's filter skips the row groups of other shards)."""
+    return f"{SHARD_KEY_PREFIX}{id_column}"
 
 
-def rows_in(
-    frame: pl.DataFrame,
-    id_column: str,
-    partitions: Sequence[str | None],
-    index: ShardIndex | None = None,
-) -> pl.DataFrame:
+def shard_filter(shards: Sequence[Shard], key: pl.Expr) -> pl.Expr:
+    """True for the rows whose shard key (``hashing.shard_key``) falls in any of ``shards``."""
+    ranges = []
+    for shard in shards:
+        first, end = hashing.shard_key_bounds(shard.index, shard.count)
+        inside = key >= first
+        ranges.append(inside if end is None else inside & (key < end))
+    # Plain comparisons joined by ``|``: Parquet readers push them down to row group statistics.
+    return functools.reduce(operator.or_, ranges)
+
+
+def rows_in(frame: Frame, id_column: str, partitions: Sequence[str | None]) -> Frame:
     """The rows of ``frame`` that the checkpoints of ``partitions`` process.
 
-    Shard keys select their rows by id; any other key (or none) takes the whole input.
-    ``index``: the input's shard index, to hash ids once across several calls.
+    Shard keys select their rows by id; any other key (or none) takes the whole input. A lazy
+    ``frame`` stays lazy: the filter is a polars expression, so a streaming collect holds only
+    the shard's rows, and a stored shard key column (``shard_key_column``) lets the Parquet
+    reader skip the row groups of other shards.
     """
     shards = [Shard.parse(p) if p is not None else None for p in partitions]
-    if not shards or any(s is None for s in shards) or id_column not in frame.columns:
+    schema = frame.collect_schema()
+    if not shards or any(s is None for s in shards) or id_column not in schema:
         return frame  # missing ids fail later, with a clear error
-    index = index or ShardIndex(frame.get_column(id_column))
-    return frame.filter(pl.Series(index.mask([s for s in shards if s is not None])))
+    stored = shard_key_column(id_column)
+    key = pl.col(stored) if stored in schema else hashing.shard_key(id_column, schema[id_column])
+    return frame.filter(shard_filter([s for s in shards if s is not None], key))

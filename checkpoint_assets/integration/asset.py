@@ -11,7 +11,6 @@ from typing import Any, Literal
 
 import dagster as dg
 import polars as pl
-import pyarrow as pa
 from pydantic import Field
 
 from checkpoint_assets.engine import function_fingerprint, hashing, runner
@@ -19,7 +18,7 @@ from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError, TooManyFailuresError
 from checkpoint_assets.engine.global_resume import JOB, shard_rows
 from checkpoint_assets.engine.layout import DEFAULT_TAG, asset_folder
-from checkpoint_assets.engine.scheme import Scheme, Shard, ShardIndex, rows_in
+from checkpoint_assets.engine.scheme import Scheme, Shard
 from checkpoint_assets.engine.settings import OnInputChange, RunStats, Settings
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
@@ -27,6 +26,7 @@ from checkpoint_assets.integration.advice import advise
 from checkpoint_assets.integration.function import Signature
 from checkpoint_assets.integration.global_resume import global_resume_key
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
+from checkpoint_assets.integration.source import ShardRows, as_lazy, user_columns
 
 SourceSpec = str | dg.AssetKey | dg.AssetsDefinition | Sequence[str]
 JOB_FORMAT = 1
@@ -191,10 +191,10 @@ def checkpointed_asset(
                 if context.has_partition_key_range or context.has_partition_key
                 else [None]
             )
-            table = to_polars(source)
+            table = as_lazy(source)
             call = signature.bind(fn, context)
             store = io_manager.store()
-            settings = _settings(base, config, table)
+            settings = _settings(base, config, user_columns(table.collect_schema().names()))
             resources = {r: getattr(context.resources, r) for r in signature.resources}
             printed = {**code, **function_fingerprint.of_resources(resources)}
             job = {
@@ -208,7 +208,7 @@ def checkpointed_asset(
             if config.global_resume and config.resume:
                 tag = config.checkpoint_tag
                 imported = _global_rows(io_manager, store, context, job, keys, tag)
-            index = ShardIndex(table.get_column(id_column)) if id_column in table.columns else None
+            shard_rows = ShardRows(table, id_column, keys)  # only these shards' rows, streamed
             frames: list[pl.DataFrame] = []
             stats: list[RunStats] = []
             too_many: list[TooManyFailuresError] = []
@@ -216,7 +216,7 @@ def checkpointed_asset(
                 checkpoint = io_manager.checkpoint(
                     context.asset_key, config.checkpoint_tag, key, store
                 )
-                rows = rows_in(table, id_column, [key], index)
+                rows = shard_rows.of(key)
                 saved = md.saved_on_failure(
                     context, checkpoint, key, settings.id_column, config.checkpointing
                 )
@@ -260,7 +260,8 @@ def checkpointed_asset(
         return dg.asset(
             name=asset_name,
             key_prefix=key_prefix,
-            ins={"source": dg.AssetIn(key=source_key)},
+            # The IO manager gives a source marked with the id column as a lazy scan.
+            ins={"source": dg.AssetIn(key=source_key, metadata={md.ID_COLUMN: id_column})},
             partitions_def=partitions_def,
             group_name=group_name,
             code_version=code_version,
@@ -277,11 +278,11 @@ def checkpointed_asset(
     return decorator
 
 
-def _settings(base: Settings, config: CheckpointRunConfig, source: pl.DataFrame) -> Settings:
+def _settings(base: Settings, config: CheckpointRunConfig, columns: Sequence[str]) -> Settings:
     """The engine settings of this run: the decorator's, with the run config applied."""
     return dataclasses.replace(
         base,
-        input_columns=base.input_columns or tuple(c for c in source.columns if c != base.id_column),
+        input_columns=base.input_columns or tuple(c for c in columns if c != base.id_column),
         checkpoint_interval=config.checkpoint_interval or base.checkpoint_interval,
         batch_size=config.batch_size or base.batch_size,
         resume=config.resume,
@@ -388,22 +389,3 @@ def _source_key(source: SourceSpec) -> dg.AssetKey:
     if isinstance(source, str):
         return dg.AssetKey.from_user_string(source)
     return dg.AssetKey(list(source))
-
-
-def to_polars(value: Any) -> pl.DataFrame:
-    """The source asset's value as a polars DataFrame (polars, pyarrow or pandas)."""
-    if isinstance(value, pl.DataFrame):
-        return value
-    if isinstance(value, pl.LazyFrame):
-        return value.collect()
-    if isinstance(value, pa.Table):
-        frame = pl.from_arrow(value)
-        assert isinstance(frame, pl.DataFrame)
-        return frame
-    if type(value).__module__.startswith("pandas"):
-        return pl.from_pandas(value)
-    raise CheckpointError(
-        f"The source of a checkpointed asset must be a polars, pyarrow or pandas table; got "
-        f"{type(value).__name__}.",
-        "Return a table from the source asset.",
-    )

@@ -20,7 +20,7 @@ from checkpoint_assets.engine.resume import canonical_ids, validate_ids
 from checkpoint_assets.engine.rows import ERROR
 from checkpoint_assets.engine.scheme import rows_in
 from checkpoint_assets.integration import metadata as md
-from checkpoint_assets.integration.asset import to_polars
+from checkpoint_assets.integration.source import as_lazy
 
 SAMPLE = 5
 _ERROR_CHARS = 200
@@ -53,7 +53,7 @@ def checkpoint_checks(asset: dg.AssetsDefinition) -> list[dg.AssetChecksDefiniti
     id_column = str(md.plain(metadata[md.ID_COLUMN]))
     source_key = dg.AssetKey.from_user_string(str(md.plain(metadata[md.SOURCE])))
     partitions_def = asset.partitions_def
-    source_in = {"source": dg.AssetIn(key=source_key)}
+    source_in = {"source": dg.AssetIn(key=source_key, metadata={md.ID_COLUMN: id_column})}
 
     with warnings.catch_warnings():
         # Partitioned asset checks are a Dagster preview; they are what lets each shard be
@@ -162,10 +162,13 @@ def _partition_keys(
 
 def _input_ids(source: Any, id_column: str, keys: Sequence[str]) -> pl.Series:
     """The ids the asset's run of these partitions processes: the run's own rule and casts."""
-    table = to_polars(source)
     partitions: list[str | None] = list(keys) or [None]
-    validate_ids(table, id_column)
-    rows = canonical_ids(rows_in(table, id_column, partitions).select(id_column), id_column)
+    lazy = rows_in(as_lazy(source), id_column, partitions)
+    if id_column not in lazy.collect_schema():
+        validate_ids(lazy.head(0).collect(), id_column)  # says so, naming the columns there are
+    rows = lazy.select(id_column).collect(engine="streaming")
+    validate_ids(rows, id_column)
+    rows = canonical_ids(rows, id_column)
     return rows.get_column(id_column)
 
 

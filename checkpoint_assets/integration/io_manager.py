@@ -9,8 +9,11 @@ The method-calling chain, for a checkpointed asset::
 
 and for any other asset (it is a good default IO manager too)::
 
-    handle_output(context, obj)   polars DataFrame / LazyFrame or pyarrow Table -> Parquet
-    load_input(context)           Parquet -> polars (all requested partitions concatenated)
+    handle_output(context, obj)   polars DataFrame / LazyFrame or pyarrow Table -> Parquet,
+                                  streamed; ordered by the shard key of the checkpointed assets
+                                  that read it (source.py)
+    load_input(context)           Parquet -> polars (all requested partitions concatenated);
+                                  a lazy scan for a checkpointed asset or a LazyFrame input
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import dagster as dg
 import fsspec
 import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
 from dagster_aws.s3 import S3Resource
 from pydantic import Field, PrivateAttr
 
@@ -34,6 +36,8 @@ from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.storage import Store, merge_options, open_store, s3_options
 from checkpoint_assets.integration import metadata as md
+from checkpoint_assets.integration import source
+from checkpoint_assets.integration.source import scan_result, store_output, user_columns
 
 
 def resolve_env(value: Any) -> Any:
@@ -135,8 +139,7 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
             return  # the asset body wrote and finalized its checkpoint
         if obj is None:
             return
-        table = _to_arrow(obj)
-        if table is None:
+        if not isinstance(obj, pl.DataFrame | pl.LazyFrame | pa.Table):
             raise CheckpointError(
                 f"CheckpointIOManager stores polars and pyarrow tables as Parquet; asset "
                 f"{context.asset_key.to_user_string()} returned {type(obj).__name__}.",
@@ -144,12 +147,9 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
             )
         store = self.store()
         path = self.output_path(store, context.asset_key, _partition_of(context))
-        buffer = io.BytesIO()
-        pq.write_table(table, buffer, compression="zstd")
-        store.put(path, buffer.getvalue())
-        context.add_output_metadata(
-            {"path": store.display(path), "rows": table.num_rows, "columns": table.num_columns}
-        )
+        rows = store_output(store, path, obj, _downstream_id_columns(context))
+        columns = len(user_columns(source.as_lazy(obj).collect_schema().names()))
+        context.add_output_metadata({"path": store.display(path), "rows": rows, "columns": columns})
 
     def load_input(self, context: dg.InputContext) -> pl.DataFrame | pl.LazyFrame:
         upstream = context.upstream_output
@@ -158,15 +158,21 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
             list(context.asset_partition_keys) if context.has_asset_partitions else [None]
         )
         store = self.store()
+        # A checkpointed asset's source keeps its shard key column, to select its shard's rows.
+        as_source = md.ID_COLUMN in (context.definition_metadata or {})
+        lazy = as_source or _wants_lazy(context)
         if md.ID_COLUMN in metadata:
             id_column = str(md.plain(metadata[md.ID_COLUMN]))
-            frames = [self._load_checkpoint(context, store, id_column, k) for k in keys]
+            frames = [self._load_checkpoint(context, store, id_column, k, lazy) for k in keys]
         else:
-            frames = [self._load_output(context, store, k) for k in keys]
-        frame = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
-        if _wants_lazy(context):
-            return frame.lazy()
-        return frame
+            frames = [self._load_output(context, store, k, lazy) for k in keys]
+        if lazy:
+            scans = [f.lazy() for f in frames]  # a shard not merged yet was read whole
+            scanned = scans[0] if len(scans) == 1 else pl.concat(scans, how="diagonal_relaxed")
+            return scanned if as_source else source.without_shard_keys(scanned)
+        tables = [f for f in frames if isinstance(f, pl.DataFrame)]
+        table = tables[0] if len(tables) == 1 else pl.concat(tables, how="diagonal_relaxed")
+        return source.without_shard_keys(table)
 
     # -- helpers -------------------------------------------------------------------------
     def output_path(self, store: Store, asset_key: dg.AssetKey, partition: str | None) -> str:
@@ -174,22 +180,30 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
         return store.path(layout.output_name(asset_key.path, partition))
 
     def _load_output(
-        self, context: dg.InputContext, store: Store, partition: str | None
-    ) -> pl.DataFrame:
+        self, context: dg.InputContext, store: Store, partition: str | None, lazy: bool
+    ) -> pl.DataFrame | pl.LazyFrame:
         path = self.output_path(store, context.asset_key, partition)
         try:
-            data = store.get(path)
+            if not lazy:
+                return pl.read_parquet(io.BytesIO(store.get(path)))
+            if not store.fs.exists(path):  # a scan would only fail when collected
+                raise FileNotFoundError(path)
+            return source.scan(store, path)
         except FileNotFoundError:
             raise CheckpointError(
                 f"No stored output for {context.asset_key.to_user_string()}"
                 f"{f' partition {partition}' if partition else ''} at {store.display(path)}.",
                 "Materialize it first (with the same io_manager base_dir).",
             ) from None
-        return pl.read_parquet(io.BytesIO(data))
 
     def _load_checkpoint(
-        self, context: dg.InputContext, store: Store, id_column: str, partition: str | None
-    ) -> pl.DataFrame:
+        self,
+        context: dg.InputContext,
+        store: Store,
+        id_column: str,
+        partition: str | None,
+        lazy: bool,
+    ) -> pl.DataFrame | pl.LazyFrame:
         tag = _latest_tag(context, partition)
         checkpoint = self.checkpoint(context.asset_key, tag, partition, store)
         meta = checkpoint.read_meta()
@@ -199,7 +213,12 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
                 f"{f' partition {partition}' if partition else ''} at {checkpoint.url}.",
                 "Materialize it first; a run with `checkpointing: false` stores nothing to load.",
             )
-        return checkpoint.read_result(id_column, list(meta.output_schema or {}), meta=meta)
+        outputs = list(meta.output_schema or {})
+        if lazy:
+            scanned = scan_result(checkpoint, id_column, outputs, meta.base_seq)
+            if scanned is not None:
+                return scanned
+        return checkpoint.read_result(id_column, outputs, meta=meta)
 
 
 def default_base_dir(instance: dg.DagsterInstance | None) -> str | None:
@@ -330,18 +349,43 @@ def _latest_tag(context: dg.InputContext, partition: str | None) -> str | None:
     return str(value.value) if value is not None else None
 
 
+def _downstream_id_columns(context: dg.OutputContext) -> list[str]:
+    """The id columns of the checkpointed assets whose source is this output: it is stored
+    ordered by the first one's shard key, so each of their shards reads only its row groups.
+
+    Found in the code location's asset graph (a run of the Definitions' jobs, from the UI, the
+    daemon or the CLI), else in the run's job (``dg.materialize`` of both assets). Where neither
+    shows one, the output is stored as it is: each shard still holds only its own rows, but
+    reads the whole file to find them.
+    """
+    graph = _asset_graph(context)
+    if graph is None or not graph.has(context.asset_key):
+        return []
+    name = context.asset_key.to_user_string()
+    found = set()
+    for key in graph.get(context.asset_key).child_keys:
+        metadata = graph.get(key).metadata
+        if md.ID_COLUMN in metadata and md.plain(metadata.get(md.SOURCE)) == name:
+            found.add(str(md.plain(metadata[md.ID_COLUMN])))
+    return sorted(found)
+
+
+def _asset_graph(context: dg.OutputContext) -> Any:
+    try:
+        step = context.step_context
+    except Exception:  # an output context built for a test has no step
+        return None
+    try:
+        return step.repository_def.asset_graph
+    except Exception:  # in-process execution sets no repository: the run's job, unsubsetted
+        job = step.job_def
+        while job.asset_selection_data:
+            job = job.asset_selection_data.parent_job_def
+        return job.asset_layer.asset_graph
+
+
 def _wants_lazy(context: dg.InputContext) -> bool:
     try:
         return context.dagster_type.typing_type is pl.LazyFrame
     except Exception:
         return False
-
-
-def _to_arrow(obj: Any) -> pa.Table | None:
-    if isinstance(obj, pl.LazyFrame):
-        obj = obj.collect()
-    if isinstance(obj, pl.DataFrame):
-        return obj.to_arrow()
-    if isinstance(obj, pa.Table):
-        return obj
-    return None

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from checkpoint_assets.engine import hashing
 from checkpoint_assets.engine.meta import Meta
+from checkpoint_assets.engine.scheme import rows_in
 
 
 def test_shard_of_integer_ids_is_pinned() -> None:
@@ -107,6 +108,30 @@ def test_the_documented_polars_recipe_gives_the_same_shards() -> None:
             (pl.col("id").cast(pl.String).nchash.xxh3_64().cast(pl.UInt128) * n // 2**64).alias("s")
         )
         assert recipe["s"].to_list() == hashing.shard_of(ids["id"], n).tolist()
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7, 16, 1000, hashing.MAX_SHARDS])
+@pytest.mark.parametrize(
+    "ids",
+    [
+        pl.Series("id", [0, 1, 2, 42, 1_000_000_007, -5, None, *range(100, 400)]),
+        pl.Series("id", ["a", "ticket-9", "", None, *(f"t{i}" for i in range(300))]),
+    ],
+)
+def test_the_lazy_shard_filter_selects_exactly_the_rows_shard_of_assigns(
+    count: int, ids: pl.Series
+) -> None:
+    frame = ids.to_frame()
+    expected = hashing.shard_of(ids, count)
+    indexes = sorted({*sorted(set(expected.tolist()))[:3], count - 1})  # the last: no end
+
+    for index in indexes:
+        key = f"{index}-of-{count}"
+        lazy = rows_in(frame.lazy(), "id", [key]).collect(engine="streaming")
+        assert lazy.get_column("id").to_list() == ids.filter(expected == index).to_list()
+    keys = [f"{i}-of-{count}" for i in indexes]
+    both = rows_in(frame.lazy(), "id", keys).collect(engine="streaming")
+    assert both.get_column("id").to_list() == ids.filter(np.isin(expected, indexes)).to_list()
 
 
 def test_shard_counts_outside_the_exact_range_are_refused() -> None:

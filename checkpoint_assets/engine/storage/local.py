@@ -7,7 +7,7 @@ import contextlib
 import os
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import ClassVar
 
 from checkpoint_assets.engine.errors import StorageError
@@ -43,6 +43,20 @@ class LocalStore(Store):
         except BaseException:
             remove_quietly(tmp)
             raise
+
+    @contextlib.contextmanager
+    def put_file(self, path: str) -> Iterator[str]:
+        self._make_folder(os.path.dirname(path))
+        tmp = temporary_path(path)  # beside ``path``: replacing it is atomic
+        try:
+            yield tmp
+            self._count("PUT")
+            with translate(self, path, "writing"):
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+        finally:
+            remove_quietly(tmp)
 
     def put_if_absent(self, path: str, data: bytes) -> bool:
         self._count("PUT")
