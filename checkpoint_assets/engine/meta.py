@@ -6,10 +6,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from checkpoint_assets.engine.errors import CorruptCheckpointError
+from checkpoint_assets.engine.errors import CorruptCheckpointError, NewerFormatError
 from checkpoint_assets.engine.hashing import HASH_FORMAT
 from checkpoint_assets.engine.scheme import Scheme
 
+# Bumped with every new key: a reader refuses a newer format by name (``NewerFormatError``)
+# instead of calling it corrupt, or dropping keys it does not know when it writes meta again.
 FORMAT_VERSION = 1
 
 
@@ -49,6 +51,8 @@ class Meta:
     def from_json(cls, data: bytes, where: str) -> Meta:
         try:
             raw = json.loads(data)
+            if raw.get("format_version", 1) > FORMAT_VERSION:  # before any key it may not know
+                raise NewerFormatError(where, raw["format_version"], FORMAT_VERSION)
             raw["scheme"] = Scheme.from_json(raw.get("scheme"))
             raw.setdefault("input_hash_format", 1)
             return cls(**raw)
