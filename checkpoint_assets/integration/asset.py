@@ -25,7 +25,7 @@ from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.advice import advise
 from checkpoint_assets.integration.function import Signature
-from checkpoint_assets.integration.global_resume import global_resume_key
+from checkpoint_assets.integration.global_resume import global_resume_key, table_path
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
 
 SourceSpec = str | dg.AssetKey | dg.AssetsDefinition | Sequence[str]
@@ -361,7 +361,7 @@ def _global_rows(
 
     Range shards read only the overlapping checkpoints of earlier shard counts; when storage
     holds checkpoints that cannot be narrowed down (unpartitioned, other partition keys, the mod
-    rule), the rows come from the asset's global resume table.
+    rule), the rows come from the asset's global resume table of the run's tag.
     """
     asset_key = context.asset_key
     fingerprint = hashing.job_fingerprint(job)
@@ -381,17 +381,17 @@ def _global_rows(
             )
             return table
     key = global_resume_key(asset_key)
-    path = io_manager.output_path(store, key, None)
+    path = table_path(io_manager, store, asset_key, tag)  # this tag's: tags never mix
     try:
         data = store.get(path)
     except FileNotFoundError:
         raise CheckpointError(
-            f"`global_resume: true` needs the table of {key.to_user_string()} at "
-            f"{store.display(path)}, which does not exist (storage holds checkpoints that are "
-            "not range shards: unpartitioned, other partition keys, or shards written by the "
-            "earlier mod rule).",
+            f"`global_resume: true` needs the table of {key.to_user_string()} for checkpoint "
+            f"tag {tag or DEFAULT_TAG!r} at {store.display(path)}, which does not exist (storage "
+            "holds checkpoints that are not range shards: unpartitioned, other partition keys, "
+            "or shards written by the earlier mod rule).",
             f"Add global_resume_asset({asset_key.path[-1]}) to your Definitions and materialize "
-            "it first.",
+            "it first (it builds a table for every tag on storage).",
         ) from None
     table = pl.read_parquet(io.BytesIO(data))
     if table.height == 0:
