@@ -10,9 +10,10 @@ from checkpoint_assets.engine.errors import CorruptCheckpointError, NewerFormatE
 from checkpoint_assets.engine.hashing import HASH_FORMAT
 from checkpoint_assets.engine.scheme import Scheme
 
-# Bumped with every new key: a reader refuses a newer format by name (``NewerFormatError``)
-# instead of calling it corrupt, or dropping keys it does not know when it writes meta again.
-FORMAT_VERSION = 1
+# Bumped with every new key (2: function_fingerprint): a reader refuses a newer format by name
+# (``NewerFormatError``) instead of calling it corrupt, or dropping keys it does not know when it
+# writes meta again. Meta is always written in the writer's own format.
+FORMAT_VERSION = 2
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Meta:
     function_fingerprint: dict[str, str] | None = None
 
     def to_json(self) -> bytes:
-        data = asdict(self)
+        data = asdict(self) | {"format_version": FORMAT_VERSION}
         data["scheme"] = self.scheme.to_json() if self.scheme else None
         # Not sort_keys: the order of output_schema is the order of the output columns.
         return json.dumps(data, indent=2).encode()

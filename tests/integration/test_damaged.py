@@ -333,6 +333,24 @@ def test_a_damaged_or_missing_meta_stops_the_run_and_repair_starts_the_checkpoin
     assert result.sort("ticket_id").select("ticket_id", "route", ERROR).equals(expected(20))
 
 
+def test_a_meta_of_an_older_format_resumes_and_is_written_again_in_the_current_one(
+    tmp_path: Any,
+) -> None:
+    checkpoint, _ = interrupted((str(tmp_path / "checkpoints"), {}), 12, 8)
+    engine_run(checkpoint, tickets(12), [])
+    store = checkpoint.store
+    older = json.loads(store.get(checkpoint.files.meta))
+    older["format_version"] = 1
+    del older["function_fingerprint"]  # the key format 2 added
+    store.put(checkpoint.files.meta, json.dumps(older).encode())
+    calls: list[int] = []
+
+    engine_run(fresh(checkpoint), tickets(20), calls)
+
+    assert sorted(calls) == list(range(12, 20))
+    assert json.loads(store.get(checkpoint.files.meta))["format_version"] == FORMAT_VERSION
+
+
 def test_a_meta_of_a_newer_format_stops_run_verify_and_repair_and_every_file_stays(
     tmp_path: Any,
 ) -> None:
