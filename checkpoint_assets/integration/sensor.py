@@ -4,13 +4,14 @@ Each tick, in order::
 
     _failures()      which partitions are failed now, and by which run:
                        - Dagster's partition status says FAILED (the latest attempt failed);
-                       - a failed run that planned a range of partitions in one event (a backfill
+                       - a failed run that planned its partitions as one subset event (a backfill
                          with a ``backfill_policy`` where the instance emits one planned event per
-                         range, which the partition status does not follow) covers the partition
-                         with ``dagster/asset_partition_range_start``/``_end`` tags and nothing
-                         materialized it since. Such runs are found among the asset's own planned
-                         materializations, followed with a cursor, never among the instance's
-                         recent runs, where other jobs' failures would push them out of view;
+                         run, which the partition status does not follow) covers the partition
+                         with ``dagster/asset_partition_range_start``/``_end`` tags (or
+                         ``dagster/partition``) and nothing materialized it since. Such runs are
+                         found among the asset's own planned materializations, followed with a
+                         cursor, never among the instance's recent runs, where other jobs'
+                         failures would push them out of view;
                        - while the asset's ``retry_failed`` is on: its latest materialization
                          reports ``rows_failed > 0`` (tolerated by ``max_failed_fraction``).
     _decide()        per partition, against the budget in the cursor: request a retry once the
@@ -34,6 +35,7 @@ import dagster as dg
 from checkpoint_assets.engine.layout import UNPARTITIONED
 from checkpoint_assets.integration import metadata as md
 
+PARTITION_TAG = "dagster/partition"
 RANGE_START_TAG = "dagster/asset_partition_range_start"
 RANGE_END_TAG = "dagster/asset_partition_range_end"
 RETRY_OF_TAG = "checkpoint_assets/retry_of"
@@ -392,7 +394,9 @@ def _failed_range_runs(
         run = record.dagster_run
         if not run.is_finished or run.is_complete_and_waiting_to_retry:
             continue  # in progress, or Dagster's run retries will re-execute it
-        first, last = run.tags.get(RANGE_START_TAG, ""), run.tags.get(RANGE_END_TAG, "")
+        # One partition planned as a subset of one carries only ``dagster/partition``.
+        one = run.tags.get(PARTITION_TAG, "")
+        first, last = run.tags.get(RANGE_START_TAG, one), run.tags.get(RANGE_END_TAG, one)
         if run.status != dg.DagsterRunStatus.FAILURE or not {first, last} <= position.keys():
             state.ranged.discard(run_id)  # succeeded, or its range no longer exists
             continue

@@ -260,11 +260,12 @@ def other_job() -> None:
 
 
 @pytest.mark.parametrize("storage", ["local"], indirect=True)
-def test_a_failed_ranged_run_is_retried_however_many_runs_of_other_jobs_failed_since(
-    storage: Storage, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("shards", ["range", "one"])
+def test_a_failed_run_is_retried_however_many_runs_of_other_jobs_failed_since(
+    storage: Storage, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch, shards: str
 ) -> None:
-    # One planned event for the whole range (as Dagster+ and this setting emit): Dagster's
-    # partition status then does not show the range as failed, only the run does.
+    # One planned event per run, a subset of partitions (as this setting makes the instance
+    # emit): Dagster's partition status then does not show them as failed, only the run does.
     monkeypatch.setenv("DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS", "true")
     df = tickets(40)
     job = build_job(
@@ -277,24 +278,28 @@ def test_a_failed_ranged_run_is_retried_however_many_runs_of_other_jobs_failed_s
     )
     ticker = Ticker(job, failed_partitions_sensor(job.asset, backoff_seconds=0))
     assert ticker.tick()[0] == []  # a tick before: the sensor has a cursor
-    ranged = dg.materialize(
+    covered = KEYS if shards == "range" else [KEYS[1]]
+    failed = dg.materialize(
         [job.source, job.asset],
         instance=instance,
         resources=job.resources(),
+        partition_key=None if shards == "range" else KEYS[1],
         tags={
             "dagster/asset_partition_range_start": KEYS[0],
             "dagster/asset_partition_range_end": KEYS[-1],
-        },
+        }
+        if shards == "range"
+        else None,
         raise_on_error=False,
     )
-    assert not ranged.success
+    assert not failed.success
     for _ in range(500):  # a busy instance: failures of another job since
         instance.report_run_failed(instance.create_run_for_job(other_job))
 
     requests, _ = ticker.tick()
 
-    assert sorted(r.partition_key or "" for r in requests) == KEYS
-    assert {r.tags[RETRY_OF_TAG] for r in requests} == {ranged.run_id}
+    assert sorted(r.partition_key or "" for r in requests) == covered
+    assert {r.tags[RETRY_OF_TAG] for r in requests} == {failed.run_id}
 
 
 def test_an_unpartitioned_asset_is_retried_as_a_whole(
