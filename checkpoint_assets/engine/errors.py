@@ -116,6 +116,22 @@ class CorruptCheckpointError(CheckpointError):
         super().__init__(f"Checkpoint file {path} {problem}.", remedy)
 
 
+class NewerFormatError(CheckpointError):
+    """A checkpoint file was written by a newer version of checkpoint-assets, in a format this
+    version cannot read: it is left untouched."""
+
+    def __init__(self, path: str, found: int, readable: int) -> None:
+        self.path = path
+        self.found = found
+        self.readable = readable
+        super().__init__(
+            f"Checkpoint file {path} was written by a newer version of checkpoint-assets (format "
+            f"{found}; this version reads up to {readable}). Nothing was read or changed.",
+            "Upgrade checkpoint-assets (pip install -U checkpoint-assets) in every process that "
+            "runs, reads or repairs this checkpoint; or give this version a new checkpoint tag.",
+        )
+
+
 class LockHeldError(CheckpointError):
     """Another live writer holds the checkpoint's lock."""
 

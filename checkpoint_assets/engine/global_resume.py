@@ -10,8 +10,9 @@ may sit in a checkpoint of the old scheme. Two ways to find it:
   answers None when storage holds checkpoints it cannot narrow down that way: unpartitioned ones,
   other partition keys, or shards written by the earlier mod rule (``h % n`` spreads every old
   shard over every new one).
-- ``finished_rows``, the global resume table: every checkpoint found under the asset's folder
-  (not only ``range(current n)``), for the cases above and as a report of what each scheme holds.
+- ``finished_rows``, the global resume table of one checkpoint tag: every checkpoint found in
+  the tag's folder (not only ``range(current n)``), for the cases above and as a report of what
+  each scheme holds. Tags never mix: each has its own table (``tags`` lists those on storage).
 
 Both keep the successful rows and resolve each id to one winner: the newest finalized checkpoint,
 then the newest flush. Each row keeps its ``_input_hash``, so a shard imports only rows whose input
@@ -32,7 +33,13 @@ import polars as pl
 
 from checkpoint_assets.engine import hashing
 from checkpoint_assets.engine.checkpoint import Checkpoint
-from checkpoint_assets.engine.layout import UNPARTITIONED, names_in, split_name
+from checkpoint_assets.engine.layout import (
+    UNPARTITIONED,
+    asset_folder,
+    decode,
+    names_in,
+    split_name,
+)
 from checkpoint_assets.engine.meta import Meta
 from checkpoint_assets.engine.rows import CURRENT, ERROR
 from checkpoint_assets.engine.scheme import RANGE, Shard
@@ -52,12 +59,25 @@ class Found:
 
 
 def checkpoint_names(store: Store, folder: str) -> list[str]:
-    """Names (relative to the store root) of every checkpoint under ``folder``."""
-    return names_in((f.path for f in store.list_recursive(store.path(folder))), store.root)
+    """Names (relative to the store root) of the checkpoints in ``folder``, one tag's folder;
+    not those of another asset whose key continues the path (``a`` and ``a/default``)."""
+    return _names(store, folder, folder.count("/") + 1)
+
+
+def tags(store: Store, asset_path: Sequence[str]) -> list[str]:
+    """The checkpoint tags under which the asset ``asset_path`` has checkpoints on storage."""
+    folder = asset_folder(asset_path)
+    return sorted({decode(n.split("/")[-2]) for n in _names(store, folder, folder.count("/") + 2)})
+
+
+def _names(store: Store, folder: str, slashes: int) -> list[str]:
+    names = names_in((f.path for f in store.list_recursive(store.path(folder))), store.root)
+    return [n for n in names if n.count("/") == slashes]
 
 
 def finished_rows(store: Store, folder: str, id_column: str) -> tuple[pl.DataFrame, Found]:
-    """One successful row per id from every checkpoint under ``folder`` (the global table)."""
+    """One successful row per id from every checkpoint in ``folder``, one tag's folder (the
+    global table of that tag)."""
     found = Found()
     sources: list[tuple[Meta, pl.DataFrame]] = []
     for name in checkpoint_names(store, folder):

@@ -13,7 +13,8 @@ relative to the root (``UNPARTITIONED`` for an unpartitioned asset)::
                                        deleted (except by ``checkpoint-assets clean``)
 
 Ordinary (not checkpointed) outputs of the IO manager go to ``<asset path>.parquet``, or
-``<asset path>/<partition>.parquet`` for a partition.
+``<asset path>/<partition>.parquet`` for a partition; the global resume table of one tag goes to
+``<asset path>_global_resume/<tag>.parquet``, as if the tag were a partition of that asset.
 
 Every component of a name (each part of the asset key, the tag, the partition key) is encoded so
 that no name can reach outside the root: characters other than letters, digits and ``-_.=+,@`` are

@@ -6,11 +6,14 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from checkpoint_assets.engine.errors import CorruptCheckpointError
+from checkpoint_assets.engine.errors import CorruptCheckpointError, NewerFormatError
 from checkpoint_assets.engine.hashing import HASH_FORMAT
 from checkpoint_assets.engine.scheme import Scheme
 
-FORMAT_VERSION = 1
+# Bumped with every new key (2: function_fingerprint): a reader refuses a newer format by name
+# (``NewerFormatError``) instead of calling it corrupt, or dropping keys it does not know when it
+# writes meta again. Meta is always written in the writer's own format.
+FORMAT_VERSION = 2
 
 
 @dataclass
@@ -40,7 +43,7 @@ class Meta:
     function_fingerprint: dict[str, str] | None = None
 
     def to_json(self) -> bytes:
-        data = asdict(self)
+        data = asdict(self) | {"format_version": FORMAT_VERSION}
         data["scheme"] = self.scheme.to_json() if self.scheme else None
         # Not sort_keys: the order of output_schema is the order of the output columns.
         return json.dumps(data, indent=2).encode()
@@ -49,6 +52,8 @@ class Meta:
     def from_json(cls, data: bytes, where: str) -> Meta:
         try:
             raw = json.loads(data)
+            if raw.get("format_version", 1) > FORMAT_VERSION:  # before any key it may not know
+                raise NewerFormatError(where, raw["format_version"], FORMAT_VERSION)
             raw["scheme"] = Scheme.from_json(raw.get("scheme"))
             raw.setdefault("input_hash_format", 1)
             return cls(**raw)

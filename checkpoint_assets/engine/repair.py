@@ -90,13 +90,13 @@ def repair(checkpoint: Checkpoint) -> Repaired:
     lease.acquire()
     try:
         done = Repaired(checkpoint.name)
-        removed = checkpoint.remove_stale_temporary()
-        done.removed_temporary = [checkpoint.store.display(p) for p in removed]
-        try:
+        try:  # first: a meta of a newer format stops repair before any file is touched
             meta = checkpoint.read_meta()
             lost = None if meta is not None else "it is missing"
         except CorruptCheckpointError as e:
             meta, lost = None, f"it {e.problem}"
+        removed = checkpoint.remove_stale_temporary()
+        done.removed_temporary = [checkpoint.store.display(p) for p in removed]
         if meta is None:
             _set_all_aside(checkpoint, done, lost or "")
         else:

@@ -71,6 +71,18 @@ class Settings:
                 f"min_concurrency must be between 1 and max_concurrency "
                 f"({self.max_concurrency}), got {self.min_concurrency}"
             )
+        # Refused by name rather than replaced: 0 attempts would call nothing, a negative delay
+        # or fraction means nothing.
+        _at_least(self, 1, "max_attempts")
+        _at_least(self, 0, "flush_seconds", "retry_delay_seconds", "progress_seconds")
+        if self.min_flush_seconds is not None:
+            _at_least(self, 0, "min_flush_seconds")
+        if not 0.0 <= self.max_failed_fraction <= 1.0:
+            raise ValueError(
+                f"max_failed_fraction must be between 0 and 1, got {self.max_failed_fraction}"
+            )
+        if self.lease_seconds <= 0:
+            raise ValueError(f"lease_seconds must be positive, got {self.lease_seconds}")
 
     @property
     def batch_rows(self) -> int:
@@ -92,6 +104,13 @@ class Settings:
         round trip between threads costs one-row calls about 5 % of their throughput).
         """
         return self.max_concurrency + -(-self.max_concurrency // 4)
+
+
+def _at_least(settings: Settings, least: int, *names: str) -> None:
+    for name in names:
+        value = getattr(settings, name)
+        if value < least:
+            raise ValueError(f"{name} must be at least {least}, got {value}")
 
 
 @dataclass

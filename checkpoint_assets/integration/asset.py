@@ -7,11 +7,11 @@ import dataclasses
 import inspect
 import io
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import dagster as dg
 import polars as pl
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from checkpoint_assets.engine import function_fingerprint, hashing, runner
 from checkpoint_assets.engine.checkpoint import Checkpoint
@@ -24,11 +24,12 @@ from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.advice import advise
 from checkpoint_assets.integration.function import Signature
-from checkpoint_assets.integration.global_resume import global_resume_key
+from checkpoint_assets.integration.global_resume import global_resume_key, table_path
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
 from checkpoint_assets.integration.source import ShardRows, as_lazy, user_columns
 
 SourceSpec = str | dg.AssetKey | dg.AssetsDefinition | Sequence[str]
+T = TypeVar("T")
 JOB_FORMAT = 1
 
 
@@ -47,18 +48,20 @@ class CheckpointRunConfig(dg.Config):
         default=None, description="Name of the checkpoint, to keep separate runs apart."
     )
     checkpoint_interval: int | None = Field(
-        default=None, description="Rows per flush (overrides the asset's)."
+        default=None, ge=1, description="Rows per flush, at least 1 (overrides the asset's)."
     )
     batch_size: int | None = Field(
         default=None,
-        description="Rows per call (overrides the asset's; default: the checkpoint interval).",
+        ge=1,
+        description="Rows per call, at least 1 (overrides the asset's; default: the checkpoint "
+        "interval).",
     )
     global_resume: bool = Field(
         default=False,
         description="Take finished rows from every checkpoint of the asset (after a reshard).",
     )
     limit: int | None = Field(
-        default=None, description="Process only the first N rows of the shard (a smoke run)."
+        default=None, ge=0, description="Process only the first N rows of the shard (a smoke run)."
     )
     retry_failed: bool | None = Field(
         default=None, description="Compute rows stored as failed again (default: the asset's)."
@@ -67,6 +70,17 @@ class CheckpointRunConfig(dg.Config):
         default=None,
         description="fail or recompute finished rows whose input changed (default: the asset's).",
     )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "CheckpointRunConfig":
+        # Checked when the step starts, before the source is read or anything is computed.
+        if self.global_resume and not self.resume:
+            raise ValueError(
+                "global_resume: true takes finished rows from other checkpoints, but resume: "
+                "false computes every row again, so they cannot both hold. Drop global_resume to "
+                "recompute everything, or drop resume: false to take the finished rows."
+            )
+        return self
 
 
 def checkpointed_asset(
@@ -205,7 +219,7 @@ def checkpointed_asset(
                 "input_columns": list(settings.input_columns),
             }
             imported = None  # read once for every shard of a ranged run
-            if config.global_resume and config.resume:
+            if config.global_resume:
                 tag = config.checkpoint_tag
                 imported = _global_rows(io_manager, store, context, job, keys, tag)
             shard_rows = ShardRows(table, id_column, keys)  # only these shards' rows, streamed
@@ -283,13 +297,18 @@ def _settings(base: Settings, config: CheckpointRunConfig, columns: Sequence[str
     return dataclasses.replace(
         base,
         input_columns=base.input_columns or tuple(c for c in columns if c != base.id_column),
-        checkpoint_interval=config.checkpoint_interval or base.checkpoint_interval,
-        batch_size=config.batch_size or base.batch_size,
+        checkpoint_interval=_given(config.checkpoint_interval, base.checkpoint_interval),
+        batch_size=_given(config.batch_size, base.batch_size),
         resume=config.resume,
         checkpointing=config.checkpointing,
-        retry_failed=base.retry_failed if config.retry_failed is None else config.retry_failed,
-        on_input_change=config.on_input_change or base.on_input_change,
+        retry_failed=_given(config.retry_failed, base.retry_failed),
+        on_input_change=_given(config.on_input_change, base.on_input_change),
     )
+
+
+def _given(value: T | None, asset_value: T) -> T:
+    """The run config's value when it gives one (0 and false included), else the asset's."""
+    return asset_value if value is None else value
 
 
 def _run_partition(
@@ -343,7 +362,7 @@ def _global_rows(
 
     Range shards read only the overlapping checkpoints of earlier shard counts; when storage
     holds checkpoints that cannot be narrowed down (unpartitioned, other partition keys, the mod
-    rule), the rows come from the asset's global resume table.
+    rule), the rows come from the asset's global resume table of the run's tag.
     """
     asset_key = context.asset_key
     fingerprint = hashing.job_fingerprint(job)
@@ -363,17 +382,17 @@ def _global_rows(
             )
             return table
     key = global_resume_key(asset_key)
-    path = io_manager.output_path(store, key, None)
+    path = table_path(io_manager, store, asset_key, tag)  # this tag's: tags never mix
     try:
         data = store.get(path)
     except FileNotFoundError:
         raise CheckpointError(
-            f"`global_resume: true` needs the table of {key.to_user_string()} at "
-            f"{store.display(path)}, which does not exist (storage holds checkpoints that are "
-            "not range shards: unpartitioned, other partition keys, or shards written by the "
-            "earlier mod rule).",
+            f"`global_resume: true` needs the table of {key.to_user_string()} for checkpoint "
+            f"tag {tag or DEFAULT_TAG!r} at {store.display(path)}, which does not exist (storage "
+            "holds checkpoints that are not range shards: unpartitioned, other partition keys, "
+            "or shards written by the earlier mod rule).",
             f"Add global_resume_asset({asset_key.path[-1]}) to your Definitions and materialize "
-            "it first.",
+            "it first (it builds a table for every tag on storage).",
         ) from None
     table = pl.read_parquet(io.BytesIO(data))
     if table.height == 0:

@@ -107,6 +107,41 @@ BatchFunction = Annotated[
 ]
 
 
+class SingleRunBackfill(dg.Resolvable, dg.Model):
+    """``{type: single_run}``: a backfill is one run over every shard it covers."""
+
+    type: Literal["single_run"] = "single_run"
+
+
+class MultiRunBackfill(dg.Resolvable, dg.Model):
+    """``{type: multi_run, max_partitions_per_run: N}``: a backfill is runs of N shards each."""
+
+    type: Literal["multi_run"] = "multi_run"
+    max_partitions_per_run: int = 1
+
+
+def _backfill_policy(
+    context: dg.ResolutionContext, value: SingleRunBackfill | MultiRunBackfill | None
+) -> dg.BackfillPolicy | None:
+    if isinstance(value, MultiRunBackfill):
+        return dg.BackfillPolicy.multi_run(value.max_partitions_per_run)
+    return dg.BackfillPolicy.single_run() if value is not None else None
+
+
+BackfillPolicy = Annotated[
+    dg.BackfillPolicy | None,
+    dg.Resolver(
+        _backfill_policy,
+        model_field_type=SingleRunBackfill | MultiRunBackfill,
+        description=(
+            "How a backfill runs the shards: {type: single_run} (one run, shard after shard) or "
+            "{type: multi_run, max_partitions_per_run: N} (Dagster's default: one per shard)."
+        ),
+        examples=[{"type": "single_run"}, {"type": "multi_run", "max_partitions_per_run": 4}],
+    ),
+]
+
+
 class FailedPartitionsSensor(dg.Resolvable, dg.Model):
     """Settings of the failed-partitions sensor."""
 
@@ -286,6 +321,10 @@ class CheckpointedAssetComponent(dg.Component, dg.Resolvable, dg.Model):
     description: Annotated[
         str | None, _doc("Asset description (default: the function's docstring).")
     ] = None
+    metadata: Annotated[dict[str, Any] | None, _doc("Extra definition metadata of the asset.")] = (
+        None
+    )
+    backfill_policy: BackfillPolicy = None
     io_manager_key: Annotated[
         str, _doc("Resource key of the CheckpointIOManager that stores the checkpoints.")
     ] = _ASSET["io_manager_key"]

@@ -1,30 +1,41 @@
 """``global_resume_asset``: reconcile finished rows across every shard scheme of an asset.
 
 The built asset reads storage directly and depends on the checkpointed asset for lineage only,
-so it can be materialized before any shard of a new scheme exists. A shard run with
-``global_resume: true`` then takes the finished rows for its ids (same id, same input hash, same
-job) from its table into its own checkpoint and skips them.
+so it can be materialized before any shard of a new scheme exists. It builds one table per
+checkpoint tag, since tags never mix: ``<asset>_global_resume/<tag>.parquet`` (where the IO
+manager would store a partition ``<tag>`` of it). A shard run with ``global_resume: true`` then
+takes the finished rows for its ids (same id, same input hash, same job) from its own tag's table
+into its checkpoint and skips them.
 """
 
+import io
 from typing import Any
 
 import dagster as dg
-import polars as pl
 from pydantic import Field
 
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.global_resume import finished_rows
+from checkpoint_assets.engine.global_resume import Found, finished_rows, tags
 from checkpoint_assets.engine.layout import DEFAULT_TAG, asset_folder
+from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
-from checkpoint_assets.integration.io_manager import checkpoint_io_manager
+from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
 
 
 class GlobalResumeConfig(dg.Config):
     """Which checkpoints to reconcile."""
 
     checkpoint_tag: str | None = Field(
-        default=None, description="Reconcile the checkpoints of this tag (default: 'default')."
+        default=None,
+        description="Build only this tag's table (default: one table per tag found in storage).",
     )
+
+
+def table_path(
+    io_manager: CheckpointIOManager, store: Store, asset_key: dg.AssetKey, tag: str | None
+) -> str:
+    """Where the global resume table of ``asset_key``'s checkpoints of ``tag`` is stored."""
+    return io_manager.output_path(store, global_resume_key(asset_key), tag or DEFAULT_TAG)
 
 
 def global_resume_key(asset_key: dg.AssetKey) -> dg.AssetKey:
@@ -39,6 +50,9 @@ def global_resume_asset(
     group_name: str | None = None,
 ) -> dg.AssetsDefinition:
     """An unpartitioned asset holding the finished rows of every checkpoint of ``asset``.
+
+    One table per checkpoint tag found in storage (run config ``checkpoint_tag``: that tag's
+    only), each from that tag's checkpoints alone.
 
     Example: after changing ``shard_partitions(8)`` to ``shard_partitions(16)``, materialize
     ``ticket_routing_global_resume``, then backfill ``ticket_routing`` with run config
@@ -62,29 +76,41 @@ def global_resume_asset(
         metadata={md.GLOBAL_RESUME_OF: key.to_user_string()},
         description=(
             f"Finished rows of every checkpoint of {key.to_user_string()}, of every shard "
-            "scheme on storage, for runs with `global_resume: true`."
+            "scheme on storage, one table per checkpoint tag, for runs with "
+            "`global_resume: true`."
         ),
         kinds={"polars"},
     )
     def _global_resume(
         context: dg.AssetExecutionContext, config: GlobalResumeConfig
-    ) -> pl.DataFrame:
-        store = checkpoint_io_manager(context, io_manager_key).store()
-        folder = asset_folder(key.path, config.checkpoint_tag or DEFAULT_TAG)
-        table, found = finished_rows(store, folder, id_column)
+    ) -> dg.MaterializeResult:
+        io_manager = checkpoint_io_manager(context, io_manager_key)
+        store = io_manager.store()
+        built = [config.checkpoint_tag] if config.checkpoint_tag else tags(store, key.path)
+        found, rows = Found(), 0
+        for tag in built:  # one table in memory at a time
+            table, read = finished_rows(store, asset_folder(key.path, tag), id_column)
+            buffer = io.BytesIO()
+            table.write_parquet(buffer, compression="zstd")
+            store.put(table_path(io_manager, store, key, tag), buffer.getvalue())
+            context.log.info(
+                "Tag %r: reconciled %d finished rows from %d checkpoints (%s).",
+                tag,
+                table.height,
+                len(read.checkpoints),
+                ", ".join(sorted(set(read.schemes))) or "none found",
+            )
+            found.checkpoints += read.checkpoints
+            found.schemes += read.schemes
+            found.rows_read += read.rows_read
+            rows += table.height
         details: dict[str, Any] = {
+            "tags": built,
             "checkpoints": len(found.checkpoints),
             "schemes": sorted(set(found.schemes)),
             "rows_read": found.rows_read,
-            "rows_finished": table.height,
+            "rows_finished": rows,
         }
-        context.add_output_metadata(details)
-        context.log.info(
-            "Reconciled %d finished rows from %d checkpoints (%s).",
-            table.height,
-            len(found.checkpoints),
-            ", ".join(sorted(set(found.schemes))) or "none found",
-        )
-        return table
+        return dg.MaterializeResult(metadata=details)
 
     return _global_resume

@@ -58,6 +58,7 @@ COUNTS = (
     ROWS_FAILED,
     "rows_reused",
     "rows_dropped",
+    "rows_changed",
     "rows_imported",
     "calls",
 )

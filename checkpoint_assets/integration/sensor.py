@@ -4,9 +4,14 @@ Each tick, in order::
 
     _failures()      which partitions are failed now, and by which run:
                        - Dagster's partition status says FAILED (the latest attempt failed);
-                       - a failed run of a backfill with a ``backfill_policy`` covers the partition
-                         with ``dagster/asset_partition_range_start``/``_end`` tags and nothing
-                         materialized it since;
+                       - a failed run that planned its partitions as one subset event (a backfill
+                         with a ``backfill_policy`` where the instance emits one planned event per
+                         run, which the partition status does not follow) covers the partition
+                         with ``dagster/asset_partition_range_start``/``_end`` tags (or
+                         ``dagster/partition``) and nothing materialized it since. Such runs are
+                         found among the asset's own planned materializations, followed with a
+                         cursor, never among the instance's recent runs, where other jobs'
+                         failures would push them out of view;
                        - while the asset's ``retry_failed`` is on: its latest materialization
                          reports ``rows_failed > 0`` (tolerated by ``max_failed_fraction``).
     _decide()        per partition, against the budget in the cursor: request a retry once the
@@ -30,14 +35,14 @@ import dagster as dg
 from checkpoint_assets.engine.layout import UNPARTITIONED
 from checkpoint_assets.integration import metadata as md
 
+PARTITION_TAG = "dagster/partition"
 RANGE_START_TAG = "dagster/asset_partition_range_start"
 RANGE_END_TAG = "dagster/asset_partition_range_end"
 RETRY_OF_TAG = "checkpoint_assets/retry_of"
 RETRY_ATTEMPT_TAG = "checkpoint_assets/retry_attempt"
-# Failed runs read per tick when looking for ranged backfill runs of the asset.
-RECENT_FAILED_RUNS = 100
 _PAGE = 1000
-_CURSOR_VERSION = 2
+_RUNS_PER_QUERY = 100
+_CURSOR_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,8 @@ class SensorState:
     after: int = 0  # last materialization event read (storage id)
     partial: dict[str, Failure] = field(default_factory=dict)  # latest had rows_failed > 0
     budgets: dict[str, Budget] = field(default_factory=dict)
+    planned_after: int = 0  # last planned materialization read (storage id)
+    ranged: set[str] = field(default_factory=set)  # ranged runs not yet succeeded or made good
 
     def to_json(self) -> str:
         return json.dumps(
@@ -76,6 +83,8 @@ class SensorState:
                     k: [b.attempts, b.retried_run, b.gave_up]
                     for k, b in sorted(self.budgets.items())
                 },
+                "planned_after": self.planned_after,
+                "ranged": sorted(self.ranged),
             },
             separators=(",", ":"),
         )
@@ -85,7 +94,7 @@ class SensorState:
         if not text:
             return cls()
         data = json.loads(text)
-        if data.get("v") != _CURSOR_VERSION:
+        if data.get("v") not in (2, _CURSOR_VERSION):  # 2: before planned events were followed
             return cls()
         return cls(
             after=int(data["after"]),
@@ -96,6 +105,8 @@ class SensorState:
             budgets={
                 k: Budget(int(n), run, bool(gave)) for k, (n, run, gave) in data["budgets"].items()
             },
+            planned_after=int(data.get("planned_after", 0)),
+            ranged=set(data.get("ranged", ())),
         )
 
 
@@ -278,7 +289,8 @@ def _failures(
     for partition, failure in _failed_runs_of(instance, key, failed).items():
         add(partition, failure)
     if partitions_def is not None:
-        for partition, failure in _failed_range_runs(instance, key, partitions_def).items():
+        _read_ranged_runs(instance, key, state)
+        for partition, failure in _failed_range_runs(instance, key, partitions_def, state).items():
             add(partition, failure)
     return found
 
@@ -329,35 +341,68 @@ def _ended(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> dict[str, tu
     return out
 
 
-def _failed_range_runs(
-    instance: dg.DagsterInstance, key: dg.AssetKey, partitions_def: dg.PartitionsDefinition
-) -> dict[str, Failure]:
-    """Partitions covered by recent failed ranged runs of this asset and not materialized since.
+def _read_ranged_runs(instance: dg.DagsterInstance, key: dg.AssetKey, state: SensorState) -> None:
+    """Follow new planned materializations of the asset: a run that planned a range of its
+    partitions in one event (no partition of its own) is watched until it succeeds or every
+    partition it covered has materialized since."""
+    storage = instance.event_log_storage  # the instance's own reader of these is deprecated
+    while True:
+        records = storage.get_event_records(
+            dg.EventRecordsFilter(
+                dg.DagsterEventType.ASSET_MATERIALIZATION_PLANNED,
+                asset_key=key,
+                after_cursor=state.planned_after or None,
+            ),
+            limit=_PAGE,
+            ascending=True,
+        )
+        for record in records:
+            state.planned_after = max(state.planned_after, record.storage_id)
+            if record.partition_key is None:
+                state.ranged.add(record.run_id)
+        if len(records) < _PAGE:
+            return
 
-    Backfills of assets with a ``backfill_policy`` run many partitions in one run, tagged with
-    the first and last partition of the range instead of ``dagster/partition``.
+
+def _failed_range_runs(
+    instance: dg.DagsterInstance,
+    key: dg.AssetKey,
+    partitions_def: dg.PartitionsDefinition,
+    state: SensorState,
+) -> dict[str, Failure]:
+    """Partitions covered by the watched ranged runs that failed, not materialized since.
+
+    Ranged runs carry the first and last partition of their range in the tags
+    ``dagster/asset_partition_range_start``/``_end`` instead of ``dagster/partition``. One query
+    per 100 watched runs; a run that succeeded, was deleted or has been made good is dropped.
     """
-    records = instance.get_run_records(
-        dg.RunsFilter(statuses=[dg.DagsterRunStatus.FAILURE]), limit=RECENT_FAILED_RUNS
-    )
-    keys: Sequence[str] | None = None
-    position: dict[str, int] = {}
+    watched = sorted(state.ranged)
+    if not watched:
+        return {}
+    records: dict[str, dg.RunRecord] = {}
+    for start in range(0, len(watched), _RUNS_PER_QUERY):
+        chunk = dg.RunsFilter(run_ids=watched[start : start + _RUNS_PER_QUERY])
+        records.update((r.dagster_run.run_id, r) for r in instance.get_run_records(chunk))
+    keys = partitions_def.get_partition_keys(dynamic_partitions_store=instance)
+    position = {k: i for i, k in enumerate(keys)}
     ranged: list[tuple[Failure, list[str]]] = []
-    for record in records:
-        run = record.dagster_run
-        start, end = run.tags.get(RANGE_START_TAG), run.tags.get(RANGE_END_TAG)
-        if start is None or end is None or run.is_complete_and_waiting_to_retry:
-            continue  # not a ranged run, or Dagster's run retries will re-execute it
-        if not _targets(instance, run, key):
+    for run_id in watched:
+        record = records.get(run_id)
+        if record is None:
+            state.ranged.discard(run_id)  # deleted
             continue
-        if keys is None:
-            keys = partitions_def.get_partition_keys(dynamic_partitions_store=instance)
-            position = {k: i for i, k in enumerate(keys)}
-        if start not in position or end not in position:
-            continue  # the range names partitions that no longer exist
-        covered = list(keys[position[start] : position[end] + 1])
+        run = record.dagster_run
+        if not run.is_finished or run.is_complete_and_waiting_to_retry:
+            continue  # in progress, or Dagster's run retries will re-execute it
+        # One partition planned as a subset of one carries only ``dagster/partition``.
+        one = run.tags.get(PARTITION_TAG, "")
+        first, last = run.tags.get(RANGE_START_TAG, one), run.tags.get(RANGE_END_TAG, one)
+        if run.status != dg.DagsterRunStatus.FAILURE or not {first, last} <= position.keys():
+            state.ranged.discard(run_id)  # succeeded, or its range no longer exists
+            continue
+        covered = list(keys[position[first] : position[last] + 1])
         ended = record.end_time or record.update_timestamp.timestamp()
-        ranged.append((Failure(run.run_id, ended, "backfill run failed"), covered))
+        ranged.append((Failure(run_id, ended, "backfill run failed"), covered))
     if not ranged:
         return {}
     materialized_at = _latest_materializations(
@@ -365,9 +410,11 @@ def _failed_range_runs(
     )
     out: dict[str, Failure] = {}
     for failure, covered in ranged:
-        for partition in covered:
-            newer = partition not in out or failure.at > out[partition].at
-            if newer and materialized_at.get(partition, 0.0) < failure.at:
+        pending = [p for p in covered if materialized_at.get(p, 0.0) < failure.at]
+        if not pending:
+            state.ranged.discard(failure.run_id)  # every partition it covered succeeded since
+        for partition in pending:
+            if partition not in out or failure.at > out[partition].at:
                 out[partition] = failure
     return out
 
@@ -389,16 +436,6 @@ def _latest_materializations(
         ).records
         out.update({by_id[r.storage_id]: r.timestamp for r in records})
     return out
-
-
-def _targets(instance: dg.DagsterInstance, run: dg.DagsterRun, key: dg.AssetKey) -> bool:
-    """Whether the run was to materialize the asset (runs without a selection: by its plan)."""
-    if run.asset_selection:
-        return key in run.asset_selection
-    planned = instance.get_records_for_run(
-        run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION_PLANNED
-    ).records
-    return any(r.asset_key == key for r in planned)
 
 
 # -- what to do about them ---------------------------------------------------------------------

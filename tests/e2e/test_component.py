@@ -18,6 +18,7 @@ from typing import Any
 
 import dagster as dg
 import polars as pl
+import pydantic
 import pytest
 from dagster.components.resolved.errors import ResolutionException
 from dagster.components.testing import create_defs_folder_sandbox
@@ -176,6 +177,27 @@ def test_attributes_add_checks_sensor_global_resume_and_their_own_io_manager(
     assert sorted(stored["ticket_id"]) == sorted(ids_in_shard(rows, 3, 8))
     assert all(e.passed for e in result.get_asset_check_evaluations())
     assert len(result.get_asset_check_evaluations()) == 2
+
+
+def test_metadata_and_backfill_policy_reach_the_asset() -> None:
+    routed = _resolved(
+        _defs(
+            "name: routed\nshards: 8\nmetadata: {owner: data-team, tier: 2}\n"
+            "backfill_policy: {type: multi_run, max_partitions_per_run: 4}\n"
+        ),
+        "routed",
+    )
+    assert routed.backfill_policy == dg.BackfillPolicy.multi_run(4)
+    metadata = routed.metadata_by_key[routed.key]
+    assert (metadata["owner"], metadata["tier"]) == ("data-team", 2)
+    assert metadata["checkpoint_assets/id_column"] == "ticket_id"  # the asset's own, beside them
+
+    single = _resolved(
+        _defs("name: routed\nshards: 2\nbackfill_policy: {type: single_run}\n"), "routed"
+    )
+    assert single.backfill_policy == dg.BackfillPolicy.single_run()
+    with pytest.raises(pydantic.ValidationError, match="single_run"):
+        _component("backfill_policy: {type: sometimes}\n")
 
 
 def test_without_flags_it_adds_the_asset_alone() -> None:

@@ -495,7 +495,7 @@ def finish_with(box: Sandbox, df: pl.DataFrame, good: Function, s: runner.Settin
     assert resumed.error is None and resumed.calls == 0
 
 
-# -- known gaps, each with the behaviour it should have ----------------------------------------
+# -- an output type that changes between batches: refused, never coerced -----------------------
 @pytest.mark.parametrize(
     "first, later",
     [
@@ -516,14 +516,12 @@ def test_an_output_type_changing_between_batches_is_never_coerced(
 
     s = _settings(df, checkpoint_interval=2, max_attempts=1)
     box = Sandbox(tmp_path)
-    try:
-        result, _ = runner.run(fn, runner.prepare(df, s), box.checkpoint(), s, job={})
-    except CheckpointError:
-        return  # refusing the changed type is fine
-    ok = result.filter(pl.col(ERROR).is_null())
-    # Each stored success must be the value the function returned for it, with its type.
+    with pytest.raises(JobMismatchError, match="y"):
+        runner.run(fn, runner.prepare(df, s), box.checkpoint(), s, job={})
+    # What was stored before the change keeps the type the function returned for it.
+    stored = box.checkpoint().read_result(ID, ["y"])
     early = pl.DataFrame({ID: [1, 2]}).select(ID, y=first)
-    assert_frame_equal(ok.filter(pl.col(ID) <= 2).select(ID, "y"), early)
+    assert_frame_equal(stored.filter(pl.col(ID) <= 2).select(ID, "y"), early)
 
 
 def test_the_function_sees_only_the_id_and_input_columns(tmp_path: Path) -> None:

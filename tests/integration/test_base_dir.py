@@ -6,8 +6,10 @@ Through `dagster asset materialize` (the CLI's temporary home) in ``e2e/test_hom
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,15 +150,39 @@ def test_a_read_only_file_system_is_a_storage_error(tmp_path: Path) -> None:
     assert list(folder.iterdir()) == []
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any folder permissions")
+# What lets root write through any folder permission; without them root is refused like anyone.
+# (Dropping to `nobody` instead fails here: the interpreter may live under /root, mode 0700.)
+DAC_CAPABILITIES = "-dac_override,-dac_read_search"
+
+
+def unprivileged_error(base_dir: str) -> str:
+    """The error of ``run`` with ``base_dir``, as a process that folder permissions bind: this
+    one, or, when it is root (as in CI), a child process running this file without the
+    capabilities that override them (``setpriv``, from util-linux)."""
+    if os.geteuid() != 0:
+        return run(CheckpointIOManager(base_dir=base_dir))[1]
+    done = subprocess.run(
+        ["setpriv", f"--bounding-set={DAC_CAPABILITIES}", "--", sys.executable, __file__, base_dir],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return str(json.loads(done.stdout.splitlines()[-1]))
+
+
 def test_a_folder_without_write_permission_is_a_storage_error(tmp_path: Path) -> None:
     folder = tmp_path / "locked"
     folder.mkdir()
     folder.chmod(0o555)
     try:
-        _, error = run(CheckpointIOManager(base_dir=str(folder / "checkpoints")))
+        error = unprivileged_error(str(folder / "checkpoints"))
     finally:
         folder.chmod(0o755)
 
     assert error.startswith("StorageError: ")
     assert "permission denied" in error and "write access" in error
+
+
+if __name__ == "__main__":  # the child of unprivileged_error: the error, as JSON on the last line
+    print(json.dumps(run(CheckpointIOManager(base_dir=sys.argv[1]))[1]))

@@ -24,8 +24,9 @@ from helpers.jobs import ASSET, Storage, build_job, route, run_logs, tickets
 
 from checkpoint_assets import LockHeldError
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
-from checkpoint_assets.engine.errors import CorruptCheckpointError
+from checkpoint_assets.engine.errors import CorruptCheckpointError, NewerFormatError
 from checkpoint_assets.engine.lock import Lease
+from checkpoint_assets.engine.meta import FORMAT_VERSION
 from checkpoint_assets.engine.repair import repair
 from checkpoint_assets.engine.rows import ERROR
 from checkpoint_assets.engine.verify import problems
@@ -330,6 +331,61 @@ def test_a_damaged_or_missing_meta_stops_the_run_and_repair_starts_the_checkpoin
     result = engine_run(checkpoint, tickets(20), again)
     assert sorted(again) == list(range(20))  # rows of an unknown job are never resumed
     assert result.sort("ticket_id").select("ticket_id", "route", ERROR).equals(expected(20))
+
+
+def test_a_meta_of_an_older_format_resumes_and_is_written_again_in_the_current_one(
+    tmp_path: Any,
+) -> None:
+    checkpoint, _ = interrupted((str(tmp_path / "checkpoints"), {}), 12, 8)
+    engine_run(checkpoint, tickets(12), [])
+    store = checkpoint.store
+    older = json.loads(store.get(checkpoint.files.meta))
+    older["format_version"] = 1
+    del older["function_fingerprint"]  # the key format 2 added
+    store.put(checkpoint.files.meta, json.dumps(older).encode())
+    calls: list[int] = []
+
+    engine_run(fresh(checkpoint), tickets(20), calls)
+
+    assert sorted(calls) == list(range(12, 20))
+    assert json.loads(store.get(checkpoint.files.meta))["format_version"] == FORMAT_VERSION
+
+
+def test_a_meta_of_a_newer_format_stops_run_verify_and_repair_and_every_file_stays(
+    tmp_path: Any,
+) -> None:
+    checkpoint, _ = interrupted((str(tmp_path / "checkpoints"), {}), 12, 8)
+    engine_run(checkpoint, tickets(12), [])  # merged file and meta
+    with pytest.raises(Stop):
+        engine_run(checkpoint, tickets(20), [], stop_after=4)  # and a part
+    checkpoint = fresh(checkpoint)
+    store = checkpoint.store
+    newer = json.loads(store.get(checkpoint.files.meta))
+    newer["format_version"] = FORMAT_VERSION + 1
+    newer["function_fingerprint"] = "a key this version does not know"
+    store.put(checkpoint.files.meta, json.dumps(newer).encode())
+    stale = f"{checkpoint.files.merged}.tmp-abcdef012345"  # what repair removes otherwise
+    store.put(stale, b"half a file")
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    before = {f.path: store.get(f.path) for f in store.list_recursive(store.root)}
+    calls: list[int] = []
+
+    with pytest.raises(NewerFormatError) as error:
+        engine_run(checkpoint, tickets(20), calls)
+
+    assert calls == []
+    message = str(error.value)
+    assert (
+        f"{store.display(checkpoint.files.meta)} was written by a newer version of "
+        f"checkpoint-assets (format {FORMAT_VERSION + 1}; this version reads up to "
+        f"{FORMAT_VERSION})"
+    ) in message
+    assert "Upgrade checkpoint-assets" in message
+    assert problems(checkpoint) == [message]
+    with pytest.raises(NewerFormatError):
+        repair(checkpoint)
+    assert {f.path: store.get(f.path) for f in store.list_recursive(store.root)} == before
 
 
 # -- the lock file -----------------------------------------------------------------------------

@@ -3,6 +3,7 @@ the checkpoints of earlier shard counts that overlap it."""
 
 from __future__ import annotations
 
+import io
 import json
 from typing import Any
 
@@ -171,8 +172,8 @@ def test_the_table_keeps_the_result_of_the_newest_checkpoint_of_each_id(
 
     newer = run(env, [routing], routing, "0-of-2", resume=False).output_for_node("routing")
     reconcile = global_resume_asset(routing)
-    result = run(env, [routing, reconcile], reconcile)
-    table = result.output_for_node("routing_global_resume")
+    run(env, [routing, reconcile], reconcile)
+    table = stored_table(env, "default")
 
     assert table.height == ROWS
     assert table["item_id"].n_unique() == ROWS
@@ -180,6 +181,14 @@ def test_the_table_keeps_the_result_of_the_newest_checkpoint_of_each_id(
     by_id = dict(zip(table["item_id"].to_list(), table["upper"].to_list(), strict=True))
     assert {by_id[i] for i in newest} == {"NEWER"}
     assert all(by_id[i] == f"TEXT {i}" for i in set(range(ROWS)) - newest)
+
+
+def stored_table(env: dict[str, Any], tag: str) -> pl.DataFrame:
+    """The global resume table of ``tag``, where the asset stores it."""
+    manager = env["resources"]["io_manager"]
+    store = open_store(manager.base_dir, manager.storage_options)
+    data = store.get(store.path("routing_global_resume", f"{tag}.parquet"))
+    return pl.read_parquet(io.BytesIO(data))
 
 
 def test_global_resume_skips_rows_whose_input_changed(env: dict[str, Any]) -> None:
@@ -207,6 +216,68 @@ def test_global_resume_skips_rows_whose_input_changed(env: dict[str, Any]) -> No
         )
 
     assert calls == [7]
+
+
+def reconcile_tags(
+    env: dict[str, Any], assets: list[Any], *tags: str | None
+) -> list[dict[str, Any]]:
+    """Materialize the global resume asset once per tag given (None: without run config)."""
+    reconcile = next(a for a in assets if a.key.path[-1] == "routing_global_resume")
+    out = []
+    for tag in tags:
+        config = {"checkpoint_tag": tag} if tag else {}
+        result = dg.materialize(
+            [items, *assets],
+            selection=[reconcile],
+            run_config={"ops": {"routing_global_resume": {"config": config}}},
+            **env,
+        )
+        out.append(meta(result, "routing_global_resume"))
+    return out
+
+
+def test_a_shard_never_imports_rows_of_another_checkpoint_tag(env: dict[str, Any]) -> None:
+    calls: list[int] = []
+    one = routing_for(None, calls)
+    run(env, [one], one, checkpoint_tag="a")  # every row, under tag a
+    run(env, [one], one, checkpoint_tag="b", limit=10)  # a smoke run under tag b
+    smoke = set(calls[-10:])
+    calls.clear()
+    two = routing_for(2, calls)
+    reconcile = global_resume_asset(two)
+    # Unpartitioned checkpoints: the shards of both tags need the table.
+    reconcile_tags(env, [two, reconcile], "b", "a")
+
+    imported = computed = 0
+    for key in shard_partitions(2).get_partition_keys():
+        result = meta(run(env, [two], two, key, checkpoint_tag="b", global_resume=True))
+        imported += result["rows_imported"]
+        computed += result["rows_computed"]
+
+    assert (imported, computed) == (10, ROWS - 10)
+    assert set(calls) == set(range(ROWS)) - smoke
+
+
+def test_the_table_is_built_for_every_tag_on_storage_each_on_its_own(
+    env: dict[str, Any],
+) -> None:
+    calls: list[int] = []
+    one = routing_for(None, calls)
+    for tag, limit in (("a", ROWS), ("b", 10)):
+        run(env, [one], one, checkpoint_tag=tag, limit=limit)
+    two = routing_for(2, calls)
+    reconcile = global_resume_asset(two)
+
+    [built] = reconcile_tags(env, [two, reconcile], None)
+
+    assert built["tags"] == ["a", "b"]
+    assert built["rows_finished"] == ROWS + 10
+    calls.clear()
+    for tag, expected in (("a", ROWS), ("b", 10)):
+        keys = shard_partitions(2).get_partition_keys()
+        runs = [meta(run(env, [two], two, k, checkpoint_tag=tag, global_resume=True)) for k in keys]
+        assert sum(r["rows_imported"] for r in runs) == expected
+    assert len(calls) == ROWS - 10  # only tag b's rows left to compute
 
 
 def test_global_resume_without_the_table_says_what_to_materialize(env: dict[str, Any]) -> None:

@@ -98,6 +98,7 @@ def test_on_input_change_recompute_recomputes_only_the_changed_row(storage: Stor
     assert job.computed_ids() == [7]
     assert stats(result)["rows_computed"] == 1
     assert stats(result)["rows_resumed"] == 19
+    assert stats(result)["rows_changed"] == 1  # the metadata says why it was computed again
     value = result.output_for_node("routed")
     assert value.filter(pl.col("ticket_id") == 7)["route"].item() == "EDITED"
     assert value.height == 20

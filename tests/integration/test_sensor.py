@@ -35,7 +35,6 @@ from checkpoint_assets.integration.sensor import (
     RETRY_ATTEMPT_TAG,
     RETRY_OF_TAG,
     SensorState,
-    _failed_range_runs,
     retry_due,
 )
 
@@ -200,9 +199,12 @@ def test_a_retry_waits_for_its_backoff(storage: Storage, instance: dg.DagsterIns
     assert retry_due(1000.0, 5, 0.0) == 1000.0  # backoff_seconds=0: the next tick
 
 
+@pytest.mark.parametrize("planned", ["per partition", "per range"])
 def test_failed_ranged_backfill_runs_are_retried_one_partition_each(
-    storage: Storage, instance: dg.DagsterInstance
+    storage: Storage, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch, planned: str
 ) -> None:
+    if planned == "per range":  # one planned event per range: the sensor follows the run
+        monkeypatch.setenv("DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS", "true")
     df = tickets(80)
     poison = {ids_in_shard(df, 1, 4)[0]}
     job = build_job(
@@ -227,13 +229,13 @@ def test_failed_ranged_backfill_runs_are_retried_one_partition_each(
     run = instance.get_run_by_id(ranged.run_id)
     assert run is not None and "dagster/partition" not in run.tags
 
-    from_runs = _failed_range_runs(instance, job.asset.key, SHARDS)
-    assert sorted(from_runs) == KEYS
-    assert {f.run_id for f in from_runs.values()} == {ranged.run_id}
-
     ticker = Ticker(job, failed_partitions_sensor(job.asset, backoff_seconds=0))
     requests, _ = ticker.tick()
     assert sorted(r.partition_key or "" for r in requests) == KEYS
+    assert {r.tags[RETRY_OF_TAG] for r in requests} == {ranged.run_id}
+    assert SensorState.from_json(ticker.cursor).ranged == (
+        {ranged.run_id} if planned == "per range" else set()
+    )
     bad = poison.pop()  # the cause is fixed
     job.calls.clear()
     for request in requests:
@@ -241,10 +243,63 @@ def test_failed_ranged_backfill_runs_are_retried_one_partition_each(
     # The ranged run finished every other shard before failing: the retries compute one row.
     assert job.computed_ids() == [bad]
 
-    assert _failed_range_runs(instance, job.asset.key, SHARDS) == {}
     requests, skip = ticker.tick()
     assert requests == [] and skip.startswith("No failed partitions")
     assert ticker.budgets() == {}
+    assert SensorState.from_json(ticker.cursor).ranged == set()  # made good: no longer watched
+
+
+@dg.op
+def step() -> None:
+    pass
+
+
+@dg.job
+def other_job() -> None:
+    step()
+
+
+@pytest.mark.parametrize("storage", ["local"], indirect=True)
+@pytest.mark.parametrize("shards", ["range", "one"])
+def test_a_failed_run_is_retried_however_many_runs_of_other_jobs_failed_since(
+    storage: Storage, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch, shards: str
+) -> None:
+    # One planned event per run, a subset of partitions (as this setting makes the instance
+    # emit): Dagster's partition status then does not show them as failed, only the run does.
+    monkeypatch.setenv("DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS", "true")
+    df = tickets(40)
+    job = build_job(
+        storage,
+        df,
+        fn=poisoned({ids_in_shard(df, 1, 4)[0]}),
+        partitions_def=SHARDS,
+        instance=instance,
+        backfill_policy=dg.BackfillPolicy.single_run(),
+    )
+    ticker = Ticker(job, failed_partitions_sensor(job.asset, backoff_seconds=0))
+    assert ticker.tick()[0] == []  # a tick before: the sensor has a cursor
+    covered = KEYS if shards == "range" else [KEYS[1]]
+    failed = dg.materialize(
+        [job.source, job.asset],
+        instance=instance,
+        resources=job.resources(),
+        partition_key=None if shards == "range" else KEYS[1],
+        tags={
+            "dagster/asset_partition_range_start": KEYS[0],
+            "dagster/asset_partition_range_end": KEYS[-1],
+        }
+        if shards == "range"
+        else None,
+        raise_on_error=False,
+    )
+    assert not failed.success
+    for _ in range(500):  # a busy instance: failures of another job since
+        instance.report_run_failed(instance.create_run_for_job(other_job))
+
+    requests, _ = ticker.tick()
+
+    assert sorted(r.partition_key or "" for r in requests) == covered
+    assert {r.tags[RETRY_OF_TAG] for r in requests} == {failed.run_id}
 
 
 def test_an_unpartitioned_asset_is_retried_as_a_whole(
