@@ -6,6 +6,9 @@
 client's own CPU work (building, sending and parsing each request). A checkpointed asset calling
 the same endpoint can at best reach this figure, so it is the yardstick of its overhead.
 
+``send_all`` is that loop; on a ``429`` a coroutine sleeps the retry-after it carries and sends
+the same prompt again, which makes it the baseline of ``bench.endpoints`` too.
+
 The server runs in a separate process by default: in a thread of the measuring process it
 competes with the client for the same interpreter lock. ``--server thread`` measures that too.
 

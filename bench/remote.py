@@ -337,8 +337,11 @@ def main(argv: list[str] | None = None) -> int:
         "endpoints": lambda rows, workdir: endpoints.endpoints(rows, workdir, smoke=rows < 1000),
     }
     chosen = args.only.split(",") if args.only else list(runs)
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as workdir:
         print(table([result for name in chosen for result in runs[name](args.rows, workdir)]))
+    after = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\nload average {load} before, {after} after, on {os.cpu_count()} CPUs")
     return 0
 
 
