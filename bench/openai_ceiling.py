@@ -6,6 +6,9 @@
 client's own CPU work (building, sending and parsing each request). A checkpointed asset calling
 the same endpoint can at best reach this figure, so it is the yardstick of its overhead.
 
+``send_all`` is that loop; on a ``429`` a coroutine sleeps the retry-after it carries and sends
+the same prompt again, which makes it the baseline of ``bench.endpoints`` too.
+
 The server runs in a separate process by default: in a thread of the measuring process it
 competes with the client for the same interpreter lock. ``--server thread`` measures that too.
 
@@ -18,12 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import os
 import statistics
 import sys
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 if __package__ in (None, ""):  # run as a script: make ``bench`` and ``examples`` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,26 +66,70 @@ def prompts(n: int) -> list[str]:
     return [f"{s}\n\n{b}" for s, b in zip(tickets["subject"], tickets["body"], strict=True)]
 
 
-async def _drive(base_url: str, texts: list[str], concurrency: int) -> Ceiling:
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="local", max_retries=0)
+@dataclass
+class Sent:
+    """What :func:`send_all` did: when each answer arrived, and the 429s on the way."""
+
+    started: float  # time.perf_counter() as the first request went out
+    answered: list[float] = field(default_factory=list)  # perf_counter() of each answer
+    refused: int = 0  # 429 answers, each slept off and the same prompt sent again
+    delays: set[float] = field(default_factory=set)  # the retry-after values they carried
+
+
+def retry_after(error: openai.RateLimitError) -> float:
+    """Seconds a 429 asks to wait: ``retry-after-ms``, else ``Retry-After`` (seconds)."""
+    headers = error.response.headers
+    ms = headers.get("retry-after-ms")
+    return float(ms) / 1000 if ms is not None else float(headers.get("retry-after", 1))
+
+
+async def ask(client: openai.AsyncOpenAI, text: str) -> str:
+    """One chat completion for one ticket; its answer."""
+    reply = await client.chat.completions.create(
+        model="ticket-router-1",
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+    )
+    answer = reply.choices[0].message.content
+    assert answer
+    return answer
+
+
+async def send_all(
+    client: openai.AsyncOpenAI, texts: list[str], concurrency: int, seconds: float = math.inf
+) -> Sent:
+    """``concurrency`` workers send each text once; on a 429 a worker sleeps the retry-after it
+    carries and sends the same prompt again: the plain loop a user would write. No new prompt
+    is taken ``seconds`` after the first request."""
     pending = iter(texts)
+    sent = Sent(time.perf_counter())
+    until = sent.started + seconds
 
     async def worker() -> None:
         for text in pending:  # one shared iterator: each prompt is sent once
-            reply = await client.chat.completions.create(
-                model="ticket-router-1",
-                messages=[
-                    {"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": text},
-                ],
-            )
-            assert reply.choices[0].message.content
+            if time.perf_counter() > until:
+                return
+            while True:
+                try:
+                    await ask(client, text)
+                    break
+                except openai.RateLimitError as e:
+                    delay = retry_after(e)
+                    sent.refused += 1
+                    sent.delays.add(delay)
+                    await asyncio.sleep(delay)
+            sent.answered.append(time.perf_counter())
 
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return sent
+
+
+async def _drive(base_url: str, texts: list[str], concurrency: int) -> Ceiling:
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="local", max_retries=0)
     async with client:
         warmup = iter(texts[:concurrency])  # open the connections before timing
         await asyncio.gather(*(_one(client, t) for t in warmup))
         cpu, start = time.process_time(), time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await send_all(client, texts, concurrency)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     return Ceiling(len(texts), concurrency, seconds, cpu, server_cpu_seconds=0.0, peak_in_flight=0)
 

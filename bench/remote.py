@@ -13,10 +13,15 @@ off (``checkpointing: false`` keeps results in memory), so a busy machine slows 
   ``httpx.HTTPStatusError`` 429 and ``Retry-After: 0.2``, the shard started at
   ``max_concurrency=64``: adaptive concurrency has to settle near 32;
 - ``kill``: a child process running one-row calls with ``checkpoint_interval=64`` and 32 in flight
-  is SIGKILLed mid-run, then run again; rows computed twice against the documented bound.
+  is SIGKILLed mid-run, then run again; rows computed twice against the documented bound;
+- ``endpoints`` (``bench/endpoints.py``): the server answering 429 as real endpoints do (random
+  429s on 1, 5 and 20 % of requests; a limit of 32 in flight, the shard started at 64; that limit
+  changing 32 -> 8 -> 32 mid-run; no 429), the package beside a plain asyncio loop of the same
+  client that sleeps each 429's retry-after, in the same process.
 
-    python -m bench.run --only remote                   # about two minutes
+    python -m bench.run --only remote                   # about four minutes
     python -m bench.remote --rows 3200                  # the same, on its own
+    python -m bench.remote --only endpoints             # the 429 endpoints only
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and ``examples`
 import httpx
 import polars as pl
 
-from bench import data
+from bench import data, endpoints
 from bench.report import Result
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 
@@ -309,13 +314,14 @@ def all_scenarios(rows: int, workdir: str) -> list[Result]:
         openai_client(rows, workdir, repeat=3 if full else 1),
         throttled(rows, workdir),
         kill(rows, workdir, with_s3=full),
+        *endpoints.endpoints(rows, workdir, smoke=not full),
     ]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", type=int, default=3200, help="rows per run (3200: 5 s at the limit)")
-    p.add_argument("--only", help="throughput, openai, throttled, kill (default: all)")
+    p.add_argument("--only", help="throughput, openai, throttled, kill, endpoints (default: all)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -323,15 +329,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from bench.report import table
 
-    runs: dict[str, Callable[[int, str], Result]] = {
-        "throughput": throughput,
-        "openai": openai_client,
-        "throttled": throttled,
-        "kill": kill,
+    runs: dict[str, Callable[[int, str], list[Result]]] = {
+        "throughput": lambda rows, workdir: [throughput(rows, workdir)],
+        "openai": lambda rows, workdir: [openai_client(rows, workdir)],
+        "throttled": lambda rows, workdir: [throttled(rows, workdir)],
+        "kill": lambda rows, workdir: [kill(rows, workdir)],
+        "endpoints": lambda rows, workdir: endpoints.endpoints(rows, workdir, smoke=rows < 1000),
     }
     chosen = args.only.split(",") if args.only else list(runs)
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as workdir:
-        print(table([runs[name](args.rows, workdir) for name in chosen]))
+        print(table([result for name in chosen for result in runs[name](args.rows, workdir)]))
+    after = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\nload average {load} before, {after} after, on {os.cpu_count()} CPUs")
     return 0
 
 

@@ -17,6 +17,9 @@ misbehave the way real endpoints do, on both routes:
 * ``rate_529``: that share is refused with ``529``, Anthropic's ``overloaded_error``.
 * ``max_in_flight``: a request arriving while that many are being answered gets ``429`` at once
   (admission control, like a provider's concurrency limit).
+* ``limit_schedule``: ``(seconds, limit)`` steps that change ``max_in_flight`` that many seconds
+  after the first chat request, e.g. ``((4, 8), (10, 32))``: a provider lowering its limit for
+  a while, at the same moments in every run.
 
 Which request fails is decided by a hash of ``(seed, messages, attempt)``, where ``attempt``
 counts the requests seen with the same messages, so a run is reproducible whatever order
@@ -135,6 +138,8 @@ class Settings:
         retry_after_seconds: the delay a ``429`` asks for.
         max_in_flight: answer ``429`` at once to a request arriving while this many are in
             flight; ``None`` admits every request.
+        limit_schedule: ``(seconds, limit)`` steps, in time order: from ``seconds`` after the
+            first chat request on, ``limit`` replaces ``max_in_flight``.
         seed: changes which requests fail, not how many.
     """
 
@@ -145,6 +150,7 @@ class Settings:
     rate_529: float = 0.0
     retry_after_seconds: float = 1.0
     max_in_flight: int | None = None
+    limit_schedule: tuple[tuple[float, int], ...] = ()
     seed: int = 0
 
     def argv(self) -> list[str]:
@@ -160,6 +166,9 @@ class Settings:
         ]
         if self.max_in_flight is not None:
             argv += ["--max-in-flight", str(self.max_in_flight)]
+        if self.limit_schedule:
+            steps = ",".join(f"{at:g}:{limit}" for at, limit in self.limit_schedule)
+            argv += ["--limit-schedule", steps]
         return argv
 
     def __post_init__(self) -> None:
@@ -180,6 +189,19 @@ class Settings:
             raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds}")
         if self.max_in_flight is not None and self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1 or None, got {self.max_in_flight}")
+        times = [at for at, _ in self.limit_schedule]
+        if times != sorted(times) or any(at < 0 for at in times):
+            raise ValueError(f"limit_schedule must be in time order from 0 on, got {times}")
+        if any(limit < 1 for _, limit in self.limit_schedule):
+            raise ValueError(f"limit_schedule limits must be >= 1, got {self.limit_schedule}")
+
+    def limit_at(self, seconds: float) -> int | None:
+        """The admission limit ``seconds`` after the first chat request."""
+        limit = self.max_in_flight
+        for at, step in self.limit_schedule:
+            if seconds >= at:
+                limit = step
+        return limit
 
 
 _DEFAULTS: Final = Settings()
@@ -360,6 +382,7 @@ class ChatServer:
         self.peak_in_flight = 0
         self._attempts: dict[bytes, int] = {}
         self._created = 0
+        self._first: float | None = None  # when the first chat request arrived (monotonic)
         openai_chat, anthropic_messages = _OpenAIChat(), _AnthropicMessages()
         self._router = Router(
             routes=[
@@ -407,7 +430,10 @@ class ChatServer:
         return endpoint
 
     async def _admit(self, request: Request, api: _Api) -> Response:
-        limit = self.settings.max_in_flight
+        now = time.monotonic()
+        if self._first is None:
+            self._first = now
+        limit = self.settings.limit_at(now - self._first)
         if limit is not None and self.in_flight >= limit:
             self.counts["throttled"] += 1
             return self._rate_limited(api, f"more than {limit} requests in flight")
@@ -520,6 +546,7 @@ def serve(
     rate_529: float = 0.0,
     retry_after_seconds: float = 1.0,
     max_in_flight: int | None = None,
+    limit_schedule: tuple[tuple[float, int], ...] = (),
     seed: int = 0,
     model: str = DEFAULT_MODEL,
 ) -> Iterator[str]:
@@ -540,6 +567,7 @@ def serve(
         rate_529=rate_529,
         retry_after_seconds=retry_after_seconds,
         max_in_flight=max_in_flight,
+        limit_schedule=limit_schedule,
         seed=seed,
     )
     sock = _listen(0)
@@ -605,10 +633,28 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate-drop", type=float, default=0.0, help="share of connections dropped")
     p.add_argument("--rate-529", type=float, default=0.0, help="share refused as overloaded")
     p.add_argument("--max-in-flight", type=int, help="refuse requests beyond this many in flight")
+    p.add_argument(
+        "--limit-schedule",
+        type=_schedule,
+        default=(),
+        help="change --max-in-flight over time: SECONDS:LIMIT,... after the first chat request",
+    )
     p.add_argument("--seed", type=int, default=0, help="which requests fail (default 0)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name (default {DEFAULT_MODEL})")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
     return p.parse_args(argv)
+
+
+def _schedule(text: str) -> tuple[tuple[float, int], ...]:
+    """``"4:8,10:32"`` as ``((4.0, 8), (10.0, 32))``."""
+    try:
+        return tuple(
+            (float(at), int(limit)) for at, limit in (s.split(":") for s in text.split(","))
+        )
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected SECONDS:LIMIT pairs separated by commas, like 4:8,10:32; got {text!r}"
+        ) from None
 
 
 def _stop(signum: int, frame: FrameType | None) -> Any:
@@ -626,6 +672,7 @@ def main(argv: list[str] | None = None) -> int:
             rate_529=args.rate_529,
             retry_after_seconds=args.retry_after,
             max_in_flight=args.max_in_flight,
+            limit_schedule=args.limit_schedule,
             seed=args.seed,
         )
     except ValueError as e:

@@ -16,6 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = {"overhead", "per_call", "resume", "memory", "compaction", "hashing", "ray"}
 SCENARIOS |= {"remote", "openai", "throttled", "kill"}
 SCENARIOS |= {"reshard", "global_table"}
+SCENARIOS |= {"random 429 1%", "random 429 5%", "random 429 20%", "limit 32 from 64"}
+SCENARIOS |= {"limit 32>8>32", "no 429"}
 
 
 def test_the_smoke_benchmark_writes_every_scenario_as_json(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -25,7 +26,7 @@ if importlib.util.find_spec("openai") is None:  # an optional extra; CI must hav
 
 import openai
 
-from examples.llm_openai.server import Settings, classify, serve, stats
+from examples.llm_openai.server import Settings, classify, serve, serve_process, stats
 from examples.ticket_routing.data import generate_tickets
 from examples.ticket_routing.model import FakeRouter
 
@@ -162,6 +163,30 @@ def test_requests_beyond_the_admission_limit_get_429_at_once() -> None:
     assert served["peak_in_flight"] == 2
 
 
+async def burst(base_url: str, n: int) -> list[str]:
+    """``n`` requests at once: which were answered and which refused."""
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="local", max_retries=0) as c:
+        calls = [
+            c.chat.completions.create(model="m", messages=[{"role": "user", "content": f"{i}"}])
+            for i in range(n)
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+    return sorted("429" if isinstance(r, openai.RateLimitError) else "ok" for r in results)
+
+
+def test_the_admission_limit_follows_its_schedule_from_the_first_request() -> None:
+    settings = Settings(latency_ms=1000, limit_schedule=((0, 1), (0.5, 3)))
+    with serve_process(settings) as base_url:
+        first = asyncio.run(burst(base_url, 3))
+        time.sleep(0.6)  # the schedule started before the first burst returned
+        later = asyncio.run(burst(base_url, 3))
+        served = stats(base_url)
+
+    assert first == ["429", "429", "ok"]  # a limit of 1 at first
+    assert later == ["ok", "ok", "ok"]  # 3 from 0.5 s on
+    assert served["throttled"] == 2 and served["peak_in_flight"] == 3
+
+
 def outcomes(base_url: str, prompts: list[str]) -> list[str]:
     c = client(base_url)
     seen = []
@@ -207,6 +232,10 @@ def test_settings_out_of_range_are_refused_with_the_reason() -> None:
         Settings(max_in_flight=0)
     with pytest.raises(ValueError, match="latency_ms"):
         Settings(latency_ms=-1)
+    with pytest.raises(ValueError, match="limit_schedule must be in time order"):
+        Settings(limit_schedule=((4, 8), (2, 32)))
+    with pytest.raises(ValueError, match="limit_schedule limits"):
+        Settings(limit_schedule=((0, 0),))
 
 
 def test_the_in_process_server_releases_its_port_on_exit() -> None:
@@ -252,3 +281,11 @@ def test_the_server_process_refuses_bad_options_with_the_reason() -> None:
 
     assert process.returncode == 2
     assert "rate_500 must be between 0 and 1" in err
+
+
+def test_the_server_process_refuses_a_malformed_schedule_with_an_example() -> None:
+    process = start_process("--limit-schedule", "4-8")
+    _, err = process.communicate(timeout=30)
+
+    assert process.returncode == 2
+    assert "SECONDS:LIMIT pairs" in err and "4:8,10:32" in err
