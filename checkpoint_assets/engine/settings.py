@@ -7,6 +7,7 @@ the defaults declared here.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -92,6 +93,57 @@ class Settings:
         round trip between threads costs one-row calls about 5 % of their throughput).
         """
         return self.max_concurrency + -(-self.max_concurrency // 4)
+
+    def loss_bound(
+        self, rows_per_second: float = 0.0, store_min_flush_seconds: float = 0.0
+    ) -> LossBound:
+        """The most a hard kill (SIGKILL, a lost node) can lose: rows computed whose results
+        are not durable yet, which a later run computes again (see ``engine/sink.py``).
+
+        ``rows_per_second`` matters only with a minimum time between flushes
+        (``min_flush_seconds``, or ``store_min_flush_seconds`` when that is None: 5 s on
+        object stores): the buffer then holds the rows of that time.
+
+        >>> Settings("id", checkpoint_interval=64, batch_size=1, max_concurrency=32).loss_bound()
+        LossBound(buffered=160, writing=160, held=40, batch_rows=1)
+        """
+        floor = self.min_flush_seconds
+        floor = store_min_flush_seconds if floor is None else floor
+        rows_in_floor = math.ceil(rows_per_second * floor)
+        # The last batch added may cross the bound by all its rows but one.
+        buffered = max(self.max_unflushed_rows, rows_in_floor) + self.batch_rows - 1
+        held = self.batches_held * self.batch_rows
+        return LossBound(buffered, buffered, held, self.batch_rows)
+
+
+@dataclass(frozen=True)
+class LossBound:
+    """What a hard kill can lose, term by term (``Settings.loss_bound``), in rows:
+
+    - ``buffered``: the rows done since the last flush. About one ``checkpoint_interval`` (or
+      the rows done in the minimum time between flushes) while storage keeps up; when it lags,
+      rows join the next flush (group commit) up to ``max_unflushed_rows``, and the last batch
+      may cross that by all its rows but one.
+    - ``writing``: the flush being written, at most one, no larger than the buffer was.
+    - ``held``: the calls in flight and the results the run loop has not taken yet,
+      ``batches_held`` batches.
+    """
+
+    buffered: int
+    writing: int
+    held: int
+    batch_rows: int
+
+    @property
+    def rows(self) -> int:
+        """Rows a kill can make later runs compute again."""
+        return self.buffered + self.writing + self.held
+
+    @property
+    def calls(self) -> int:
+        """Calls a kill can make later runs pay for again."""
+        buffered = 2 * math.ceil(self.buffered / self.batch_rows)
+        return buffered + self.held // self.batch_rows
 
 
 @dataclass

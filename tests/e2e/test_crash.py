@@ -47,6 +47,17 @@ def _spec(storage: Storage, tmp_path: Path, run_label: int, **overrides: Any) ->
     return spec
 
 
+def _settings_of(spec: dict[str, Any]) -> Settings:
+    """The settings the child runs with, for their loss bound."""
+    return Settings(
+        id_column="ticket_id",
+        checkpoint_interval=spec["interval"],
+        batch_size=spec.get("batch_size"),
+        max_concurrency=spec.get("max_concurrency", 1),
+        min_flush_seconds=spec["min_flush_seconds"],
+    )
+
+
 def _start(spec: dict[str, Any], tmp_path: Path) -> subprocess.Popen[bytes]:
     err = open(tmp_path / f"child-{spec['run']}.err", "wb")  # noqa: SIM115 - kept by the child
     return subprocess.Popen(
@@ -118,11 +129,11 @@ def test_sigkill_mid_shard_loses_at_most_one_interval_and_the_flush_in_flight(
     log = _log(tmp_path)
     runs_of, lost = _recomputed(log, kills)
     print(f"rows recomputed after each of {kills} SIGKILLs: {lost} (interval {INTERVAL})")
-    # The documented bound (engine/sink.py): the buffer and the flush the writer may have been
-    # writing when the kill came, each at most max_unflushed_rows (about one interval while
-    # storage keeps up: a 4-row part is written in ~1 ms locally, slower on S3).
-    max_unflushed = 2 * INTERVAL + 1 * INTERVAL  # Settings.max_unflushed_rows of the child's
-    assert all(n <= 2 * max_unflushed for n in lost), lost
+    # The documented bound: the buffer, the flush the writer may have been writing when the
+    # kill came and the calls in flight (about one interval each while storage keeps up: a
+    # 4-row part is written in ~1 ms locally, slower on S3).
+    bound = _settings_of(final).loss_bound().rows
+    assert all(n <= bound for n in lost), (lost, bound)
     assert len(log) == ROWS + sum(lost)
     assert sorted(runs_of) == list(range(ROWS))
     killed_work = sum(1 for labels in runs_of.values() if min(labels) <= kills)
@@ -153,13 +164,13 @@ def test_sigkill_with_one_row_calls_and_32_in_flight_loses_at_most_the_bound(
 
     log = _log(tmp_path)
     _, lost = _recomputed(log, kills)
-    max_unflushed = 2 * interval + in_flight * batch
+    bound = _settings_of(final).loss_bound().rows
     print(
-        f"rows recomputed after each SIGKILL: {lost} (interval {interval}, {in_flight} in flight)"
+        f"rows recomputed after each SIGKILL: {lost} (interval {interval}, {in_flight} in "
+        f"flight, bound {bound})"
     )
-    # Not durable at a kill: the buffer and the flush being written (each at most max_unflushed
-    # rows, about one interval while storage keeps up); calls in flight are not logged yet.
-    assert all(n <= 2 * max_unflushed for n in lost), lost
+    # Not durable at a kill: the buffer, the flush being written and the calls in flight.
+    assert all(n <= bound for n in lost), (lost, bound)
     assert len(log) == rows + sum(lost)
     stored = _stored(storage)
     assert stored.height == rows, "a row is stored twice, or lost"
