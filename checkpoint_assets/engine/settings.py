@@ -11,6 +11,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from checkpoint_assets.engine.compaction import COMPACT_AT, COMPACT_FANOUT
+
 DEFAULT_LEASE_SECONDS = 300.0
 
 
@@ -114,6 +116,26 @@ class Settings:
         buffered = max(self.max_unflushed_rows, rows_in_floor) + self.batch_rows - 1
         held = self.batches_held * self.batch_rows
         return LossBound(buffered, buffered, held, self.batch_rows)
+
+    def request_budget(self, flushes: int, seconds: float) -> int:
+        """The most storage requests (on S3) a run into a new checkpoint makes, given the
+        flushes it made and how long it held the lock (see ``engine/storage/base.py``):
+
+        - 13 to start and finish: the lock (a conditional PUT; a GET and a DELETE to release
+          it), the meta (a GET and a PUT at the start, a PUT when the outputs are known, a PUT
+          at the end), the merged file (a GET at the start and at finalize, a PUT), the parts'
+          listing (at the start and at finalize) and one DELETE of the merged parts;
+        - one PUT per flush (the last rows go into the merged file instead);
+        - a PUT and a DELETE per compaction: eight parts become one once 56 exist, so at most
+          one per seven parts beyond 55;
+        - a GET and a PUT per lock renewal, every third of ``lease_seconds``.
+
+        >>> Settings("id").request_budget(flushes=7, seconds=36.0)
+        20
+        """
+        compactions = max(0, -(-(flushes - COMPACT_AT + 1) // (COMPACT_FANOUT - 1)))
+        renewals = int(seconds // max(self.lease_seconds / 3, 0.05))
+        return 13 + flushes + 2 * compactions + 2 * renewals
 
 
 @dataclass(frozen=True)
