@@ -234,11 +234,11 @@ SETTINGS = Settings(
 )
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def one_part_per_interval(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tests below count parts: make each flush wait for the one being written instead of
     letting rows done meanwhile join the next one (group commit), so a part holds one interval.
-    (The crash children run in their own processes and are not affected.)"""
+    (Not the kill tests above: their loss bound is computed from the real settings.)"""
     monkeypatch.setattr(Settings, "max_unflushed_rows", property(lambda s: 1))
 
 
@@ -277,6 +277,7 @@ def _part_files(checkpoint: Checkpoint) -> dict[str, bytes]:
     }
 
 
+@pytest.mark.usefixtures("one_part_per_interval")
 def test_crash_between_merged_write_and_part_delete_resumes_to_the_same_result(
     storage: Storage,
 ) -> None:
@@ -301,6 +302,7 @@ def test_crash_between_merged_write_and_part_delete_resumes_to_the_same_result(
     assert _part_files(checkpoint) == {}
 
 
+@pytest.mark.usefixtures("one_part_per_interval")
 def test_crash_after_compaction_before_deleting_its_inputs_is_harmless(storage: Storage) -> None:
     one_per_flush = Settings(**{**SETTINGS.__dict__, "checkpoint_interval": 1})
     rows = COMPACT_AT + 4
@@ -326,6 +328,7 @@ def test_crash_after_compaction_before_deleting_its_inputs_is_harmless(storage: 
     assert merged is not None and merged["ticket_id"].n_unique() == merged.height == rows
 
 
+@pytest.mark.usefixtures("one_part_per_interval")
 def test_sequence_numbers_continue_after_the_highest_one_across_restarts(storage: Storage) -> None:
     checkpoint = _checkpoint(storage)
     _crash_run(checkpoint, 40, calls=3)
@@ -354,6 +357,7 @@ class _RecordingCheckpoint(Checkpoint):
         return part
 
 
+@pytest.mark.usefixtures("one_part_per_interval")
 def test_the_last_rows_go_into_the_merged_file_without_a_part(storage: Storage) -> None:
     base_dir, options = storage
     checkpoint = _RecordingCheckpoint(open_store(base_dir, options), "job")
@@ -369,6 +373,7 @@ def test_the_last_rows_go_into_the_merged_file_without_a_part(storage: Storage) 
     assert _part_files(checkpoint) == {}
 
 
+@pytest.mark.usefixtures("one_part_per_interval")
 def test_a_failed_finalize_still_stores_the_last_rows_as_a_part(tmp_path: Path) -> None:
     checkpoint = Checkpoint(open_store(str(tmp_path)), "job")
     blocker = Path(checkpoint.files.merged)
