@@ -288,26 +288,31 @@ def per_call(sizes: Sizes, workdir: str) -> Result:
     result.add("ratio (median of rounds)", _median(ratios), "x", limit=1.05)
     result.add("ratio, lowest round", min(ratios), "x")
     result.add("ratio, highest round", max(ratios), "x")
+    cpu = _median(times["checkpointed cpu"]) - _median(times["plain cpu"])
+    result.add("CPU overhead per call (difference of medians)", cpu / calls * 1000, "ms")
     result.details = {
         "rows": frame.height,
         "interval": size,
         "calls": calls,
         "sleep_seconds": sizes.per_call_sleep,
-        "plain_seconds": plain_s,
-        "checkpointed_seconds": checkpointed_s,
+        "seconds": times,
     }
     return result
 
 
 def _alternating(sides: dict[str, Callable[[], Any]], repeat: int) -> dict[str, list[float]]:
-    """Seconds of each side, ``repeat`` rounds (two at least); the order of the sides alternates
-    from round to round, so neither always runs first (warm caches, or a burst of load, would
-    favour one)."""
-    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    """Seconds of each side (and its CPU seconds, as ``"<side> cpu"``), ``repeat`` rounds (two
+    at least); the order of the sides alternates from round to round, so neither always runs
+    first (warm caches, or a burst of load, would favour one)."""
+    seconds: dict[str, list[float]] = {key: [] for n in sides for key in (n, f"{n} cpu")}
     for i in range(max(2, repeat)):  # at least two: each side runs first once
         names = list(sides) if i % 2 == 0 else list(reversed(sides))
         for name in names:
+            cpu = time.process_time()
             seconds[name].append(_timed(sides[name]))
+            # CPU seconds of this process (all its threads), which a busy machine does not
+            # inflate the way it does wall time.
+            seconds[f"{name} cpu"].append(time.process_time() - cpu)
     return seconds
 
 
@@ -479,6 +484,8 @@ def hashing_speed(sizes: Sizes, workdir: str) -> Result:
     result.add("shard + row hash, fastest round", max(rates), "M rows/s")
     result.add("shard + row hash, bytes (median)", size_mb / _median(times["both"]), "MB/s")
     result.add("shard only (median)", frame.height / _median(times["shard"]) / 1e6, "M rows/s")
+    cpu = frame.height / _median(times["both cpu"]) / 1e6
+    result.add("shard + row hash per CPU second (median)", cpu, "M rows/s")
     result.details = {"seconds": times, "input_mb": size_mb}
     return result
 
