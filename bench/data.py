@@ -20,6 +20,7 @@ from checkpoint_assets.engine.storage import open_store
 ID = "id"
 TEXT = "text"
 JOB = {"bench": 1}
+LONG = 26  # texts of more bytes are "long" in ``score``
 _TOPICS = ["billing", "login", "refund", "shipping", "outage", "invoice", "password", "other"]
 
 
@@ -34,12 +35,13 @@ def make_input(rows: int, seed: int = 0) -> pl.DataFrame:
 
 
 def score(batch: pl.DataFrame) -> pl.DataFrame:
-    """A cheap vectorised function: two output columns computed from the text."""
+    """A cheap vectorised function: two output columns computed from the text
+    (``bench/ray_job.py`` has the same in pyarrow, for Ray Data)."""
     length = pl.col(TEXT).str.len_bytes()
     return batch.select(
         ID,
         (length * 2).alias("score"),
-        pl.when(length > 26).then(pl.lit("long")).otherwise(pl.lit("short")).alias("size"),
+        pl.when(length > LONG).then(pl.lit("long")).otherwise(pl.lit("short")).alias("size"),
     )
 
 

@@ -20,11 +20,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from bench.data import LONG
+
 
 def score(batch: pa.Table) -> pa.Table:
     """``bench.data.score`` in pyarrow, Ray's native batch format."""
     length = pc.binary_length(batch["text"])
-    size = pc.if_else(pc.greater(length, 28), "long", "short")
+    size = pc.if_else(pc.greater(length, LONG), "long", "short")
     return pa.table({"id": batch["id"], "score": pc.multiply(length, 2), "size": size})
 
 
@@ -54,6 +56,7 @@ def main(rows: int, workdir: str, batch_rows: int) -> dict[str, Any]:
         dataset.write_parquet(output)
         seconds.append(time.perf_counter() - t)
     written = [_rows_in(os.path.join(workdir, f"ray_output_{run}")) for run in range(2)]
+    fresh = pq.read_table(os.path.join(workdir, "ray_output_0"))
     files = sum(len(f) for _, _, f in os.walk(os.path.join(workdir, "ray_checkpoint")))
     ray.shutdown()
     return {
@@ -62,6 +65,9 @@ def main(rows: int, workdir: str, batch_rows: int) -> dict[str, Any]:
         "fresh_seconds": seconds[0],
         "resume_seconds": seconds[1],
         "rows_written": written,
+        # What the function computed, for the parent to compare with its own result.
+        "long_rows": pc.sum(pc.equal(fresh["size"], "long")).as_py(),
+        "score_sum": pc.sum(fresh["score"]).as_py(),
         "checkpoint_files": files,
     }
 

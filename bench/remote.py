@@ -279,7 +279,7 @@ def _computed(log: str) -> list[int]:
 
 def kill(rows: int, workdir: str, with_s3: bool = True) -> Result:
     result = Result("kill", "SIGKILL mid-run: rows computed twice vs the documented bound")
-    bound = 2 * _settings().max_unflushed_rows  # the buffer and the flush being written
+    bound = _settings(min_flush_seconds=0.0).loss_bound().rows  # as the child runs
     places = [("local", (os.path.join(workdir, "killed"), {})), ("S3", None)]
     for name, storage in places if with_s3 else places[:1]:
         with contextlib.ExitStack() as stack:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import remote, report, reshard, scenarios, sensor_tick, status_scale
+from bench import remote, report, reshard, s3_requests, scenarios, sensor_tick, status_scale
 from bench.report import Result
 from bench.scenarios import Sizes
 
@@ -35,6 +35,7 @@ SCENARIOS = (
     "per_call",
     "resume",
     "compaction",
+    "s3_requests",
     "hashing",
     "ray",
     "remote",
@@ -48,7 +49,9 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--rows", type=int, help="rows of the overhead, compaction and Ray jobs (1M)")
+    p.add_argument(
+        "--rows", type=int, help="rows of the overhead, compaction, s3_requests and Ray jobs (1M)"
+    )
     p.add_argument("--interval", type=int, help="checkpoint_interval of the overhead job (10000)")
     p.add_argument("--per-call-rows", type=int, help="rows of the per-call job (20000)")
     p.add_argument("--per-call-interval", type=int, help="rows per call and flush (16)")
@@ -62,7 +65,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--global-rows", help="comma-separated rows of the global resume asset (10M,30M)"
     )
     p.add_argument(
-        "--repeat", type=int, help="repetitions; medians are reported (3; overhead: 5 at least)"
+        "--repeat",
+        type=int,
+        help="repetitions; medians are reported, with the spread (3; overhead: 5, per_call and"
+        " hashing: 2 at least, alternating which side runs first)",
     )
     p.add_argument("--sensor-shards", default="100,1000,3000", help="shard counts of sensor_tick")
     p.add_argument(
@@ -127,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         "per_call": lambda: [scenarios.per_call(sizes, workdir)],
         "resume": lambda: list(scenarios.resume(sizes, workdir)),
         "compaction": lambda: [scenarios.compaction(sizes, workdir)],
+        "s3_requests": lambda: [s3_requests.s3_requests(sizes.rows)],
         "hashing": lambda: [scenarios.hashing_speed(sizes, workdir)],
         "ray": lambda: [scenarios.ray_data(sizes, workdir, enabled=args.ray or not args.smoke)],
         "remote": lambda: remote.all_scenarios(sizes.remote_rows, workdir),

@@ -27,10 +27,14 @@ from checkpoint_assets import CheckpointIOManager, checkpointed_asset
 from checkpoint_assets.engine import hashing, runner
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.compaction import Part
+from checkpoint_assets.engine.layout import checkpoint_name
 from checkpoint_assets.engine.rows import CURRENT, SEQ
 from checkpoint_assets.engine.storage import open_store
 
 GIB = 1024**3
+# A minimum time between flushes short enough that the overhead job flushes several times
+# (its calls take about a third of a second): the setting measured beside the 1 s one.
+SHORT_FLOOR = 0.05
 CHECKPOINTED = "bench_checkpointed"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,17 +90,26 @@ def overhead(sizes: Sizes, workdir: str) -> Result:
     def bench_checkpointed(batch: pl.DataFrame) -> pl.DataFrame:
         return data.score(batch)
 
-    # The same job trading the loss bound in rows for one in time: flushes at most once a second.
-    @checkpointed_asset(
-        source="bench_input",
-        id_column=data.ID,
-        input_columns=[data.TEXT],
-        checkpoint_interval=sizes.interval,
-        min_flush_seconds=1.0,
-        name="bench_timed",
-    )
-    def bench_timed(batch: pl.DataFrame) -> pl.DataFrame:
-        return data.score(batch)
+    # The same job trading the loss bound in rows for one in time: flushes at most once per
+    # ``floor`` seconds. A floor longer than the run never flushes before the end (the clock
+    # starts when the run starts): the whole run is one write, so each is reported with the
+    # flushes it made.
+    def timed(name: str, floor: float) -> dg.AssetsDefinition:
+        @checkpointed_asset(
+            source="bench_input",
+            id_column=data.ID,
+            input_columns=[data.TEXT],
+            checkpoint_interval=sizes.interval,
+            min_flush_seconds=floor,
+            name=name,
+        )
+        def bench_timed(batch: pl.DataFrame) -> pl.DataFrame:
+            return data.score(batch)
+
+        return bench_timed
+
+    bench_timed = timed("bench_timed", 1.0)
+    bench_timed_short = timed("bench_timed_short", SHORT_FLOOR)
 
     @dg.asset(name="bench_plain", ins={"source": dg.AssetIn("bench_input")})
     def bench_plain(source: pl.DataFrame) -> pl.DataFrame:
@@ -142,23 +155,25 @@ def overhead(sizes: Sizes, workdir: str) -> Result:
         bench_input,
         bench_checkpointed,
         bench_timed,
+        bench_timed_short,
         bench_plain,
         bench_floor,
         bench_floor_nosync,
     ]
-    resources = {"io_manager": CheckpointIOManager(base_dir=os.path.join(workdir, "overhead"))}
+    base_dir = os.path.join(workdir, "overhead")
+    resources = {"io_manager": CheckpointIOManager(base_dir=base_dir)}
     quiet = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}
 
     off = {"ops": {CHECKPOINTED: {"config": {"checkpointing": False}}}}
 
-    def tagged(name: str, i: int) -> dict[str, Any]:  # a new checkpoint each round
-        return {"ops": {name: {"config": {"checkpoint_tag": f"run{i}"}}}}
-
     seconds: dict[str, list[float]] = {}
-    waits: list[float] = []  # from the checkpointed runs' own metadata
+    waits: dict[str, list[float]] = {}  # of each checkpointed run, from its own metadata
+    flushes: dict[str, list[int]] = {}  # of each checkpointed run, read from what it stored
     with dg.instance_for_test() as instance:
 
-        def materialize(selection: dg.AssetsDefinition, config: dict[str, Any]) -> None:
+        def materialize(
+            selection: dg.AssetsDefinition, config: dict[str, Any]
+        ) -> dg.ExecuteInProcessResult:
             outcome = dg.materialize(
                 assets,
                 selection=[selection],
@@ -167,54 +182,88 @@ def overhead(sizes: Sizes, workdir: str) -> Result:
                 run_config={**quiet, **config},
             )
             assert outcome.success
-            if selection is bench_checkpointed and config is not off:
-                event = outcome.asset_materializations_for_node(CHECKPOINTED)[0]
-                wait = event.metadata["storage_wait_seconds"].value
-                waits.append(float(wait))  # type: ignore[arg-type]
+            return outcome
+
+        def checkpointed(asset: dg.AssetsDefinition, i: int) -> None:
+            """A run into a new checkpoint (tag ``run<i>``): its flushes, read from what it
+            stored, and how long storage held it up, from its metadata."""
+            name = asset.key.path[-1]
+            tag = f"run{i}"
+            outcome = materialize(asset, {"ops": {name: {"config": {"checkpoint_tag": tag}}}})
+            flushes.setdefault(name, []).append(_flushes(base_dir, name, tag))
+            event = outcome.asset_materializations_for_node(name)[0]
+            wait = event.metadata["storage_wait_seconds"].value
+            waits.setdefault(name, []).append(float(wait))  # type: ignore[arg-type]
 
         runs: dict[str, Callable[[int], None]] = {
             "plain": lambda i: materialize(bench_plain, {}),
-            "checkpointed": lambda i: materialize(bench_checkpointed, tagged(CHECKPOINTED, i)),
+            "checkpointed": lambda i: checkpointed(bench_checkpointed, i),
             "checkpointing_false": lambda i: materialize(bench_checkpointed, off),
-            "min_flush_seconds_1": lambda i: materialize(bench_timed, tagged("bench_timed", i)),
+            "min_flush_seconds_1": lambda i: checkpointed(bench_timed, i),
+            "min_flush_seconds_short": lambda i: checkpointed(bench_timed_short, i),
             "floor": lambda i: materialize(bench_floor, {}),
             "floor_without_fsync": lambda i: materialize(bench_floor_nosync, {}),
         }
         materialize(bench_input, {})
         seconds = {key: [] for key in runs}
+        cpu: dict[str, list[float]] = {key: [] for key in runs}  # this process, all threads
         # Round 0 warms every path up (first materializations are slower) and is not counted;
         # then the jobs alternate, so background noise hits all alike.
         for i in range(max(sizes.overhead_rounds, sizes.repeat) + 1):
             if i == 1:
+                flushes.clear()
                 waits.clear()
             for key, job in runs.items():
+                cpu_before = time.process_time()
                 took = _timed(functools.partial(job, i))
                 if i:
                     seconds[key].append(took)
+                    cpu[key].append(time.process_time() - cpu_before)
 
     plain = _median(seconds["plain"])
 
     def add(figure: str, key: str, ratio: str, limit: float | None = None) -> None:
         result.add(figure, _median(seconds[key]), "s")
         result.add(ratio, _median(seconds[key]) / plain, "x", limit=limit)
+        # CPU seconds, which a busy machine inflates less than wall time.
+        result.add(f"{ratio} (CPU)", _median(cpu[key]) / _median(cpu["plain"]), "x")
+
+    def add_flushes(figure: str, name: str) -> None:
+        result.add(f"{figure}: flushes", _median([float(n) for n in flushes[name]]))
 
     result.add("plain asset", plain, "s")
     add("checkpointed asset", "checkpointed", "ratio", limit=1.10)
+    add_flushes("checkpointed asset", CHECKPOINTED)
     # How long storage held the checkpointed runs up, from their own metadata.
-    result.add("storage_wait_seconds", _median(waits), "s")
+    result.add("storage_wait_seconds", _median(waits[CHECKPOINTED]), "s")
     # The same asset with `checkpointing: false`: input hashing and one call per interval, no
     # storage. What storage adds is the difference to the checkpointed figure.
     add("checkpointing: false", "checkpointing_false", "ratio without storage")
     add("durable-interval floor", "floor", "ratio of the floor")
     add("floor without fsync", "floor_without_fsync", "ratio of the floor without fsync")
     add("min_flush_seconds: 1", "min_flush_seconds_1", "ratio, min_flush_seconds: 1")
+    add_flushes("min_flush_seconds: 1", "bench_timed")
+    short = f"min_flush_seconds: {SHORT_FLOOR}"
+    add(short, "min_flush_seconds_short", f"ratio, {short}")
+    add_flushes(short, "bench_timed_short")
     result.details = {
         "rows": sizes.rows,
         "interval": sizes.interval,
         "storage_wait_seconds": waits,
+        "flushes": flushes,
         **{f"{key}_seconds": values for key, values in seconds.items()},
+        **{f"{key}_cpu_seconds": values for key, values in cpu.items()},
     }
     return result
+
+
+def _flushes(base_dir: str, asset: str, tag: str) -> int:
+    """The flushes a finished run made into a new checkpoint (``RunStats.flushes``): the flush
+    numbers its merged file holds, the last rows' included."""
+    stored = Checkpoint(open_store(base_dir), checkpoint_name([asset], tag, None))
+    rows = stored.read_merged()[0]
+    assert rows is not None, f"{asset} stored nothing under {tag}"
+    return rows.get_column(SEQ).n_unique()
 
 
 # -- 2. per-call overhead with a slow function ---------------------------------------------
@@ -234,27 +283,43 @@ def per_call(sizes: Sizes, workdir: str) -> Result:
         checkpoint = Checkpoint(store, f"run-{uuid.uuid4().hex[:8]}")
         runner.run(fn, runner.prepare(frame, config), checkpoint, config, job=data.JOB)
 
-    repeat = max(1, sizes.repeat // 2)
-    plain_s: list[float] = []
-    checkpointed_s: list[float] = []
-    for _ in range(repeat):
-        plain_s.append(_timed(plain))
-        checkpointed_s.append(_timed(checkpointed))
+    times = _alternating({"plain": plain, "checkpointed": checkpointed}, sizes.repeat)
+    plain_s, checkpointed_s = times["plain"], times["checkpointed"]
+    ratios = [c / p for c, p in zip(checkpointed_s, plain_s, strict=True)]
     calls = math.ceil(frame.height / size)
     overhead_ms = (_median(checkpointed_s) - _median(plain_s)) / calls * 1000
-    result.add("plain loop", _median(plain_s), "s")
-    result.add("checkpointed", _median(checkpointed_s), "s")
-    result.add("overhead per call", overhead_ms, "ms")
-    result.add("ratio", _median(checkpointed_s) / _median(plain_s), "x", limit=1.05)
+    result.add("plain loop (median)", _median(plain_s), "s")
+    result.add("checkpointed (median)", _median(checkpointed_s), "s")
+    result.add("overhead per call (difference of medians)", overhead_ms, "ms")
+    result.add("ratio (median of rounds)", _median(ratios), "x", limit=1.05)
+    result.add("ratio, lowest round", min(ratios), "x")
+    result.add("ratio, highest round", max(ratios), "x")
+    cpu = _median(times["checkpointed cpu"]) - _median(times["plain cpu"])
+    result.add("CPU overhead per call (difference of medians)", cpu / calls * 1000, "ms")
     result.details = {
         "rows": frame.height,
         "interval": size,
         "calls": calls,
         "sleep_seconds": sizes.per_call_sleep,
-        "plain_seconds": plain_s,
-        "checkpointed_seconds": checkpointed_s,
+        "seconds": times,
     }
     return result
+
+
+def _alternating(sides: dict[str, Callable[[], Any]], repeat: int) -> dict[str, list[float]]:
+    """Seconds of each side (and its CPU seconds, as ``"<side> cpu"``), ``repeat`` rounds (two
+    at least); the order of the sides alternates from round to round, so neither always runs
+    first (warm caches, or a burst of load, would favour one)."""
+    seconds: dict[str, list[float]] = {key: [] for n in sides for key in (n, f"{n} cpu")}
+    for i in range(max(2, repeat)):  # at least two: each side runs first once
+        names = list(sides) if i % 2 == 0 else list(reversed(sides))
+        for name in names:
+            cpu = time.process_time()
+            seconds[name].append(_timed(sides[name]))
+            # CPU seconds of this process (all its threads), which a busy machine does not
+            # inflate the way it does wall time.
+            seconds[f"{name} cpu"].append(time.process_time() - cpu)
+    return seconds
 
 
 # -- 3 and 6. resume of a finished checkpoint, and its memory -------------------------------
@@ -338,8 +403,10 @@ class _MeasuredCheckpoint(Checkpoint):
 
 
 def compaction(sizes: Sizes, workdir: str) -> Result:
-    """Flush every few rows: parts stay bounded; against one part per flush, never merged."""
-    result = Result("compaction", "many small flushes: compacted parts vs one part per flush")
+    """Flush every few rows: parts stay bounded. Against the same run's parts never merged:
+    one part per flush the engine made, the same rows, written by the engine's own part writer
+    (pyarrow, lz4), so compaction is the only difference."""
+    result = Result("compaction", "many small flushes: compacted parts vs the same never merged")
     frame = data.make_input(sizes.rows)
     config = data.settings(sizes.compaction_interval)
     store = open_store(os.path.join(workdir, "compaction"))
@@ -350,8 +417,8 @@ def compaction(sizes: Sizes, workdir: str) -> Result:
     )
     run_seconds = time.perf_counter() - started
 
-    baseline = Checkpoint(store, "one-part-per-flush")
-    flushes = _write_parts_directly(baseline, checkpoint, sizes.compaction_interval)
+    baseline = Checkpoint(store, "never-merged")
+    parts = _write_parts_directly(baseline, checkpoint)
     baseline_read = _timed(lambda: Checkpoint(store, baseline.name).load(data.ID))
     _remove_tree(baseline.files.parts)
 
@@ -360,9 +427,10 @@ def compaction(sizes: Sizes, workdir: str) -> Result:
     result.add("unmerged parts at the end", checkpoint.parts_at_end, limit=64)
     result.add("finalize", checkpoint.finalize_seconds, "s", limit=2.0)
     result.add("resume read, compacted", checkpoint.read_seconds, "s")
-    result.add(f"baseline parts ({flushes:,})", flushes)
+    result.add("baseline parts (one per flush, never merged)", parts)
     result.add("resume read, baseline", baseline_read, "s")
     result.add("resume read ratio baseline/compacted", baseline_read / checkpoint.read_seconds, "x")
+    result.add("storage requests", sum(stats.requests.values()))
     result.add("whole run", run_seconds, "s")
     result.details = {
         "rows": frame.height,
@@ -373,19 +441,20 @@ def compaction(sizes: Sizes, workdir: str) -> Result:
     return result
 
 
-def _write_parts_directly(target: Checkpoint, source: Checkpoint, interval: int) -> int:
-    """The baseline's layout: one part per flush of ``interval`` rows, never merged."""
+def _write_parts_directly(target: Checkpoint, source: Checkpoint) -> int:
+    """The baseline's layout: one part per flush of ``source`` (its rows, by their flush
+    number), encoded as the engine encodes parts, never merged. Written without fsync (only the
+    reading is timed)."""
     rows = source.read_merged()[0]
     assert rows is not None
     rows = rows.drop(CURRENT)
+    flushes = rows.partition_by(SEQ, maintain_order=True)
     os.makedirs(target.files.parts, exist_ok=True)
-    count = 0
-    for seq, start in enumerate(range(0, rows.height, interval), start=1):
-        name = f"part-{seq:012d}-{seq:012d}-{uuid.uuid4().hex[:12]}.parquet"
-        part = rows.slice(start, interval).with_columns(pl.lit(seq, pl.Int64).alias(SEQ))
-        part.write_parquet(os.path.join(target.files.parts, name), compression="zstd")
-        count += 1
-    return count
+    for part in flushes:
+        seq = int(part.get_column(SEQ)[0])
+        with open(target.files.new_part(seq, seq), "wb") as f:
+            f.write(target.encode_part(part))
+    return len(flushes)
 
 
 def _remove_tree(folder: str) -> None:
@@ -408,15 +477,22 @@ def hashing_speed(sizes: Sizes, workdir: str) -> Result:
         hashing.shard_of(frame.get_column(data.ID), 16)
         hashing.row_hashes(frame, [data.ID, data.TEXT])
 
-    best = min(_timed(both) for _ in range(sizes.repeat))
-    shard = min(
-        _timed(lambda: hashing.shard_of(frame.get_column(data.ID), 16)) for _ in range(sizes.repeat)
-    )
+    def shard() -> None:
+        hashing.shard_of(frame.get_column(data.ID), 16)
+
+    both()  # warm up (first calls allocate)
+    times = _alternating({"both": both, "shard": shard}, sizes.repeat)
+    rates = [frame.height / t / 1e6 for t in times["both"]]
     result.add("rows", frame.height)
-    result.add("shard + row hash", frame.height / best / 1e6, "M rows/s", limit=5.0, op=">=")
-    result.add("shard + row hash, bytes", size_mb / best, "MB/s")
-    result.add("shard only", frame.height / shard / 1e6, "M rows/s")
-    result.details = {"seconds": best, "input_mb": size_mb}
+    median = frame.height / _median(times["both"]) / 1e6
+    result.add("shard + row hash (median)", median, "M rows/s", limit=5.0, op=">=")
+    result.add("shard + row hash, slowest round", min(rates), "M rows/s")
+    result.add("shard + row hash, fastest round", max(rates), "M rows/s")
+    result.add("shard + row hash, bytes (median)", size_mb / _median(times["both"]), "MB/s")
+    result.add("shard only (median)", frame.height / _median(times["shard"]) / 1e6, "M rows/s")
+    cpu = frame.height / _median(times["both cpu"]) / 1e6
+    result.add("shard + row hash per CPU second (median)", cpu, "M rows/s")
+    result.details = {"seconds": times, "input_mb": size_mb}
     return result
 
 
@@ -441,18 +517,25 @@ def ray_data(sizes: Sizes, workdir: str, enabled: bool) -> Result:
     config = data.settings(sizes.interval)
     store = open_store(os.path.join(folder, "ours"))
 
+    results: list[pl.DataFrame] = []
+
     def ours() -> None:
         frame = pl.read_parquet(source)
-        runner.run(
+        stored, _ = runner.run(
             data.score,
             runner.prepare(frame, config),
             Checkpoint(store, "job"),
             config,
             job=data.JOB,
         )
+        results.append(stored)
 
     fresh, again = _timed(ours), _timed(ours)
     theirs = _child("bench.ray_job", str(sizes.rows), folder, str(sizes.interval))
+    # The same function on both sides: the same results.
+    mine = results[0]
+    assert theirs["long_rows"] == (mine.get_column("size") == "long").sum(), theirs
+    assert theirs["score_sum"] == mine.get_column("score").sum(), theirs
     result.add("checkpoint-assets fresh", fresh, "s")
     result.add("ray data fresh", theirs["fresh_seconds"], "s")
     result.add("checkpoint-assets no-op resume", again, "s")

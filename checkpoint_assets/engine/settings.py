@@ -7,8 +7,11 @@ the defaults declared here.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from checkpoint_assets.engine.compaction import COMPACT_AT, COMPACT_FANOUT
 
 DEFAULT_LEASE_SECONDS = 300.0
 
@@ -104,6 +107,77 @@ class Settings:
         round trip between threads costs one-row calls about 5 % of their throughput).
         """
         return self.max_concurrency + -(-self.max_concurrency // 4)
+
+    def loss_bound(
+        self, rows_per_second: float = 0.0, store_min_flush_seconds: float = 0.0
+    ) -> LossBound:
+        """The most a hard kill (SIGKILL, a lost node) can lose: rows computed whose results
+        are not durable yet, which a later run computes again (see ``engine/sink.py``).
+
+        ``rows_per_second`` matters only with a minimum time between flushes
+        (``min_flush_seconds``, or ``store_min_flush_seconds`` when that is None: 5 s on
+        object stores): the buffer then holds the rows of that time.
+
+        >>> Settings("id", checkpoint_interval=64, batch_size=1, max_concurrency=32).loss_bound()
+        LossBound(buffered=160, writing=160, held=40, batch_rows=1)
+        """
+        floor = self.min_flush_seconds
+        floor = store_min_flush_seconds if floor is None else floor
+        rows_in_floor = math.ceil(rows_per_second * floor)
+        # The last batch added may cross the bound by all its rows but one.
+        buffered = max(self.max_unflushed_rows, rows_in_floor) + self.batch_rows - 1
+        held = self.batches_held * self.batch_rows
+        return LossBound(buffered, buffered, held, self.batch_rows)
+
+    def request_budget(self, flushes: int, seconds: float) -> int:
+        """The most storage requests (on S3) a run into a new checkpoint makes, given the
+        flushes it made and how long it held the lock (see ``engine/storage/base.py``):
+
+        - 13 to start and finish: the lock (a conditional PUT; a GET and a DELETE to release
+          it), the meta (a GET and a PUT at the start, a PUT when the outputs are known, a PUT
+          at the end), the merged file (a GET at the start and at finalize, a PUT), the parts'
+          listing (at the start and at finalize) and one DELETE of the merged parts;
+        - one PUT per flush (the last rows go into the merged file instead);
+        - a PUT and a DELETE per compaction: eight parts become one once 56 exist, so at most
+          one per seven parts beyond 55;
+        - a GET and a PUT per lock renewal, every third of ``lease_seconds``.
+
+        >>> Settings("id").request_budget(flushes=7, seconds=36.0)
+        20
+        """
+        compactions = max(0, -(-(flushes - COMPACT_AT + 1) // (COMPACT_FANOUT - 1)))
+        renewals = int(seconds // max(self.lease_seconds / 3, 0.05))
+        return 13 + flushes + 2 * compactions + 2 * renewals
+
+
+@dataclass(frozen=True)
+class LossBound:
+    """What a hard kill can lose, term by term (``Settings.loss_bound``), in rows:
+
+    - ``buffered``: the rows done since the last flush. About one ``checkpoint_interval`` (or
+      the rows done in the minimum time between flushes) while storage keeps up; when it lags,
+      rows join the next flush (group commit) up to ``max_unflushed_rows``, and the last batch
+      may cross that by all its rows but one.
+    - ``writing``: the flush being written, at most one, no larger than the buffer was.
+    - ``held``: the calls in flight and the results the run loop has not taken yet,
+      ``batches_held`` batches.
+    """
+
+    buffered: int
+    writing: int
+    held: int
+    batch_rows: int
+
+    @property
+    def rows(self) -> int:
+        """Rows a kill can make later runs compute again."""
+        return self.buffered + self.writing + self.held
+
+    @property
+    def calls(self) -> int:
+        """Calls a kill can make later runs pay for again."""
+        buffered = 2 * math.ceil(self.buffered / self.batch_rows)
+        return buffered + self.held // self.batch_rows
 
 
 def _at_least(settings: Settings, least: int, *names: str) -> None:

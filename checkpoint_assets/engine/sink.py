@@ -13,19 +13,22 @@ storage, encoding its own part during the wait, which bounds memory and loss whe
 slower than the function. ``finish`` waits for the last write, then merges everything into the
 merged file: a run never succeeds before its rows are durable.
 
-Loss bound. A hard kill (SIGKILL, a lost node) loses the rows that are not durable yet:
+Loss bound. A hard kill (SIGKILL, a lost node) loses the rows that are not durable yet;
+``Settings.loss_bound()`` computes the most, term by term:
 
-- the buffer: the rows done since the last flush, at most one ``checkpoint_interval`` (or the
-  rows done in ``min_flush_seconds``, when that is more) while storage keeps up, and never more
-  than ``max_unflushed`` rows;
+- the buffer: the rows done since the last flush, about one ``checkpoint_interval`` while
+  storage keeps up, up to ``max_unflushed`` rows when it lags (group commit), or the rows done
+  in ``min_flush_seconds`` when those are more; the last batch added may cross that by all its
+  rows but one;
 - the flush being written (one at most, no larger than the buffer was);
 - the calls in flight and the results the run loop has not taken yet: ``batches_held`` batches
   of ``batch_size`` rows (``max_concurrency`` and a quarter more).
 
 With one-row calls, ``checkpoint_interval=64`` and 32 calls in flight on local disk that is
-64 + 64 + 40 rows at most, usually far fewer. On S3 (``min_flush_seconds`` 5) with a function
-doing 100 rows per second it is about 500 rows or 5 s of work, twice that if a write is under
-way. SIGTERM, SIGINT and exceptions flush before leaving and lose nothing.
+160 + 160 + 40 = 360 rows at most, and about 64 + 64 + 40 while storage keeps up. On S3
+(``min_flush_seconds`` 5) with a function doing 100 rows per second the buffer holds about 500
+rows, 5 s of work: 500 + 500 + 40 at most. SIGTERM, SIGINT and exceptions flush before leaving
+and lose nothing.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SCENARIOS = {"overhead", "per_call", "resume", "memory", "compaction", "hashing", "ray"}
+SCENARIOS = {"overhead", "per_call", "resume", "memory", "compaction", "s3_requests", "hashing"}
+SCENARIOS |= {"ray"}
 SCENARIOS |= {"remote", "openai", "throttled", "kill"}
 SCENARIOS |= {"reshard", "global_table"}
 SCENARIOS |= {"random 429 1%", "random 429 5%", "random 429 20%", "limit 32 from 64"}

@@ -47,6 +47,17 @@ def _spec(storage: Storage, tmp_path: Path, run_label: int, **overrides: Any) ->
     return spec
 
 
+def _settings_of(spec: dict[str, Any]) -> Settings:
+    """The settings the child runs with, for their loss bound."""
+    return Settings(
+        id_column="ticket_id",
+        checkpoint_interval=spec["interval"],
+        batch_size=spec.get("batch_size"),
+        max_concurrency=spec.get("max_concurrency", 1),
+        min_flush_seconds=spec["min_flush_seconds"],
+    )
+
+
 def _start(spec: dict[str, Any], tmp_path: Path) -> subprocess.Popen[bytes]:
     err = open(tmp_path / f"child-{spec['run']}.err", "wb")  # noqa: SIM115 - kept by the child
     return subprocess.Popen(
@@ -118,11 +129,11 @@ def test_sigkill_mid_shard_loses_at_most_one_interval_and_the_flush_in_flight(
     log = _log(tmp_path)
     runs_of, lost = _recomputed(log, kills)
     print(f"rows recomputed after each of {kills} SIGKILLs: {lost} (interval {INTERVAL})")
-    # The documented bound (engine/sink.py): the buffer and the flush the writer may have been
-    # writing when the kill came, each at most max_unflushed_rows (about one interval while
-    # storage keeps up: a 4-row part is written in ~1 ms locally, slower on S3).
-    max_unflushed = 2 * INTERVAL + 1 * INTERVAL  # Settings.max_unflushed_rows of the child's
-    assert all(n <= 2 * max_unflushed for n in lost), lost
+    # The documented bound: the buffer, the flush the writer may have been writing when the
+    # kill came and the calls in flight (about one interval each while storage keeps up: a
+    # 4-row part is written in ~1 ms locally, slower on S3).
+    bound = _settings_of(final).loss_bound().rows
+    assert all(n <= bound for n in lost), (lost, bound)
     assert len(log) == ROWS + sum(lost)
     assert sorted(runs_of) == list(range(ROWS))
     killed_work = sum(1 for labels in runs_of.values() if min(labels) <= kills)
@@ -153,13 +164,13 @@ def test_sigkill_with_one_row_calls_and_32_in_flight_loses_at_most_the_bound(
 
     log = _log(tmp_path)
     _, lost = _recomputed(log, kills)
-    max_unflushed = 2 * interval + in_flight * batch
+    bound = _settings_of(final).loss_bound().rows
     print(
-        f"rows recomputed after each SIGKILL: {lost} (interval {interval}, {in_flight} in flight)"
+        f"rows recomputed after each SIGKILL: {lost} (interval {interval}, {in_flight} in "
+        f"flight, bound {bound})"
     )
-    # Not durable at a kill: the buffer and the flush being written (each at most max_unflushed
-    # rows, about one interval while storage keeps up); calls in flight are not logged yet.
-    assert all(n <= 2 * max_unflushed for n in lost), lost
+    # Not durable at a kill: the buffer, the flush being written and the calls in flight.
+    assert all(n <= bound for n in lost), (lost, bound)
     assert len(log) == rows + sum(lost)
     stored = _stored(storage)
     assert stored.height == rows, "a row is stored twice, or lost"
@@ -223,11 +234,11 @@ SETTINGS = Settings(
 )
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def one_part_per_interval(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tests below count parts: make each flush wait for the one being written instead of
     letting rows done meanwhile join the next one (group commit), so a part holds one interval.
-    (The crash children run in their own processes and are not affected.)"""
+    (Not the kill tests above: their loss bound is computed from the real settings.)"""
     monkeypatch.setattr(Settings, "max_unflushed_rows", property(lambda s: 1))
 
 
@@ -266,6 +277,7 @@ def _part_files(checkpoint: Checkpoint) -> dict[str, bytes]:
     }
 
 
+@pytest.mark.usefixtures("one_part_per_interval")
 def test_crash_between_merged_write_and_part_delete_resumes_to_the_same_result(
     storage: Storage,
 ) -> None:
@@ -290,6 +302,7 @@ def test_crash_between_merged_write_and_part_delete_resumes_to_the_same_result(
     assert _part_files(checkpoint) == {}
 
 
+@pytest.mark.usefixtures("one_part_per_interval")
 def test_crash_after_compaction_before_deleting_its_inputs_is_harmless(storage: Storage) -> None:
     one_per_flush = Settings(**{**SETTINGS.__dict__, "checkpoint_interval": 1})
     rows = COMPACT_AT + 4
@@ -315,6 +328,7 @@ def test_crash_after_compaction_before_deleting_its_inputs_is_harmless(storage: 
     assert merged is not None and merged["ticket_id"].n_unique() == merged.height == rows
 
 
+@pytest.mark.usefixtures("one_part_per_interval")
 def test_sequence_numbers_continue_after_the_highest_one_across_restarts(storage: Storage) -> None:
     checkpoint = _checkpoint(storage)
     _crash_run(checkpoint, 40, calls=3)
@@ -343,6 +357,7 @@ class _RecordingCheckpoint(Checkpoint):
         return part
 
 
+@pytest.mark.usefixtures("one_part_per_interval")
 def test_the_last_rows_go_into_the_merged_file_without_a_part(storage: Storage) -> None:
     base_dir, options = storage
     checkpoint = _RecordingCheckpoint(open_store(base_dir, options), "job")
@@ -358,6 +373,7 @@ def test_the_last_rows_go_into_the_merged_file_without_a_part(storage: Storage) 
     assert _part_files(checkpoint) == {}
 
 
+@pytest.mark.usefixtures("one_part_per_interval")
 def test_a_failed_finalize_still_stores_the_last_rows_as_a_part(tmp_path: Path) -> None:
     checkpoint = Checkpoint(open_store(str(tmp_path)), "job")
     blocker = Path(checkpoint.files.merged)

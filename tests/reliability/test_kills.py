@@ -10,9 +10,10 @@ input grows from run to run, so each run has new work. After the last, clean run
 
 - every id is stored exactly once, with the value the function gives for it (it is deterministic
   in the id), no part is left and ``checkpoint-assets verify`` finds nothing;
-- each kill made the next runs pay again for at most the documented loss (``engine/sink.py``):
-  the rows buffered, the flush being written and the calls in flight (``loss_bound``), and for
-  nothing at all when it came after the merged file was written or before the lock was taken.
+- each kill made the next runs pay again for at most the documented loss
+  (``Settings.loss_bound``): the rows buffered, the flush being written and the calls in
+  flight, and for nothing at all when it came after the merged file was written or before the
+  lock was taken.
 
 Most kills go through the engine alone (a fork of a warm process costs milliseconds); a handful
 go through Dagster's ``materialize`` of one shard of a checkpointed asset.
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import os
 import random
 import subprocess
@@ -52,7 +52,7 @@ import pytest
 from helpers import kill_child
 from helpers.jobs import Storage, ids_in_shard
 
-from checkpoint_assets.engine import Checkpoint, Settings, open_store
+from checkpoint_assets.engine import Checkpoint, open_store
 from checkpoint_assets.engine.layout import checkpoint_name
 from checkpoint_assets.engine.scheme import Shard
 
@@ -65,21 +65,6 @@ SEED = int(os.environ.get("CHECKPOINT_KILLS_SEED", "12"))
 # Kill points after which nothing computed may be paid for again: everything the run computed
 # is in the merged file, or the run has not started computing.
 NOTHING_LOST = {"finalize_merged", "finalize_meta", "lock_takeover"}
-
-
-def loss_bound(settings: Settings) -> tuple[int, int]:
-    """(rows, calls) a hard kill may make later runs pay for again, per the sink's docstring.
-
-    The buffer (at most ``max_unflushed_rows``, which the last call's rows may cross), the flush
-    being written (no larger) and the calls in flight with the results not taken from them yet
-    (``batches_held`` batches). The minimum time between flushes is 0 here. Written against the
-    settings, so it follows their defaults.
-    """
-    batch = settings.batch_rows
-    buffered = max(settings.max_unflushed_rows, settings.checkpoint_interval) + batch - 1
-    rows = 2 * buffered + settings.batches_held * batch
-    calls = 2 * math.ceil(buffered / batch) + settings.batches_held
-    return rows, calls
 
 
 def plan(seed: int, kills: int, *, dagster: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -215,7 +200,8 @@ def check(
                 seen.add((label, i))
         lost_calls = [ids for ids in made if any(last_run[i] > label for i in ids)]
         lost_rows = sum(len(ids) for ids in lost_calls)
-        rows, n_calls = loss_bound(kill_child.settings_of(cycle))
+        bound = kill_child.settings_of(cycle).loss_bound()  # min_flush_seconds is 0
+        rows, n_calls = bound.rows, bound.calls
         where = f"seed {SEED}, run {label}: {cycle}"
         if not record["killed"]:
             assert lost_rows == 0, where
