@@ -148,7 +148,7 @@ def checkpointed_asset(
 
     def decorator(fn: Callable[..., Any]) -> dg.AssetsDefinition:
         asset_name = name or fn.__name__
-        signature = Signature.of(fn)
+        signature = Signature.of(fn, batch_size)
         base = Settings(
             id_column=id_column,
             input_columns=tuple(input_columns or ()),
