@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 from checkpoint_assets.engine.batches import Batch
 from checkpoint_assets.engine.calls import Caller, Outcome, run_blocking
@@ -143,11 +142,13 @@ async def _work(
         handoff.put(None)  # this worker is done
 
 
-def _wake(waiting: list[asyncio.Future[Any]]) -> None:
+def _wake(waiting: list[asyncio.Future[None]]) -> None:
+    """Wake the tasks waiting for a slot: one wake-up of their loop for them all."""
+    if waiting:
+        waiting[0].get_loop().call_soon_threadsafe(_set, waiting)
+
+
+def _set(waiting: list[asyncio.Future[None]]) -> None:
     for freed in waiting:
-        freed.get_loop().call_soon_threadsafe(_set, freed)
-
-
-def _set(freed: asyncio.Future[Any]) -> None:
-    if not freed.done():
-        freed.set_result(None)
+        if not freed.done():
+            freed.set_result(None)
