@@ -161,8 +161,8 @@ def throughput(rows: int, workdir: str) -> Result:
 def openai_client(rows: int, workdir: str, repeat: int = 3) -> Result:
     """The openai client through a checkpointed function vs the same without checkpointing."""
     from bench.openai_ceiling import measure, prompts
+    from checkpoint_assets import OpenAIResource
     from examples.llm_openai.definitions import SYSTEM
-    from examples.llm_openai.resource import OpenAIChat
     from examples.llm_openai.server import Settings as ServerSettings
     from examples.llm_openai.server import serve_process
 
@@ -171,7 +171,7 @@ def openai_client(rows: int, workdir: str, repeat: int = 3) -> Result:
     frame = pl.DataFrame({data.ID: range(rows), data.TEXT: texts})
     local = os.path.join(workdir, "openai")
     with serve_process(ServerSettings(latency_ms=LATENCY * 1000)) as base_url:
-        chat = OpenAIChat(base_url=base_url, api_key="local", model="m")
+        chat = OpenAIResource(base_url=base_url, api_key="local", model="m")
 
         async def classify(batch: pl.DataFrame) -> pl.DataFrame:
             (text,) = batch.get_column(data.TEXT).to_list()

@@ -126,8 +126,8 @@ def _status(
     reading ``readers`` checkpoints at once (1: one after the other, as before)."""
     before = server.requests(bucket)
     code = (
-        "import sys; from checkpoint_assets import cli; "
-        f"cli.STATUS_READERS = {readers}; sys.exit(cli.main(sys.argv[1:]))"
+        "import sys; from checkpoint_assets import cli; from checkpoint_assets.cli import status; "
+        f"status.STATUS_READERS = {readers}; sys.exit(cli.main(sys.argv[1:]))"
     )
     argv = [
         *(sys.executable, "-c", code, "status", f"s3://{bucket}/checkpoints", "--json"),

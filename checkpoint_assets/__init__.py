@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from checkpoint_assets.integration.io_manager import CheckpointIOManager
     from checkpoint_assets.integration.partitions import shard_partitions
     from checkpoint_assets.integration.sensor import failed_partitions_sensor
+    from checkpoint_assets.resources import AnthropicResource, OpenAIResource
 
 # The Dagster glue is imported on first use, so that the engine and the `checkpoint-assets` CLI
 # start without importing Dagster (seconds of start-up).
@@ -45,6 +46,8 @@ _LAZY = {
     "CheckpointIOManager": "checkpoint_assets.integration.io_manager",
     "shard_partitions": "checkpoint_assets.integration.partitions",
     "failed_partitions_sensor": "checkpoint_assets.integration.sensor",
+    "AnthropicResource": "checkpoint_assets.resources",
+    "OpenAIResource": "checkpoint_assets.resources",
 }
 
 
@@ -63,6 +66,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AnthropicResource",
     "CheckpointError",
     "CheckpointIOManager",
     "CheckpointRunConfig",
@@ -75,6 +79,7 @@ __all__ = [
     "LockHeldError",
     "MissingColumnsError",
     "OnInputChange",
+    "OpenAIResource",
     "OutageError",
     "QuotaExhaustedError",
     "RetryAfter",

@@ -125,6 +125,8 @@ def test_every_argument_of_checkpointed_asset_is_documented() -> None:
         ("checkpoint_checks", lambda: keyword_parameters(checkpoint_assets.checkpoint_checks)),
         ("global_resume_asset", lambda: keyword_parameters(checkpoint_assets.global_resume_asset)),
         ("CheckpointIOManager", lambda: set(checkpoint_assets.CheckpointIOManager.model_fields)),
+        ("OpenAIResource", lambda: set(checkpoint_assets.OpenAIResource.model_fields)),
+        ("AnthropicResource", lambda: set(checkpoint_assets.AnthropicResource.model_fields)),
         (
             "CheckpointedAssetComponent",
             lambda: set(checkpoint_assets.CheckpointedAssetComponent.model_fields),
@@ -214,7 +216,8 @@ class Tutorial:
             **os.environ,
             "DAGSTER_HOME": str(self.home),
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-            "PYTHONPATH": str(folder),
+            # The checkout under test, not whichever one the venv's scripts were installed from.
+            "PYTHONPATH": f"{folder}{os.pathsep}{ROOT}",
         }
         monkeypatch.setenv("DAGSTER_HOME", str(self.home))
         monkeypatch.syspath_prepend(str(folder))
@@ -424,6 +427,7 @@ def test_the_tutorial_runs_as_written(tutorial: Tutorial) -> None:
             metadata = tutorial.materialize("ticket_routing", shard)
             assert metadata["rows_failed"] == 0
             assert metadata["rows_computed"] == failed[shard]
+            assert metadata["function_changed"] is False  # the fix is in a helper it calls
         assert tutorial.sensor_requests(clock + 1000) == []
         assert "--select departments" in command(body, "--select departments")
         tutorial.materialize("departments")

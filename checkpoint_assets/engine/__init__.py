@@ -5,11 +5,13 @@ Where each part lives (ARCHITECTURE.md says more):
 - ``storage/``: the five operations on any fsspec filesystem, one file per backend;
 - ``layout.py``: every file name under a checkpoint root; ``scheme.py``: shards and partitions;
 - ``rows.py``, ``parquet.py``, ``meta.py``: what is stored; ``checkpoint.py`` and
-  ``compaction.py``: one checkpoint's files, read, merged and compacted; ``lock.py``: its writer;
+  ``compaction.py``: one checkpoint's files, read, merged and compacted; ``damage.py``: its
+  damaged files; ``gaps.py``: its parts, listed when listings lag; ``lock.py``: its writer;
 - ``opening.py`` (job check, load, plan; ``resume.py``), ``calls.py`` (the user's function),
   ``batches.py`` (what a call takes and returns), ``workers.py`` (threads or tasks),
   ``sink.py`` (flushes), ``runner.py`` (the loop): one run;
 - ``global_resume.py``: finished rows across every checkpoint of an asset;
+- ``function_fingerprint.py``: what counts as a change of the user's function;
 - ``settings.py``: run settings and their defaults; ``errors.py``: what can go wrong.
 """
 

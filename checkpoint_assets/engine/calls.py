@@ -2,8 +2,9 @@
 
 Three kinds of trouble, each handled its own way:
 
-- **Rate limits** (``RetryAfter``, HTTP 429/503; see throttle.py) pause the whole shard and call
-  the same batch again: not an attempt, not a failure, not part of an outage streak.
+- **Rate limits** (``RetryAfter``, HTTP 429/503/529; see throttle.py) delay the refused call,
+  then call the same batch again: not an attempt, not a failure, not part of an outage streak;
+  the shard's concurrency follows what the endpoint sustains.
 - **A broken function** (called with a signature it does not have; a result that is not a table,
   lacks the id column, repeats ids or returns ids that were not asked for; an ``AttributeError``
   on a real object, a ``NameError``, an ``ImportError``) cannot be fixed by retrying: the first
@@ -210,6 +211,7 @@ class Caller:
         Returns the checked result (and the failures of rows it skipped), the error of a
         failed call, or None when the shard stops. ``used``: calls of these rows, this one too.
         """
+        refusals = 0  # of this call in a row
         while True:
             started = await self._acquire()
             if started is None or self.stopping:
@@ -227,7 +229,13 @@ class Caller:
                 asked = throttled(e)
                 if asked is not None:
                     outcome.throttled_calls += 1
-                    self.throttle.throttle(started, asked)
+                    delay = self.throttle.throttle(asked, refusals)
+                    refusals += 1
+                    if delay > 0:
+                        # This call waits, keeping its slot so no other call takes its place;
+                        # the others go on. Then it queues again (a pause, a lowered limit).
+                        await self._sleep(delay)
+                    self.throttle.release(False)
                     continue
                 if _is_bug(e, Caller._call_fn.__code__):
                     self._broke(_describe(e))

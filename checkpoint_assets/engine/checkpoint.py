@@ -10,38 +10,12 @@ merged parts; a crash between the two leaves parts that readers skip and the nex
 Rows are resolved per id by the rule of ``rows.py``; compaction is described in
 ``compaction.py``.
 
-Damaged files. Nothing unreadable is ever taken as done, and nothing damaged is ever deleted:
-
-- An unmerged part that is not Parquet (truncated, garbage): the lock holder that loads it (a run,
-  ``checkpoint-assets repair``) moves it aside to ``<name>.parquet.quarantine/`` (``layout.py``),
-  says so in a warning naming both places, and reads on without it; its rows are not stored, so
-  the run computes them again. "Moving" is a copy, then a delete (one PUT and one DELETE on object
-  stores); a crash between the two leaves the file in both places, and the next run moves it
-  again. A reader without the lock (``status``, a downstream load) never moves anything: it
-  raises ``CorruptCheckpointError`` saying what the next run or ``repair`` will do.
-- An unreadable merged file stops any run with ``CorruptCheckpointError``: its rows may exist
-  nowhere else. The remedy names ``checkpoint-assets verify`` and ``checkpoint-assets repair``,
-  which rebuilds the checkpoint from what is readable (``repair.py``).
-- A meta file that is not valid meta (garbage JSON), or missing while other files of the
-  checkpoint remain: the run stops with ``CorruptCheckpointError``. The meta file is the only
-  record of the job that wrote the rows (code version, settings), and rows of an unknown job are
-  never resumed; ``repair`` cannot rebuild it, so it moves the meta and the data files aside
-  (their rows kept there) and the next run starts the checkpoint again. Restoring a copy of the
-  meta file is the other way out.
-- Parts and files that already are below the merged file's watermark are not read: they are
-  deleted by the next finalize whatever they hold.
-- A gap in the sequence (parts above the watermark that leave out flushes, or parts while the
-  merged file holding the flushes below them is gone) means a listing that lags behind writes, or
-  parts deleted outside this package; see ``_parts_in_known``.
-- A temporary file left by a killed local write (``<file>.tmp-<hex>``, see ``storage/local.py``;
-  object stores have none) is never read or counted as a part; finalize (and so ``compact``) and
-  ``repair`` delete those older than ``STALE_TEMPORARY_SECONDS``, which no write takes.
+Damaged files (what is said about them, the quarantine they go to) are ``damage.py``'s; parts
+missing from a listing that lags behind writes (gaps in the flush numbers) are ``gaps.py``'s.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -49,21 +23,13 @@ import polars as pl
 
 from checkpoint_assets.engine import parquet, rows
 from checkpoint_assets.engine.compaction import COMPACT_FANOUT, Part, PartCache, mergeable_run
-from checkpoint_assets.engine.errors import CorruptCheckpointError, StorageError
-from checkpoint_assets.engine.layout import Files, part_range
+from checkpoint_assets.engine.damage import Damage, Logger
+from checkpoint_assets.engine.errors import CorruptCheckpointError
+from checkpoint_assets.engine.gaps import Flushes, PartListing
+from checkpoint_assets.engine.layout import Files
 from checkpoint_assets.engine.meta import Meta
 from checkpoint_assets.engine.rows import CURRENT, ERROR, SEQ
 from checkpoint_assets.engine.storage import FileInfo, Store
-from checkpoint_assets.engine.storage.local import is_temporary
-
-Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
-
-# A listing that misses parts this process wrote or saw, or that leaves a gap in the sequence, is
-# listed again after these pauses (s).
-_RELIST_SECONDS = (0.2, 0.5, 1.0, 2.0)
-Flushes = tuple[int, int]  # first, last
-# No write of one file takes this long: a temporary file this old is a killed writer's.
-STALE_TEMPORARY_SECONDS = 15 * 60
 
 
 @dataclass
@@ -81,15 +47,19 @@ class Stored:
 
 
 class Checkpoint:
-    """The files of one checkpoint under a store. Readers need no lock; writers hold one."""
+    """The files of one checkpoint under a store. Readers need no lock; writers hold one.
+
+    What happens to damaged files is ``self.damage``'s (``damage.py``); listing the parts,
+    checked for gaps, is ``self.listing``'s (``gaps.py``).
+    """
 
     def __init__(self, store: Store, name: str) -> None:
         self.store = store
         self.name = name
         self.files = Files.under(store.root, name)
         self.cache = PartCache()
-        # Parts this object wrote or listed and has not deleted: a later listing must show them.
-        self.parts_known: dict[str, Part] = {}
+        self.damage = Damage(store, name, self.files)
+        self.listing = PartListing(self.damage)
 
     @property
     def url(self) -> str:
@@ -104,7 +74,7 @@ class Checkpoint:
         try:
             return Meta.from_json(data, self.store.display(self.files.meta))
         except CorruptCheckpointError as e:
-            raise e.advise(self.remedy_without_meta()) from e.__cause__
+            raise e.advise(self.damage.remedy_without_meta()) from e.__cause__
 
     def without_meta(self, files: int) -> CorruptCheckpointError:
         """The error of a checkpoint whose meta file is gone while ``files`` data files remain."""
@@ -112,46 +82,27 @@ class Checkpoint:
             self.store.display(self.files.meta),
             f"is missing, but {files} other file(s) of the checkpoint remain: the job that wrote "
             "their rows cannot be checked, so they are not used",
-            self.remedy_without_meta(),
+            self.damage.remedy_without_meta(),
         )
 
-    # -- what to do about damage ---------------------------------------------------------
-    def _command(self, verb: str) -> str:
-        return f"`checkpoint-assets {verb} {self.store.url} {self.name}`"
+    def required_meta(self) -> Meta:
+        """The meta file, for a command that needs it; else a ``CheckpointError`` saying what
+        is missing and what to do (restore it or ``repair``; or that there is no checkpoint)."""
+        meta = self.read_meta()
+        if meta is None:
+            data = self.data_files()
+            raise self.without_meta(len(data)) if data else self.damage.no_checkpoint()
+        return meta
 
-    def remedy_without_meta(self) -> str:
-        return (
-            "Restore the meta file if you have a copy. Otherwise run "
-            f"{self._command('repair')}: the meta file is the only record of the job that wrote "
-            "the rows, so it cannot be rebuilt; repair moves the checkpoint's files aside to "
-            f"{self.store.display(self.files.quarantine)}/ (keeping their rows there) and the "
-            "next run computes every row again."
-        )
+    def write_meta(self, meta: Meta) -> None:
+        self.store.put(self.files.meta, meta.to_json())
 
-    def remedy_merged(self) -> str:
-        return (
-            f"Run {self._command('verify')} to see every problem, then {self._command('repair')}"
-            ": it rebuilds the checkpoint from what is readable and keeps the damaged file in "
-            f"{self.store.display(self.files.quarantine)}/; the rows lost with it are computed "
-            "again on the next run."
-        )
-
-    def remedy_part(self) -> str:
-        return (
-            "The next run of this checkpoint moves it aside to "
-            f"{self.store.display(self.files.quarantine)}/ and computes its rows again; "
-            f"{self._command('repair')} does that now."
-        )
-
-    def set_aside(self, path: str) -> str:
-        """Move the damaged file ``path`` into the quarantine folder (copy, then delete; never
-        lost); returns where it went. Only the lock holder calls it."""
-        to = self.files.quarantined(path, time.time())
-        data = self.store.get_or_none(path)
-        if data is not None:
-            self.store.put(to, data)
-            self.store.delete([path])
-        self.parts_known.pop(path, None)
+    # -- damaged files -------------------------------------------------------------------
+    def set_aside(self, path: str, log: Logger | None = None) -> str:
+        """Move the damaged file ``path`` into the quarantine folder (``Damage.set_aside``);
+        returns where it went. Only the lock holder calls it."""
+        to = self.damage.set_aside(path, log)
+        self.listing.forget([path])
         return to
 
     def remove_stale_temporary(self) -> list[str]:
@@ -159,17 +110,7 @@ class Checkpoint:
         (object stores write no temporary files); returns their paths."""
         if not self.store.local:
             return []
-        cutoff = time.time() - STALE_TEMPORARY_SECONDS
-        old = [
-            f.path
-            for f in self.list_files()
-            if is_temporary(f.path) and f.mtime is not None and f.mtime < cutoff
-        ]
-        self.store.delete(old)
-        return old
-
-    def write_meta(self, meta: Meta) -> None:
-        self.store.put(self.files.meta, meta.to_json())
+        return self.damage.remove_stale_temporary(self.list_files())
 
     # -- reading -------------------------------------------------------------------------
     def list_parts(
@@ -180,131 +121,15 @@ class Checkpoint:
         ``listing``: files already listed (a recursive listing of a folder above this
         checkpoint); without it the parts folder is listed.
         """
-        return _split(self._parts_in(listing))
-
-    def _parts_in(self, listing: Iterable[FileInfo] | None = None) -> list[Part]:
-        """Every part file in ``listing`` (default: the parts folder), in sequence order."""
-        if listing is None:
-            listing = self.store.list(self.files.parts)
-        parts: list[Part] = []
-        for info in listing:
-            found = part_range(info.name)
-            # Temporary files of an interrupted local write, or other folders' files, are not parts.
-            if found and info.path.rsplit("/", 1)[0] == self.files.parts:
-                parts.append(Part(info.path, found[0], found[1], info.size))
-        parts.sort(key=lambda p: (p.first, -p.last))
-        return parts
-
-    def _parts_in_known(
-        self, watermark: int, start: int, *, accept_gaps: bool = False, log: Logger | None = None
-    ) -> tuple[list[Part], list[Flushes]]:
-        """``_parts_in()``, checked against the parts this object wrote or listed before, and for
-        gaps in the sequence from ``start``; returns the parts and the gaps accepted.
-
-        A listing that lags behind writes (some S3-compatible stores, caching gateways) would
-        make a finalize merge without a part and then record a watermark above it: its rows
-        would be lost. At the start of a run it would make the run compute the rows of the
-        parts it misses again: paid twice. So a listing is listed again after a pause when it
-        misses a part this object wrote or saw (or a part covering it: compaction), or when the
-        parts from ``start`` (the flush after the watermark) leave a gap: flushes are numbered
-        without holes, so a gap is a part the listing does not show. The one gap this package
-        leaves itself is a damaged part moved aside to the quarantine folder, which is listed
-        (once, only when a gap is seen) to tell them apart: that gap is no reason to list
-        again, and a ``log`` (a run's start) gets a warning naming it. If the listing still
-        misses parts after the pauses, nothing is merged, deleted or computed: a
-        ``StorageError`` says so, unless ``accept_gaps`` (``repair``), which gets them back.
-
-        A part whose write failed is written again under its own number before the run stops,
-        and compaction's parts cover the numbers of the parts they merge: neither leaves a gap.
-        A listing that misses only the newest parts leaves none either, so that is not seen
-        here: the run computes their rows again (paid twice) and writes its first part under
-        the same number; ``load`` reads both, so no row is lost.
-        """
-        for pause in (*_RELIST_SECONDS, None):
-            shown = self._parts_in()
-            missing = [
-                p
-                for p in self.parts_known.values()
-                if p.last > watermark
-                and not any(q.first <= p.first and q.last >= p.last for q in shown)
-            ]
-            gaps, moved = ([], []) if missing else self._gaps(shown, start)
-            if not missing and not gaps:
-                if moved and log is not None:
-                    log.warning(
-                        "Checkpoint %s: no part holds %s: damaged, moved aside to %s/ by an "
-                        "earlier run; their rows are computed again.",
-                        self.url,
-                        describe_flushes(moved),
-                        self.store.display(self.files.quarantine),
-                    )
-                self.parts_known.update((p.path, p) for p in shown if p.last > watermark)
-                return shown, []
-            if pause is not None:
-                time.sleep(pause)
-        folder = self.store.display(self.files.parts)
-        waited = f"even after listing again for {sum(_RELIST_SECONDS):.0f} s"
-        if missing:
-            raise StorageError(
-                f"The listing of {folder} does not show {len(missing)} part(s) this run wrote or "
-                f"saw, such as {self.store.display(missing[0].path)}, {waited}: the store's "
-                "listings lag behind its writes. Nothing was merged or deleted.",
-                "Run again: it resumes. If it happens again, use a store whose listings show "
-                "every completed write (S3 does), or turn off the listing cache of any gateway "
-                "in front of it.",
-            )
-        if accept_gaps:
-            self.parts_known.update((p.path, p) for p in shown if p.last > watermark)
-            return shown, gaps
-        raise self.gap_error(gaps, watermark, waited)
-
-    def gap_error(self, gaps: Sequence[Flushes], watermark: int, waited: str = "") -> StorageError:
-        """The error of parts that leave out ``gaps`` above the merged file's ``watermark``;
-        ``waited``: how long a run listed again before giving up."""
-        folder = self.store.display(self.files.parts)
-        below = f"merged up to flush {watermark}" if watermark else "there is no merged file"
-        what = (
-            f"No part in the listing of {folder} holds {describe_flushes(gaps)}, though parts "
-            f"of later flushes are there ({below}){', ' + waited if waited else ''}. Either the "
-            "store's listing lags behind its writes, or those parts were deleted."
-        )
-        if waited:
-            what += (
-                " Their rows are neither taken as done nor computed again, and nothing was "
-                "merged or deleted."
-            )
-        return StorageError(
-            what,
-            "Run again in a few minutes: once the listing shows the parts, the run resumes. If "
-            f"they were deleted (by hand, a lifecycle rule), run {self._command('repair')}: it "
-            "merges what is stored and the next run computes the rows of the missing flushes "
-            "again. If listings keep lagging, use a store whose listings show every completed "
-            "write (S3, GCS and Azure do), or turn off the listing cache of any gateway in "
-            "front of it.",
-        )
+        return _split(self.listing.parts(listing))
 
     def parts_and_gaps(self, watermark: int, base_seq: int = 0) -> tuple[list[Part], list[Flushes]]:
         """(live parts, flushes above ``watermark`` that no part holds) after listing again
-        while there is a gap (see ``_parts_in_known``); raises nothing about gaps."""
-        listed, gaps = self._parts_in_known(
+        while there is a gap (see ``gaps.py``); raises nothing about gaps."""
+        listed, gaps = self.listing.checked(
             watermark, max(watermark + 1, base_seq), accept_gaps=True
         )
         return _split(listed)[0], gaps
-
-    def _gaps(self, shown: list[Part], start: int) -> tuple[list[Flushes], list[Flushes]]:
-        """(flushes from ``start`` that no part of ``shown`` holds, below the highest shown;
-        those of them held by damaged parts moved to the quarantine folder), listing that
-        folder only when there is a gap."""
-        gaps = _holes(((p.first, p.last) for p in shown), start)
-        if not gaps:
-            return [], []
-        moved: list[Flushes] = []
-        for info in self.store.list(self.files.quarantine):
-            found = part_range(info.name.split(".parquet.", 1)[0] + ".parquet")
-            if found is not None:
-                moved.append(found)
-        unexplained = _holes([*((p.first, p.last) for p in shown), *moved], start)
-        return unexplained, [g for g in gaps if g not in unexplained]
 
     def read_file(self, path: str, data: bytes | None = None) -> pl.DataFrame:
         """One stored Parquet file (``data``, if already fetched); unreadable means corrupt."""
@@ -312,9 +137,7 @@ class Checkpoint:
         try:
             return parquet.decode(raw)
         except Exception as e:
-            where = self.store.display(path)
-            remedy = self.remedy_merged() if path == self.files.merged else self.remedy_part()
-            raise CorruptCheckpointError(where, f"is unreadable ({_first_line(e)})", remedy) from e
+            raise self.damage.unreadable(path, e) from e
 
     def read_merged(self) -> tuple[pl.DataFrame | None, int]:
         """The merged file's rows and watermark (``None, 0`` when there is none)."""
@@ -338,11 +161,11 @@ class Checkpoint:
         ``outputs``, the job's output columns when known, must be in every file with successes.
         ``quarantine``: the caller holds the lock, so an unreadable part is moved aside with a
         warning on this logger and its rows count as not done; without it, it raises. An
-        unreadable merged file always raises (see the module docstring). A listing that leaves
+        unreadable merged file always raises (see ``damage.py``). A listing that leaves
         a gap in the sequence raises ``StorageError`` unless ``accept_gaps`` (``Stored.gaps``).
         """
         merged, watermark = self.read_merged()
-        listed, gaps = self._parts_in_known(
+        listed, gaps = self.listing.checked(
             watermark, max(watermark + 1, base_seq), accept_gaps=accept_gaps, log=quarantine
         )
         files = len(listed) + (merged is not None)
@@ -360,21 +183,13 @@ class Checkpoint:
             )
             if damaged is None:
                 break
-            to = self.set_aside(damaged.path)
+            moved.append(self.set_aside(damaged.path, quarantine))
             listed.remove(damaged)
-            moved.append(to)
-            assert quarantine is not None
-            quarantine.warning(
-                "Checkpoint file %s is unreadable: moved it aside to %s; the rows it held are "
-                "computed again.",
-                self.store.display(damaged.path),
-                self.store.display(to),
-            )
         leftover = [p for p in live if p.last <= watermark] + redundant
         frames: list[pl.DataFrame] = []
         use_merged = merged is not None and watermark >= base_seq
         if merged is not None and use_merged:
-            self.check_file(merged, id_column, self.files.merged, outputs)
+            self.damage.check_file(merged, id_column, self.files.merged, outputs)
             frames.append(_since(merged, base_seq))
         frames += [
             _since(frames_of[p.path], base_seq) for p in parts + covered if p.path in frames_of
@@ -407,28 +222,9 @@ class Checkpoint:
                     if quarantine is None:
                         raise
                     return part
-                self.check_file(frame, id_column, part.path, outputs)
+                self.damage.check_file(frame, id_column, part.path, outputs)
             frames_of[part.path] = frame
         return None
-
-    def check_file(
-        self, frame: pl.DataFrame, id_column: str, path: str, outputs: Sequence[str] | None = None
-    ) -> None:
-        """Raise ``CorruptCheckpointError`` unless the file at ``path`` (holding ``frame``) has
-        the id column, unique ids and, where it holds successes, the ``outputs``."""
-        where = self.store.display(path)
-        missing = [c for c in outputs or () if c not in frame.columns]
-        if missing and ERROR in frame.columns and frame.get_column(ERROR).is_null().any():
-            problem = f"holds results without the output columns {missing} (it has {frame.columns})"
-            raise CorruptCheckpointError(where, problem)
-        if id_column not in frame.columns:
-            problem = f"has no id column {id_column!r} (it has {frame.columns})"
-            raise CorruptCheckpointError(where, problem)
-        ids = frame.get_column(id_column)
-        if rows.distinct_count(ids) != frame.height:
-            dupes = ids.filter(ids.is_duplicated()).unique().head(5).to_list()
-            problem = f"holds duplicate ids {dupes}, which this package never writes"
-            raise CorruptCheckpointError(where, problem)
 
     # -- writing -------------------------------------------------------------------------
     def write_part(
@@ -445,7 +241,7 @@ class Checkpoint:
         self.store.put(path, data)
         self.cache.remember(path, frame)
         part = Part(path, first, last, len(data))
-        self.parts_known[path] = part
+        self.listing.wrote(part)
         return part
 
     @staticmethod
@@ -520,14 +316,13 @@ class Checkpoint:
 
     def _delete(self, parts: Sequence[Part]) -> None:
         self.store.delete(p.path for p in parts)
-        for part in parts:
-            self.parts_known.pop(part.path, None)
+        self.listing.forget(p.path for p in parts)
 
     def data_files(self) -> list[str]:
         """Paths of the merged file (if any) and of every part file, merged ones included."""
         listed = self.list_files()
         merged = [f.path for f in listed if f.path == self.files.merged]
-        return merged + [p.path for p in self._parts_in(listed)]
+        return merged + [p.path for p in self.listing.parts(listed)]
 
     def list_files(self) -> list[FileInfo]:
         """Every file of this checkpoint: merged, meta, lock, parts and quarantined files."""
@@ -563,29 +358,6 @@ def _split(parts: list[Part]) -> tuple[list[Part], list[Part]]:
         else:
             live.append(part)
     return live, redundant
-
-
-def _holes(ranges: Iterable[Flushes], start: int) -> list[Flushes]:
-    """The flushes from ``start`` that none of ``ranges`` holds, below the highest of them."""
-    holes: list[Flushes] = []
-    expected = start
-    for first, last in sorted(ranges):
-        if first > expected:
-            holes.append((expected, first - 1))
-        expected = max(expected, last + 1)
-    return holes
-
-
-def describe_flushes(gaps: Sequence[Flushes]) -> str:
-    """``gaps`` for people: "flush 5", "flushes 5 to 7", the first three of several."""
-    said = [f"flush {a}" if a == b else f"flushes {a} to {b}" for a, b in gaps[:3]]
-    more = f" and {len(gaps) - 3} more gap(s)" if len(gaps) > 3 else ""
-    return ", ".join(said) + more
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _since(frame: pl.DataFrame, base_seq: int) -> pl.DataFrame:

@@ -16,11 +16,14 @@ may sit in a checkpoint of the old scheme. Two ways to find it:
 Both keep the successful rows and resolve each id to one winner: the newest finalized checkpoint,
 then the newest flush. Each row keeps its ``_input_hash``, so a shard imports only rows whose input
 is unchanged; the table also keeps each row's job fingerprint (``_job``), and ``shard_rows`` reads
-only checkpoints of the run's own job.
+only checkpoints of the run's own job. Both keep the function fingerprint its checkpoint recorded
+(``_function``, JSON; null when none was), so a shard that imports rows can say when another
+function computed them.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +39,7 @@ from checkpoint_assets.engine.scheme import RANGE, Shard
 from checkpoint_assets.engine.storage import Store
 
 JOB = "_job"  # the job fingerprint of each row's checkpoint, in the global resume table
+FUNCTION = "_function"  # the function fingerprint its checkpoint recorded, as JSON (or null)
 
 
 @dataclass
@@ -125,7 +129,12 @@ def _finished(checkpoint: Checkpoint, meta: Meta, found: Found) -> pl.DataFrame:
     found.checkpoints.append(checkpoint.url)
     found.schemes.append(meta.scheme.label if meta.scheme else "unknown")
     found.rows_read += rows.height
-    return rows.filter(pl.col(ERROR).is_null()).drop(CURRENT, strict=False)
+    recorded = json.dumps(meta.function_fingerprint) if meta.function_fingerprint else None
+    return (
+        rows.filter(pl.col(ERROR).is_null())
+        .drop(CURRENT, strict=False)
+        .with_columns(pl.lit(recorded, pl.Categorical).alias(FUNCTION))
+    )
 
 
 def _winners(sources: list[tuple[Meta, pl.DataFrame]], id_column: str) -> pl.DataFrame:

@@ -35,6 +35,9 @@ class Meta:
     # was written by versions whose format 1 could not tell NaN, infinities and null apart inside
     # nested values. It stays 1 while the checkpoint lives, since rows of that format remain.
     input_hash_format: int = HASH_FORMAT
+    # The fingerprint of the function of the last finished run (``function_fingerprint.py``):
+    # None in metas of earlier versions, and when the run was given none.
+    function_fingerprint: dict[str, str] | None = None
 
     def to_json(self) -> bytes:
         data = asdict(self)

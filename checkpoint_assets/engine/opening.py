@@ -6,15 +6,17 @@ rows of other checkpoints (global resume), and plan what is left to compute.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 
 import polars as pl
 
-from checkpoint_assets.engine import hashing, rows
+from checkpoint_assets.engine import function_fingerprint, hashing, rows
 from checkpoint_assets.engine.checkpoint import Checkpoint, Stored
 from checkpoint_assets.engine.compaction import Part
 from checkpoint_assets.engine.errors import CorruptCheckpointError, JobMismatchError
+from checkpoint_assets.engine.global_resume import FUNCTION
 from checkpoint_assets.engine.meta import Meta
 from checkpoint_assets.engine.resume import Copies, Plan, dedupe, plan
 from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH, SEQ
@@ -34,6 +36,10 @@ class Start:
     next_seq: int = 1
     parts: list[Part] = field(default_factory=list)
     imported: int = 0  # rows copied from other checkpoints (global resume)
+    # This run's function fingerprint, which the meta records when the run finishes; and what
+    # differs from the one recorded (reported only when stored results are reused).
+    function_fingerprint: dict[str, str] | None = None
+    function_changed: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -47,9 +53,12 @@ class Opened(Start):
 
 @dataclass(frozen=True)
 class Job:
-    """The job a run belongs to: its result-changing settings and their fingerprint."""
+    """The job a run belongs to: its result-changing settings and their fingerprint; and the
+    fingerprint of its function (``function_fingerprint.py``), which is not part of the job: a
+    change of it alone is reported, and stored results are kept."""
 
     settings: dict[str, object]
+    function: dict[str, str] | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -68,7 +77,7 @@ def open_run(
     label: str,
 ) -> Opened:
     """Everything a run needs before its first call (``checkpoint`` None: checkpointing off)."""
-    start = Start()
+    start = Start(function_fingerprint=job.function)
     stored = rows.empty(settings.id_column)
     if checkpoint is not None:
         stored = _load(start, inputs, settings, checkpoint, job, scheme, log)
@@ -91,6 +100,10 @@ def open_run(
         rehash_columns=[settings.id_column, *settings.input_columns] if earlier_hashes else None,
     )
     _log_plan(found, log, label)
+    if start.function_changed and found.resumed:
+        _log_function_changed(start.function_changed, found.resumed, log, label)
+    else:
+        start.function_changed = []  # no stored result of the earlier function is used
     todo, copies = found.todo, None
     if settings.dedupe and todo.height:
         todo, copies = dedupe(todo, settings.id_column, list(settings.input_columns))
@@ -132,6 +145,10 @@ def _load(
         opened.known = loaded
     if meta is not None and meta.output_schema and stored.height:
         _check_stored_columns(stored, list(meta.output_schema), checkpoint.url)
+    if meta is not None and not fresh and meta.function_fingerprint and job.function:
+        opened.function_changed = function_fingerprint.changes(
+            meta.function_fingerprint, job.function
+        )
     if meta is None or fresh:
         meta = Meta(
             job_fingerprint=job.fingerprint,
@@ -140,6 +157,7 @@ def _load(
             id_dtype=id_dtype,
             scheme=scheme,
             base_seq=opened.base_seq,
+            function_fingerprint=dict(job.function) if job.function else None,
         )
         checkpoint.write_meta(meta)
     opened.meta = meta
@@ -217,6 +235,7 @@ def _import(
         wanted = wanted.join(done, on=[id_column, INPUT_HASH], how="anti")
     if wanted.height == 0:
         return stored
+    wanted = _note_imported_functions(opened, wanted)
     assert opened.meta is not None
     outputs = {c: str(wanted.schema[c]) for c in rows.outputs_of(wanted, id_column)}
     if not opened.meta.output_schema:
@@ -244,6 +263,32 @@ def _import(
     )
     merged = rows.concat([stored, found], checkpoint.url) if stored.height else found
     return rows.pick_winners(merged, id_column)
+
+
+def _log_function_changed(changed: list[str], resumed: int, log: Logger, label: str) -> None:
+    log.warning(
+        "%s: the function changed since its stored results were computed (%s), but the job's "
+        "code version did not: %d stored result(s) of the earlier function are kept and only "
+        "the rest is computed with the new one. To recompute everything, set or bump the code "
+        "version (the asset's `code_version`) and run with `resume: false` or a new checkpoint "
+        "tag; to keep the stored results, nothing to do: once this run finishes, the checkpoint "
+        "records the new function and the next run is quiet.",
+        label,
+        ", ".join(changed),
+        resumed,
+    )
+
+
+def _note_imported_functions(opened: Start, wanted: pl.DataFrame) -> pl.DataFrame:
+    """Add what differs between the functions that computed the imported rows (recorded by
+    their checkpoints) and this run's to ``opened.function_changed``; drop their column."""
+    if FUNCTION not in wanted.columns:
+        return wanted  # a global resume table of an earlier version
+    if opened.function_fingerprint:
+        for text in wanted.get_column(FUNCTION).cast(pl.String).drop_nulls().unique().sort():
+            found = function_fingerprint.changes(json.loads(text), opened.function_fingerprint)
+            opened.function_changed += [c for c in found if c not in opened.function_changed]
+    return wanted.drop(FUNCTION)
 
 
 def _log_plan(p: Plan, log: Logger, label: str) -> None:

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from checkpoint_assets.engine.checkpoint import Checkpoint, describe_flushes
-from checkpoint_assets.engine.errors import CheckpointError, CorruptCheckpointError
+from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.errors import CorruptCheckpointError
+from checkpoint_assets.engine.gaps import describe_flushes
 from checkpoint_assets.engine.lock import Lease
 from checkpoint_assets.engine.meta import Meta
 from checkpoint_assets.engine.rows import CURRENT, ERROR
@@ -114,11 +115,7 @@ def _move(checkpoint: Checkpoint, done: Repaired, path: str, problem: str) -> No
 def _set_all_aside(checkpoint: Checkpoint, done: Repaired, lost: str) -> None:
     data = checkpoint.data_files()
     if not data and lost == "it is missing":
-        raise CheckpointError(
-            f"No checkpoint {checkpoint.name!r} under {checkpoint.store.url}: none of its files "
-            "exist.",
-            f"`checkpoint-assets status {checkpoint.store.url}` lists the checkpoints there.",
-        )
+        raise checkpoint.damage.no_checkpoint()
     done.meta_lost = (
         f"{lost}, and it is the only record of the job that wrote the rows, which are never "
         "resumed for an unknown job"

@@ -74,6 +74,7 @@ def run(
     logger: Logger | None = None,
     label: str = "",
     imported: pl.DataFrame | None = None,
+    function_fingerprint: Mapping[str, str] | None = None,
 ) -> tuple[pl.DataFrame, RunStats]:
     """Run ``fn`` over ``inputs`` (already ``prepare()``d) with resume and checkpointing.
 
@@ -84,6 +85,10 @@ def run(
     ``job``: the settings that change results (their fingerprint identifies the job).
     ``imported``: finished rows from other checkpoints of the same job (global resume); those
     whose id and input hash match a row of ``inputs`` are copied into this checkpoint and skipped.
+    ``function_fingerprint``: the fingerprint of ``fn`` (``function_fingerprint.of_function``,
+    merged with ``of_resources``). When the checkpoint recorded another one under the same job,
+    the run warns (once its stored results are reused) and reports it in ``stats``; when it
+    finishes, the checkpoint records this one. None: nothing is compared or recorded.
     """
     log = logger or logging.getLogger("checkpoint_assets")
     if isinstance(fn, PerRow):
@@ -98,7 +103,7 @@ def run(
             inputs,
             settings,
             at,
-            job=Job(dict(job)),
+            job=Job(dict(job), dict(function_fingerprint) if function_fingerprint else None),
             scheme=scheme,
             imported=found,
             log=log,
@@ -184,6 +189,7 @@ class Run:
         stats.rows_dropped = opened.plan.dropped
         stats.rows_changed = opened.plan.changed
         stats.rows_imported = opened.imported
+        stats.function_changed = list(opened.function_changed)
         self.todo_rows = opened.plan.todo.height
         self.done_rows = 0
         self.failed_rows = 0  # rows this run stored as failed (for progress lines)
@@ -198,6 +204,8 @@ class Run:
             settings.max_concurrency,
             max_seconds=settings.max_throttle_seconds,
             base_delay=settings.retry_delay_seconds,
+            min_concurrency=settings.min_concurrency,
+            adaptive=settings.adaptive_concurrency,
         )
         self.usage = dict.fromkeys(settings.usage_columns, 0.0)
         self.started = time.monotonic()

@@ -42,6 +42,8 @@ class Settings:
     dedupe: bool = False
     max_failed_fraction: float = 0.0
     max_concurrency: int = 1
+    min_concurrency: int = 1
+    adaptive_concurrency: bool = True
     max_attempts: int = 3
     retry_delay_seconds: float = 1.0
     max_throttle_seconds: float = 600.0
@@ -64,6 +66,11 @@ class Settings:
             )
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, got {self.max_concurrency}")
+        if not 1 <= self.min_concurrency <= self.max_concurrency:
+            raise ValueError(
+                f"min_concurrency must be between 1 and max_concurrency "
+                f"({self.max_concurrency}), got {self.min_concurrency}"
+            )
 
     @property
     def batch_rows(self) -> int:
@@ -117,6 +124,8 @@ class RunStats:
     # Sums of the ``usage_columns``: over the rows this run computed, and over every stored row.
     usage: dict[str, float] = field(default_factory=dict)
     usage_total: dict[str, float] = field(default_factory=dict)
+    # What differs from the function that computed the stored results it reused (same job).
+    function_changed: list[str] = field(default_factory=list)
 
     @property
     def rows_per_second(self) -> float:

@@ -238,6 +238,7 @@ class PartWriter(Sink):
         )
         self.checkpoint = checkpoint
         self.meta = meta
+        self.function_fingerprint = start.function_fingerprint
         self.lease = lease
         self.base_seq = start.base_seq
         self.next_seq = start.next_seq
@@ -361,6 +362,8 @@ class PartWriter(Sink):
             self.meta.finalized_at = time.time()
             self.meta.rows = counts
             self.meta.usage = usage
+            if self.function_fingerprint is not None:
+                self.meta.function_fingerprint = self.function_fingerprint
             self.checkpoint.write_meta(self.meta)
 
     def close(self) -> None:

@@ -1,27 +1,45 @@
-"""Rate limits: a shard-wide pause and adaptive concurrency.
+"""Rate limits: a refused call waits, concurrency follows what the endpoint sustains.
 
-A throttle is the endpoint saying "not now": the function raises :class:`RetryAfter`, or an
-HTTP error with status 429 or 503 (``httpx.HTTPStatusError``, ``openai.RateLimitError`` and
-``openai.APIStatusError``, or anything with ``.response.status_code``). It is not a failure of
-the rows: the call does not count as an attempt, marks no row failed and is not part of an
-outage streak. Instead every worker of the shard waits until the endpoint's ``Retry-After``
-(seconds or an HTTP date; ``retry-after-ms``), or an exponential back-off without one, and then
-the same batch is called again.
+A refusal is the endpoint saying "not now": the function raises :class:`RetryAfter`, or an HTTP
+error with status 429, 503 or 529 (Anthropic's ``overloaded_error``), or any other 5xx that
+carries ``Retry-After`` (``httpx.HTTPStatusError``, the ``openai`` and ``anthropic`` clients'
+errors, or anything with ``.response.status_code``). It is not a failure of the rows: the call
+does not count as an attempt, marks no row failed and is not part of an outage streak. A 5xx
+without ``Retry-After`` is an ordinary failed call, retried as any other.
 
-Concurrency adapts as TCP's congestion window does (AIMD). On a throttle event the calls allowed
-in flight halve. They grow by one per two successes while below the level at which the endpoint
-last throttled, so a shard gets back quickly, and past it only by one per ``probe`` successes,
-so it settles just under the endpoint's limit instead of hammering it; every probe that is
-throttled at the same level doubles the wait before the next one. A burst of throttles from
-calls that were already in flight when the shard reacted is one event, not many.
+Providers refuse a few calls now and then under their own load, whatever the client does, and
+some refuse because this shard sends more than they admit. The two call for different answers,
+so a single refusal decides nothing:
 
-A shard throttled for ``max_seconds`` without a single success in between stops: the quota
-looks spent, and the run says so after checkpointing what is done.
+- **A refused call waits, the others go on.** It is sent again after its ``Retry-After``
+  (seconds, an HTTP date, or ``retry-after-ms``), or after its own exponential back-off
+  (``retry_delay_seconds`` doubled per refusal in a row) when the endpoint does not say.
+- **Concurrency follows the endpoint, judged over rounds.** A round is the next
+  ``max(16, 2 × limit)`` answered calls. When more of a round's calls were refused than is usual
+  for this endpoint (its background share) by more than chance explains, the shard halves the
+  calls it allows in flight for one round, a trial. If the endpoint then answers at least three
+  quarters as many calls per second, the extra calls bought only refusals: the shard is over a
+  limit and stays there. If the answers fell with the calls, the refusals are the endpoint's
+  background: concurrency goes back up, the background share is learned so that it does not
+  trigger again, and the shard holds that level for a few rounds. Eight refusals in a row (fewer
+  when fewer calls are allowed) halve at once. Clean rounds grow concurrency by a quarter, or by
+  one while a level refused for concurrency less than 30 s ago is remembered, up to
+  ``max_concurrency``; the background follows clean rounds down. Limits that move back up are
+  found again within seconds of calls.
+- **The whole shard pauses only when it is over the limit as a whole**: when at least half the
+  calls of a round (or of a streak) were refused, no call starts before the latest
+  ``Retry-After``.
+- A shard refused for ``max_seconds`` without a single successful call stops: the quota looks
+  spent, and the run says so after checkpointing what is done.
+
+``min_concurrency`` is the floor of the adaptation; ``adaptive=False`` keeps ``max_concurrency``
+for endpoints whose limit is known (refused calls still wait, and the shard still pauses).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import email.utils
 import math
 import threading
@@ -30,12 +48,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-THROTTLE_STATUSES = frozenset({429, 503})
+THROTTLE_STATUSES = frozenset({429, 503, 529})  # rate limited, unavailable, overloaded
 MAX_BACKOFF_SECONDS = 60.0
-_GROW_BELOW_CEILING = 2  # successes per extra call in flight, up to the last throttled level
-_FIRST_PROBE_WINDOWS = 8  # successes per probe past it, in windows of the current limit
-_MAX_PROBE_WINDOWS = 512
-_POLL_SECONDS = 0.005
+_MIN_ROUND = 16  # answered calls per round, at least
+_SIGMAS = 3.0  # how far above the background a round's refusals must be to mean something
+_MIN_MARGIN = 0.02
+_KEPT = 0.75  # half the calls in flight kept this share of the answers: a limit, not noise
+_FORGET_SECONDS = 30.0  # a level refused because of concurrency is remembered this long
+_PAUSE_STREAK = 8  # refusals in a row that pause the whole shard
+_HOLD_ROUNDS = 8  # clean rounds without growth after the refusals proved to be the endpoint's
+_FIRST_PROBE_WAIT = 2  # rounds before a refused level is tried again, doubled per refusal
+_MAX_PROBE_WAIT = 64
 
 
 class RetryAfter(Exception):
@@ -77,6 +100,10 @@ def throttled(error: BaseException) -> Throttled | None:
         status, headers = _status_and_headers(current)
         if status in THROTTLE_STATUSES:
             return Throttled(retry_after_seconds(headers), f"HTTP {status}")
+        if status is not None and status >= 500:
+            wait = retry_after_seconds(headers)
+            if wait is not None:  # the server said when to come back
+                return Throttled(wait, f"HTTP {status}")
         current = current.__cause__
         seen += 1
     return None
@@ -119,7 +146,11 @@ def retry_after_seconds(headers: Any, now: float | None = None) -> float | None:
 
 
 class Throttle:
-    """The shard's gate: how many calls may be in flight, and when the next may start."""
+    """The shard's gate: how many calls may be in flight, and when the next may start.
+
+    Used by worker threads (:meth:`acquire`) or by tasks on one event loop
+    (:meth:`acquire_async`, which waits on a future instead of polling).
+    """
 
     def __init__(
         self,
@@ -127,26 +158,40 @@ class Throttle:
         *,
         max_seconds: float,
         base_delay: float = 1.0,
+        min_concurrency: int = 1,
+        adaptive: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max = max(1, max_concurrency)
+        self.min = min(max(1, min_concurrency), self.max)
+        self.adaptive = adaptive
         self.limit = self.max  # calls allowed in flight now
         self.max_seconds = max_seconds
-        self.base_delay = base_delay if base_delay > 0 else 1.0
+        self.base_delay = max(0.0, base_delay)
         self.clock = clock
         self.in_flight = 0
         self.resume_at = 0.0  # no call starts before this (clock time)
-        self.events = 0
-        self.throttled_seconds = 0.0  # time during which no call could start
+        self.events = 0  # times the shard lowered its concurrency or paused as a whole
+        self.throttled_seconds = 0.0  # time during which the whole shard was paused
+        self.refusals = 0
         self.spent: str | None = None  # set once the quota looks spent: the shard stops
         self._cond = threading.Condition()
-        self._ceiling: int | None = None  # calls in flight at the last throttle event
-        self._successes = 0
-        self._probe_windows = _FIRST_PROBE_WINDOWS
-        self._last_event = -math.inf  # clock time of the last event (calls started before it
-        # and throttled after belong to the same burst)
-        self._silent_since: float | None = None  # first throttle since the last success
-        self._backoffs = 0  # throttles in a row without a Retry-After
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._answered = 0  # calls answered in this round
+        self._refused = 0  # of which refused
+        self._background = 0.0  # the share of calls the endpoint refuses whatever we do
+        self._learned = 0.0  # the highest background a trial found (slowly forgotten)
+        self._rate = 0.0  # answers per second over recent rounds
+        self._round_began = clock()
+        self._settling = False  # lowered: the round starts once the calls in flight fit
+        self._hold = 0  # clean rounds to wait before growing again
+        self._good: int | None = None  # the level of the last clean round
+        self._probe_wait = _FIRST_PROBE_WAIT  # rounds before probing a refused level again
+        self._trial: tuple[int, float] | None = None  # before a trial: level, answers/s
+        self._ceiling: tuple[int, float] | None = None  # (level refused for concurrency, when)
+        self._streak = 0  # refusals in a row
+        self._last_delay = 0.0  # what the latest refusal asked for
+        self._silent_since: float | None = None  # first refusal since the last success
 
     # -- around each call ----------------------------------------------------------------
     def acquire(self) -> float | None:
@@ -168,6 +213,7 @@ class Throttle:
     async def acquire_async(self) -> float | None:
         """:meth:`acquire` on an event loop: waits without blocking the loop."""
         while True:
+            waiter: asyncio.Future[None] | None = None
             with self._cond:
                 if self.spent is not None:
                     return None
@@ -175,11 +221,15 @@ class Throttle:
                 if now < self.resume_at:
                     wait = self.resume_at - now
                 elif self.in_flight >= self.limit:
-                    wait = _POLL_SECONDS  # a slot frees when a call ends: look again soon
+                    waiter = asyncio.get_running_loop().create_future()
+                    self._waiters.append(waiter)
                 else:
                     self.in_flight += 1
                     return now
-            await asyncio.sleep(wait)
+            if waiter is None:
+                await asyncio.sleep(wait)
+            else:
+                await waiter  # woken when a slot frees, the limit grows or the shard stops
 
     def release(self, succeeded: bool) -> None:
         """A call ended (``succeeded``: the endpoint answered, whatever the rows' fate)."""
@@ -187,41 +237,26 @@ class Throttle:
             self.in_flight -= 1
             if succeeded:
                 self._silent_since = None
-                self._backoffs = 0
-                self._grow()
-            self._cond.notify_all()
+                self._streak = 0
+                self._count(refused=False)
+            self._wake(1)
 
-    def throttle(self, started: float, asked: Throttled) -> None:
-        """A call that started at ``started`` was throttled: pause the shard, maybe halve."""
+    def throttle(self, asked: Throttled, refusals: int = 0) -> float:
+        """A call was refused (``refusals`` times in a row before): returns how long it waits,
+        keeping its slot, before it queues again with ``release(False)``."""
         with self._cond:
-            self.in_flight -= 1
+            self.refusals += 1
             now = self.clock()
             if self._silent_since is None:
                 self._silent_since = now
             if asked.seconds is None:
-                delay = min(self.base_delay * 2**self._backoffs, MAX_BACKOFF_SECONDS)
-                self._backoffs += 1
+                delay = min(self.base_delay * 2.0**refusals, MAX_BACKOFF_SECONDS)
             else:
                 delay = asked.seconds
-            level = self.in_flight + 1  # calls in flight when this one was refused
-            if started >= self._last_event:  # a new event, not the rest of a burst
-                self.events += 1
-                self._last_event = now
-                if self._ceiling is not None and level >= self._ceiling:
-                    # A probe past the last throttled level failed again: probe less often.
-                    self._probe_windows = min(self._probe_windows * 2, _MAX_PROBE_WINDOWS)
-                self._ceiling = level
-                self.limit = max(1, min(self.limit, level) // 2)
-                self._successes = 0
-            elif self._ceiling is not None:
-                # The rest of a burst: refused with fewer in flight, the limit is lower still.
-                # Concurrency halved once; this sets only how far it grows back quickly.
-                self._ceiling = min(self._ceiling, level)
-            until = now + delay
-            if until > self.resume_at:
-                self.throttled_seconds += until - max(self.resume_at, now)
-                self.resume_at = until
-            silent = until - self._silent_since
+            self._last_delay = delay
+            self._streak += 1
+            self._count(refused=True)
+            silent = now + delay - self._silent_since
             if silent > self.max_seconds:
                 self.spent = (
                     f"rate limited for {silent:,.0f} s without a successful call "
@@ -229,32 +264,149 @@ class Throttle:
                     + ("" if asked.seconds is None else f", retry after {asked.seconds:g} s")
                     + ")"
                 )
-            self._cond.notify_all()
+                self._wake(None)
+            return delay
 
     def stop(self) -> None:
         """Wake every waiting worker: the shard stops (an outage, a broken function)."""
         with self._cond:
             if self.spent is None:
                 self.spent = ""
-            self._cond.notify_all()
+            self._wake(None)
 
     @property
     def quota_spent(self) -> str | None:
         """Why the shard stopped for rate limits (None: it did not)."""
         return self.spent or None
 
-    def _grow(self) -> None:
-        if self.limit >= self.max:
-            return
-        self._successes += 1
-        below = self._ceiling is None or self.limit + 1 < self._ceiling
-        needed = _GROW_BELOW_CEILING if below else self.limit * self._probe_windows
-        if self._successes < needed:
-            return
-        self._successes = 0
-        self.limit += 1
-        if self._ceiling is not None and self.limit > self._ceiling:
-            # The last throttled level ran a whole probe without a throttle: the endpoint's
-            # limit went up. Grow quickly again until the next throttle says where it is.
+    @property
+    def background(self) -> float:
+        """The share of calls the endpoint refuses whatever the shard does, as learned."""
+        return self._background
+
+    # -- inside the lock -------------------------------------------------------------------
+    def _wake(self, slots: int | None) -> None:
+        """Wake ``slots`` waiters (None: all of them)."""
+        self._cond.notify_all()
+        while self._waiters and (slots is None or slots > 0):
+            waiter = self._waiters.popleft()
+            if waiter.done():
+                continue
+            waiter.get_loop().call_soon_threadsafe(_set_done, waiter)
+            if slots is not None:
+                slots -= 1
+
+    def _pause(self, until: float, now: float) -> None:
+        if until > self.resume_at:
+            if now >= self.resume_at:
+                self.events += 1  # a new pause, not a longer one
+            self.throttled_seconds += until - max(self.resume_at, now)
+            self.resume_at = until
+
+    def _count(self, refused: bool) -> None:
+        """One answered call towards the round; judge the round when it is complete."""
+        if self._settling:
+            if self.in_flight > self.limit:
+                return  # calls started before the limit was lowered say nothing of it
+            self._settling = False
+            self._new_round()
+        self._answered += 1
+        self._refused += refused
+        streak = max(2, min(_PAUSE_STREAK, self.limit))
+        level = self.limit if self._trial is None else self._trial[0]  # a trial as long as before
+        if self._answered >= max(_MIN_ROUND, 2 * level) or self._streak >= streak:
+            self._end_round(over=self._streak >= streak)
+
+    def _new_round(self) -> None:
+        self._answered = self._refused = 0
+        self._round_began = self.clock()
+
+    def _end_round(self, over: bool) -> None:
+        now = self.clock()
+        share = self._refused / self._answered
+        rate = (self._answered - self._refused) / max(now - self._round_began, 1e-6)
+        if share >= 0.5:  # most calls refused: the shard as a whole is over the limit
+            self._pause(now + self._last_delay, now)
+        if self.adaptive:
+            if self._trial is None:
+                self._rate += (rate - self._rate) / 4 if self._rate else rate
+            self._adapt(share, rate, self._answered, over, now)
+        self._new_round()
+
+    def _adapt(self, share: float, rate: float, answered: int, over: bool, now: float) -> None:
+        """Lower, keep or raise the limit after a round (see the module docstring)."""
+        if self._ceiling is not None and now - self._ceiling[1] > _FORGET_SECONDS:
             self._ceiling = None
-            self._probe_windows = _FIRST_PROBE_WINDOWS
+            self._probe_wait = _FIRST_PROBE_WAIT
+        if self._trial is not None:
+            level, before = self._trial
+            self._trial = None
+            if rate >= _KEPT * before:
+                # As many answers with half the calls: a limit, below that level. Stay.
+                self._ceiling, self._good, self._hold = (level, now), None, 0
+            elif share == 0:
+                # Fewer answers, but no refusal either: a limit between the two levels.
+                self._ceiling, self._good, self._hold = (level, now), None, 0
+                self._set_limit((self.limit + level) // 2)
+                return
+            else:
+                # Fewer answers and as many refusals: the calls were useful, the refusals
+                # are the endpoint's background. Back up, learn the background from this
+                # round (the round that started the trial was picked for its refusals, a
+                # biased sample), and stay at that level for a few rounds.
+                self._learned = max(self._learned, share)
+                self._background = max(self._background, share)
+                self._set_limit(level)
+                self._good, self._hold = level, _HOLD_ROUNDS
+                return
+        if over:  # a streak of refusals: over a limit, no doubt
+            self._ceiling, self._good = (self.limit, now), None
+            self._lower(self.limit // 2)
+            return
+        spread = math.sqrt(max(self._background, 0.01) * (1 - self._background) / answered)
+        if share > self._background + max(_MIN_MARGIN, _SIGMAS * spread):
+            if self._good is not None and self.limit > self._good:
+                # Refused just past the last clean level: back to it, and probe again later
+                # (each failed probe of this limit waits twice as many rounds).
+                self._ceiling = (self.limit, now)
+                self._hold = self._probe_wait
+                self._probe_wait = min(2 * self._probe_wait, _MAX_PROBE_WAIT)
+                self._lower(self._good)
+            else:
+                # Refused at a level that was clean: the endpoint's doing or a new limit?
+                # Half the calls for one round will tell.
+                level = self.limit
+                if self._lower(level // 2):
+                    self._trial = (level, self._rate)
+            return
+        # The background follows clean rounds, never above what trials found (refusals of
+        # a shard creeping past a limit are not the endpoint's own).
+        self._background = min(self._learned, self._background + (share - self._background) / 4)
+        self._learned -= max(0.0, self._learned - share) / 16  # forgotten as refusals stop
+        self._good = self.limit
+        if self._hold:
+            self._hold -= 1
+            return
+        # Near a level refused for concurrency, one more per round; else a quarter more.
+        self._set_limit(self.limit + (1 if self._ceiling else max(1, self.limit // 4)))
+
+    def _lower(self, limit: int) -> bool:
+        lowered = max(self.min, limit)
+        if lowered >= self.limit:
+            return False
+        self.limit = lowered
+        self.events += 1
+        self._settling = True
+        return True
+
+    def _set_limit(self, limit: int) -> None:
+        limit = min(self.max, max(self.min, limit))
+        grown = limit - self.limit
+        self.limit = limit
+        if grown > 0:
+            self._wake(grown)
+
+
+def _set_done(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -6,7 +6,7 @@ type the meta records), unique ids and, where it holds successes, the output col
 files agree on their columns and types. Unlike a resume, which stops at the first problem,
 ``problems`` reports all of them, and reads each file once. Parts already merged (at or below the
 merged file's watermark) are left for the next writer to delete and are not checked; neither are
-files in quarantine or temporary files of killed writes (see ``checkpoint.py``).
+files in quarantine or temporary files of killed writes (see ``damage.py``).
 """
 
 from __future__ import annotations
@@ -27,16 +27,9 @@ def problems(checkpoint: Checkpoint) -> list[str]:
         found = problems(Checkpoint(open_store("s3://bucket/checkpoints"), "a/default/all"))
     """
     try:
-        meta = checkpoint.read_meta()
+        meta = checkpoint.required_meta()
     except CheckpointError as e:
         return [str(e)]
-    if meta is None:
-        data = checkpoint.data_files()
-        if data:
-            return [str(checkpoint.without_meta(len(data)))]
-        return [
-            f"No checkpoint {checkpoint.name!r} under {checkpoint.store.url}: it has no meta file."
-        ]
     found: list[str] = []
     files: list[tuple[str, pl.DataFrame]] = []
     watermark = 0
@@ -48,7 +41,7 @@ def problems(checkpoint: Checkpoint) -> list[str]:
         found.append(str(e))
     parts, gaps = checkpoint.parts_and_gaps(watermark, meta.base_seq)
     if gaps:
-        found.append(str(checkpoint.gap_error(gaps, watermark)))
+        found.append(str(checkpoint.listing.gap_error(gaps, watermark)))
     for part in parts:
         if part.last <= watermark:
             continue  # merged already; the next writer deletes it
@@ -75,7 +68,7 @@ def problems(checkpoint: Checkpoint) -> list[str]:
 def file_problem(checkpoint: Checkpoint, meta: Meta, path: str, frame: pl.DataFrame) -> str | None:
     """What is wrong with one readable file (``frame``, read from ``path``), or None."""
     try:
-        checkpoint.check_file(frame, meta.id_column, path, list(meta.output_schema or {}))
+        checkpoint.damage.check_file(frame, meta.id_column, path, list(meta.output_schema or {}))
     except CheckpointError as e:
         return str(e)
     id_dtype = str(frame.schema[meta.id_column])

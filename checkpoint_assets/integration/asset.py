@@ -14,7 +14,7 @@ import polars as pl
 import pyarrow as pa
 from pydantic import Field
 
-from checkpoint_assets.engine import hashing, runner
+from checkpoint_assets.engine import function_fingerprint, hashing, runner
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError, TooManyFailuresError
 from checkpoint_assets.engine.global_resume import JOB, shard_rows
@@ -84,6 +84,8 @@ def checkpointed_asset(
     max_failed_fraction: float = Settings.max_failed_fraction,
     on_input_change: OnInputChange | Literal["fail", "recompute"] = Settings.on_input_change,
     max_concurrency: int = Settings.max_concurrency,
+    min_concurrency: int = Settings.min_concurrency,
+    adaptive_concurrency: bool = Settings.adaptive_concurrency,
     max_attempts: int = Settings.max_attempts,
     retry_delay_seconds: float = Settings.retry_delay_seconds,
     max_throttle_seconds: float = Settings.max_throttle_seconds,
@@ -108,8 +110,9 @@ def checkpointed_asset(
     ``checkpoint_interval`` rows; an interrupted run resumes by id. Partitions from
     :func:`shard_partitions` split the input into shards that run in parallel.
 
-    Raise :class:`RetryAfter` (or let an HTTP 429/503 from ``httpx`` or ``openai`` through) when
-    the endpoint rate limits: the shard pauses and calls the same batch again.
+    Raise :class:`RetryAfter` (or let an HTTP 429/503/529 from ``httpx``, ``openai`` or
+    ``anthropic`` through) when the endpoint rate limits: that call waits and is sent again, and
+    the shard's concurrency follows what the endpoint sustains.
 
     Example::
 
@@ -134,6 +137,9 @@ def checkpointed_asset(
             checkpointing everything else).
         on_input_change: "fail" or "recompute" finished rows whose input changed.
         max_concurrency: batches in flight at once (threads, or asyncio for ``async def``).
+        min_concurrency: the fewest batches in flight that rate limits may bring it down to.
+        adaptive_concurrency: follow what the endpoint sustains between the two (False: keep
+            ``max_concurrency``, for an endpoint whose limit is known).
         max_attempts: calls of a failing batch before it is split to isolate poison rows.
         retry_delay_seconds: first delay between attempts, doubled each time (also the first
             back-off of a rate limit that does not say how long to wait).
@@ -149,6 +155,7 @@ def checkpointed_asset(
     def decorator(fn: Callable[..., Any]) -> dg.AssetsDefinition:
         asset_name = name or fn.__name__
         signature = Signature.of(fn, batch_size)
+        code = function_fingerprint.of_function(fn)  # resources add theirs at run time
         base = Settings(
             id_column=id_column,
             input_columns=tuple(input_columns or ()),
@@ -163,6 +170,8 @@ def checkpointed_asset(
             dedupe=dedupe,
             max_failed_fraction=max_failed_fraction,
             max_concurrency=max_concurrency,
+            min_concurrency=min_concurrency,
+            adaptive_concurrency=adaptive_concurrency,
             max_attempts=max_attempts,
             retry_delay_seconds=retry_delay_seconds,
         )
@@ -186,6 +195,8 @@ def checkpointed_asset(
             call = signature.bind(fn, context)
             store = io_manager.store()
             settings = _settings(base, config, table)
+            resources = {r: getattr(context.resources, r) for r in signature.resources}
+            printed = {**code, **function_fingerprint.of_resources(resources)}
             job = {
                 "format": JOB_FORMAT,
                 "asset": context.asset_key.to_user_string(),
@@ -212,7 +223,16 @@ def checkpointed_asset(
                 try:
                     with saved:  # on a failure or interrupt: say what the checkpoint holds
                         frame, one = _run_partition(
-                            context, config, call, settings, checkpoint, rows, key, job, imported
+                            context,
+                            config,
+                            call,
+                            settings,
+                            checkpoint,
+                            rows,
+                            key,
+                            job,
+                            imported,
+                            printed,
                         )
                 except TooManyFailuresError as e:
                     # A ranged run still finishes its other shards, so their retries are free.
@@ -281,6 +301,7 @@ def _run_partition(
     partition: str | None,
     job: dict[str, Any],
     imported: pl.DataFrame | None,
+    printed: dict[str, str],
 ) -> tuple[pl.DataFrame, RunStats]:
     """Run one partition's checkpoint over its input rows; returns its result and stats."""
     if config.limit is not None:
@@ -305,6 +326,7 @@ def _run_partition(
         logger=context.log,  # type: ignore[arg-type]
         label=label,
         imported=imported,
+        function_fingerprint=printed,
     )
 
 

@@ -257,6 +257,12 @@ class CheckpointedAssetComponent(dg.Component, dg.Resolvable, dg.Model):
         Literal["fail", "recompute"], _doc("fail, or recompute finished rows whose input changed.")
     ] = _ASSET["on_input_change"]
     max_concurrency: Annotated[int, _doc("Batches in flight at once.")] = _ASSET["max_concurrency"]
+    min_concurrency: Annotated[
+        int, _doc("The fewest batches in flight that rate limits may bring it down to.")
+    ] = _ASSET["min_concurrency"]
+    adaptive_concurrency: Annotated[
+        bool, _doc("Follow what the endpoint sustains (false: keep max_concurrency).")
+    ] = _ASSET["adaptive_concurrency"]
     max_attempts: Annotated[
         int, _doc("Calls of a failing batch before it is split to isolate poison rows.")
     ] = _ASSET["max_attempts"]

@@ -32,6 +32,7 @@ GLOBAL_RESUME_OF = "checkpoint_assets/global_resume_of"
 ROWS_FAILED = "rows_failed"
 CHECKPOINT_TAG = "checkpoint_tag"
 CHECKPOINTING = "checkpointing"
+THROTTLED_CALLS = "throttled_calls"
 THROTTLE_EVENTS = "throttle_events"
 THROTTLED_SECONDS = "throttled_seconds"
 CONCURRENCY_FINAL = "concurrency_final"
@@ -43,6 +44,8 @@ STORAGE_REQUESTS = "storage_requests/"  # + put, get, list, delete: requests the
 REQUEST_KINDS = ("PUT", "GET", "LIST", "DELETE")
 TOP_ERRORS = "top_errors"
 ROWS_CHECKPOINTED = "rows_checkpointed"
+FUNCTION_CHANGED = "function_changed"  # the function changed, its code version did not
+FUNCTION_CHANGES = "function_changes"  # what changed, in words (only when it did)
 # Dagster's standard keys (shown in the UI's asset overview and columns tab).
 ROW_COUNT = "dagster/row_count"
 COLUMN_SCHEMA = "dagster/column_schema"
@@ -102,11 +105,21 @@ def materialization(
             out[TOP_ERRORS] = top_errors(result, id_column)
     out.update(_throttling(runs))
     out.update(_usage(runs))
+    if checkpointing:  # without a checkpoint there is no earlier function to compare with
+        out.update(_function(runs))
     return out
+
+
+def _function(runs: Sequence[RunStats]) -> dict[str, Any]:
+    changed = list(dict.fromkeys(c for r in runs for c in r.function_changed))
+    if not changed:
+        return {FUNCTION_CHANGED: False}
+    return {FUNCTION_CHANGED: True, FUNCTION_CHANGES: ", ".join(changed)}
 
 
 def _throttling(runs: Sequence[RunStats]) -> dict[str, Any]:
     return {
+        THROTTLED_CALLS: sum(r.throttled_calls for r in runs),
         THROTTLE_EVENTS: sum(r.throttle_events for r in runs),
         THROTTLED_SECONDS: round(sum(r.throttled_seconds for r in runs), 3),
         CONCURRENCY_FINAL: min((r.concurrency_final for r in runs), default=0),

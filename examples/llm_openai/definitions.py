@@ -4,8 +4,11 @@ One prompt per call (``batch_size=1``), up to 32 in flight per shard (``max_conc
 flush every 64 answers (``checkpoint_interval``), the tokens of every answer summed into the
 materialization's metadata (``usage_columns``), rate limits honoured shard-wide (the client's
 ``RateLimitError`` carries ``Retry-After``), and the failed-partitions sensor re-running a shard
-that stopped. The endpoint and key come from the environment, so the same code runs against the
-OpenAI API, vLLM, Ollama, LiteLLM or the local server in ``server.py``::
+that stopped. The client comes from ``checkpoint_assets.OpenAIResource``: one ``AsyncOpenAI`` per
+event loop, ``max_retries=0`` so every rate limit reaches the shard. ``examples.llm_anthropic``
+is the same asset through Anthropic's API. The endpoint and key come from the environment, so
+the same code runs against the OpenAI API, vLLM, Ollama, LiteLLM or the local server in
+``server.py``::
 
     python -m examples.llm_openai.server --port 8010 &          # or any OpenAI-compatible URL
     export OPENAI_BASE_URL=http://127.0.0.1:8010/v1 OPENAI_API_KEY=local
@@ -28,11 +31,11 @@ import polars as pl
 
 from checkpoint_assets import (
     CheckpointIOManager,
+    OpenAIResource,
     checkpointed_asset,
     failed_partitions_sensor,
     shard_partitions,
 )
-from examples.llm_openai.resource import OpenAIChat
 from examples.ticket_routing.data import generate_tickets
 
 SHARDS = shard_partitions(4)
@@ -63,15 +66,15 @@ def tickets() -> pl.DataFrame:
     pool="llm",
     group_name="llm_openai",
 )
-async def ticket_department(batch: pl.DataFrame, openai_chat: OpenAIChat) -> pl.DataFrame:
+async def ticket_department(batch: pl.DataFrame, openai_chat: OpenAIResource) -> pl.DataFrame:
     """The department of each ticket, as the chat model answers it, with the tokens it used."""
     (ticket,) = batch.iter_rows(named=True)  # batch_size=1: one prompt per call
     reply = await openai_chat.client().chat.completions.create(
-        model=openai_chat.model,
         messages=[
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": f"{ticket['subject']}\n\n{ticket['body']}"},
         ],
+        **openai_chat.request_defaults(),  # the model, and temperature / max_tokens if set
     )
     usage = reply.usage
     return pl.DataFrame(
@@ -89,7 +92,7 @@ defs = dg.Definitions(
     sensors=[failed_partitions_sensor(ticket_department, max_retries=3)],
     resources={
         "io_manager": CheckpointIOManager(base_dir=os.environ.get("CHECKPOINT_BASE_DIR")),
-        "openai_chat": OpenAIChat(
+        "openai_chat": OpenAIResource(
             base_url=dg.EnvVar("OPENAI_BASE_URL"),
             api_key=dg.EnvVar("OPENAI_API_KEY"),
             model=os.environ.get("OPENAI_MODEL", "gpt-4o-mini"),

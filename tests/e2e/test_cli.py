@@ -311,6 +311,41 @@ def test_compact_merges_parts_and_skips_a_checkpoint_a_live_run_holds(
     assert cli("compact", str(base), LOCKED).returncode == 0  # free now
 
 
+def test_compact_says_a_checkpoint_it_cannot_compact_is_an_error_and_what_to_do_not_skipped(
+    copy_of: Callable[[], Path],
+) -> None:
+    base = copy_of()
+    victim = sorted((base / f"{KILLED}.parquet.parts").glob("part-*.parquet"))[0]
+    truncated = victim.read_bytes()[:40]
+    victim.write_bytes(truncated)
+    with holding(base, LOCKED, "another-run"):
+        done = cli("compact", str(base))
+    assert done.returncode == 2, done.stderr  # an error, not "skipped" (exit status 1)
+    assert f"{KILLED}: error: Checkpoint file {victim} is unreadable" in done.stderr
+    assert f"`checkpoint-assets repair {base} {KILLED}` does that now" in done.stderr
+    assert f"{KILLED}: skipped" not in done.stderr
+    assert f"{LOCKED}: skipped: " in done.stderr  # only the held one is skipped
+    assert "routed/flaky/all: merged 0 part(s)" in done.stderr  # the others are compacted
+    assert "; skipped 1 held by a live run; 1 failed." in done.stderr
+    assert victim.read_bytes() == truncated  # compact never moves or deletes damaged files
+
+    (base / "routed/flaky/all.parquet.meta.json").unlink()
+    lost = cli("compact", str(base), "routed/flaky/all")
+    assert lost.returncode == 2, lost.stderr
+    assert "routed/flaky/all: error: " in lost.stderr and "Restore the meta file" in lost.stderr
+    nothing = cli("compact", str(base), "routed/nope/all")
+    assert nothing.returncode == 2, nothing.stderr
+    assert "routed/nope/all: error: No checkpoint 'routed/nope/all'" in nothing.stderr
+    assert f"`checkpoint-assets status {base}` lists the checkpoints there" in nothing.stderr
+
+    # repair goes through the same loop: an error per checkpoint, in its JSON report too
+    unknown = cli("repair", str(base), "routed/nope/all", "--json")
+    assert unknown.returncode == 2, unknown.stderr
+    (report,) = json.loads(unknown.stdout)
+    assert report["name"] == "routed/nope/all" and report["skipped"] is None
+    assert report["error"].startswith("No checkpoint 'routed/nope/all'")
+
+
 def test_clean_deletes_a_tags_checkpoints_but_not_a_held_one_nor_other_tags(
     copy_of: Callable[[], Path],
 ) -> None:

@@ -1,5 +1,6 @@
-"""The OpenAI example end to end: `dagster asset materialize` against the local OpenAI-compatible
-server over real HTTP, with rate limits and server errors, a shard SIGKILLed mid-run and resumed.
+"""The OpenAI and Anthropic examples end to end: `dagster asset materialize` against the local
+chat server over real HTTP, with rate limits and server errors, a shard SIGKILLed mid-run and
+resumed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from examples.llm_openai.server import Settings, serve_process, stats
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = "examples.llm_openai.definitions"
 ASSET = "ticket_department"
+ANTHROPIC_MODULE = "examples.llm_anthropic.definitions"
+ANTHROPIC_ASSET = "ticket_department_anthropic"
 
 
 @pytest.fixture
@@ -38,27 +41,34 @@ def server() -> Iterator[str]:
         yield base_url
 
 
-def _command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dagster", "asset", "materialize", "-m", MODULE, *args]
+def _command(*args: str, module: str = MODULE) -> list[str]:
+    return [sys.executable, "-m", "dagster", "asset", "materialize", "-m", module, *args]
 
 
-def _materialize(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+def _materialize(
+    env: dict[str, str], *args: str, module: str = MODULE
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        _command(*args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        _command(*args, module=module),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
-def _metadata(env: dict[str, str], partition: str) -> dict[str, object]:
+def _metadata(env: dict[str, str], partition: str, asset: str = ASSET) -> dict[str, object]:
     """The latest materialization metadata of a shard, read from the instance on disk."""
     with dg.DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
-        event = instance.get_latest_materialization_event(dg.AssetKey(ASSET))
+        event = instance.get_latest_materialization_event(dg.AssetKey(asset))
         assert event is not None and event.asset_materialization is not None
         assert event.asset_materialization.partition == partition
         return {k: v.value for k, v in event.asset_materialization.metadata.items()}
 
 
-def _stored(env: dict[str, str], partition: str) -> pl.DataFrame:
-    base = Path(env["CHECKPOINT_BASE_DIR"]) / ASSET / "default"
+def _stored(env: dict[str, str], partition: str, asset: str = ASSET) -> pl.DataFrame:
+    base = Path(env["CHECKPOINT_BASE_DIR"]) / asset / "default"
     merged = base / f"{partition}.parquet"
     frames = [pl.read_parquet(merged)] if merged.exists() else []
     # Parts only: a temporary file of a write cut short by a kill is not stored work.
@@ -128,3 +138,34 @@ def test_a_shard_killed_mid_run_resumes_without_duplicates(
     # buffer and the flush being written, each within 2 intervals + the calls in flight).
     recomputed = stats(server)["ok"] - meta["rows_total"]
     assert 0 <= recomputed <= 2 * (2 * 64 + 32), recomputed
+
+
+def test_the_anthropic_example_classifies_a_shard_and_sums_its_tokens(
+    llm_env: dict[str, str],
+) -> None:
+    # 429s (retry after 0.1 s), 529s (overloaded, no Retry-After) and 500s, 20 ms per answer.
+    flaky = Settings(
+        latency_ms=20, rate_429=0.04, retry_after_seconds=0.1, rate_529=0.03, rate_500=0.02, seed=5
+    )
+    with serve_process(flaky) as base_url:
+        env = llm_env | {
+            "LLM_TICKETS": "400",
+            "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),  # the anthropic client adds it
+            "ANTHROPIC_API_KEY": "local",
+            "ANTHROPIC_MODEL": "m",
+        }
+        assert _materialize(env, "--select", "tickets", module=ANTHROPIC_MODULE).returncode == 0
+        done = _materialize(
+            env, "--select", ANTHROPIC_ASSET, "--partition", "3-of-4", module=ANTHROPIC_MODULE
+        )
+        served = stats(base_url)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    meta = _metadata(env, "3-of-4", ANTHROPIC_ASSET)
+    stored = _stored(env, "3-of-4", ANTHROPIC_ASSET)
+    assert stored.height == meta["rows_total"] == served["ok"] and meta["rows_failed"] == 0
+    assert set(stored["department"]) <= set(DEPARTMENTS)
+    assert meta["usage/input_tokens"] == served["prompt_tokens"]
+    assert meta["usage/output_tokens"] == served["completion_tokens"] == stored.height
+    assert served["rate_limited"] > 0 and meta["throttle_events"] >= 1
+    assert served["overloaded"] > 0 and served["server_error"] > 0

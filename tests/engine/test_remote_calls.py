@@ -1,30 +1,23 @@
-"""Calls to a remote model: rows per call apart from rows per flush, group commit, rate limits,
-adaptive concurrency, broken functions and usage sums. The engine runs for real on real
+"""Calls to a remote model: rows per call apart from rows per flush, group commit, broken
+functions and usage sums (rate limits: test_throttle.py). The engine runs for real on real
 checkpoints (local disk and the moto S3 server where storage matters)."""
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import io
 import json
-import threading
 import time
-from dataclasses import dataclass, field
-from email.utils import format_datetime
 from typing import Any
 
-import httpx
-import openai
 import polars as pl
 import pytest
 from helpers.jobs import Storage, route, tickets
 
-from checkpoint_assets import FunctionError, QuotaExhaustedError, RetryAfter, cli
+from checkpoint_assets import FunctionError, cli
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 from checkpoint_assets.engine.settings import RunStats
 from checkpoint_assets.engine.storage import Store
-from checkpoint_assets.engine.throttle import Throttle, Throttled, retry_after_seconds, throttled
 
 ID = "ticket_id"
 
@@ -130,209 +123,6 @@ def test_calls_do_not_wait_for_a_slow_store_and_rows_join_the_next_flush(
     assert max(store.part_rows) <= s.max_unflushed_rows  # memory stays bounded
     assert sum(store.part_rows) < 120  # the tail goes straight into the merged file
     assert sorted(_stored(storage)[ID].to_list()) == list(range(120))
-
-
-# -- rate limits ----------------------------------------------------------------------------------
-@dataclass
-class Endpoint:
-    """An in-process endpoint that admits ``admit`` calls at once and answers the others with
-    ``error(retry_after)``; records when every call started."""
-
-    admit: int
-    delay: float
-    error: Any
-    retry_after: float | None = 0.2
-    in_flight: int = 0
-    starts: list[float] = field(default_factory=list)
-    rejected_at: list[float] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    throttle_first: int = 0  # reject this many calls whatever the load (then admit by load)
-    reject_after: float = 0.0  # a refusal takes this long to arrive, like one over a network
-
-    def __call__(self, batch: pl.DataFrame) -> pl.DataFrame:
-        with self.lock:
-            now = time.monotonic()
-            self.starts.append(now)
-            rejected = self.throttle_first > 0 or self.in_flight >= self.admit
-            if rejected:
-                self.throttle_first -= 1
-                self.rejected_at.append(now)
-            else:
-                self.in_flight += 1
-        if rejected:
-            time.sleep(self.reject_after)
-            raise self.error(self.retry_after)
-        try:
-            time.sleep(self.delay)
-            return route(batch)
-        finally:
-            with self.lock:
-                self.in_flight -= 1
-
-
-def _httpx_429(retry_after: float | None) -> httpx.HTTPStatusError:
-    headers = {} if retry_after is None else {"Retry-After": str(retry_after)}
-    request = httpx.Request("POST", "http://127.0.0.1/v1/chat/completions")
-    response = httpx.Response(429, headers=headers, request=request)
-    return httpx.HTTPStatusError("429 Too Many Requests", request=request, response=response)
-
-
-def _openai_429(retry_after: float | None) -> openai.RateLimitError:
-    headers = {} if retry_after is None else {"retry-after-ms": str(int(retry_after * 1000))}
-    request = httpx.Request("POST", "http://127.0.0.1/v1/chat/completions")
-    response = httpx.Response(429, headers=headers, request=request)
-    return openai.RateLimitError("Rate limit reached", response=response, body=None)
-
-
-def _openai_503(retry_after: float | None) -> openai.APIStatusError:
-    request = httpx.Request("POST", "http://127.0.0.1/v1/chat/completions")
-    response = httpx.Response(503, headers={}, request=request)
-    return openai.APIStatusError("Service Unavailable", response=response, body=None)
-
-
-@pytest.mark.parametrize(
-    "error",
-    [RetryAfter, _httpx_429, _openai_429],
-    ids=["RetryAfter", "httpx-429-Retry-After", "openai-429-retry-after-ms"],
-)
-def test_a_throttle_pauses_every_worker_until_retry_after_and_marks_no_row_failed(
-    local: Storage, error: Any
-) -> None:
-    endpoint = Endpoint(admit=100, delay=0.02, error=error, retry_after=0.3, throttle_first=1)
-
-    result, stats = _run(
-        endpoint, 60, local, batch_size=1, checkpoint_interval=8, max_concurrency=8, max_attempts=1
-    )
-
-    assert result.get_column("_error").null_count() == 60, "a throttle is not a failure"
-    assert stats.failed_calls == 0 and stats.throttle_events == 1
-    assert stats.throttled_calls == 1 and stats.calls == 60
-    assert 0.29 <= stats.throttled_seconds <= 0.5
-    (rejected,) = endpoint.rejected_at
-    # Calls that got through the gate while the 429 was on its way back may start just after
-    # it (microseconds here); once the shard knows, none starts before Retry-After allows.
-    later = [t for t in endpoint.starts if t > rejected + 0.01]
-    assert later, "the shard went on after the pause"
-    assert min(later) >= rejected + 0.3, "a call started before Retry-After allowed it"
-
-
-def test_a_throttle_without_retry_after_backs_off_exponentially(local: Storage) -> None:
-    endpoint = Endpoint(admit=100, delay=0.0, error=_openai_503, throttle_first=3)
-
-    result, _ = _run(endpoint, 4, local, max_attempts=1, retry_delay_seconds=0.05)
-
-    assert result.get_column("_error").null_count() == 4
-    gaps = [b - a for a, b in zip(endpoint.starts, endpoint.starts[1:], strict=False)][:3]
-    assert [round(g, 1) for g in gaps] >= [0.0, 0.1, 0.2]  # 0.05, 0.1, 0.2 s
-    assert gaps[0] >= 0.05 - 0.005 and gaps[1] >= 0.1 - 0.005 and gaps[2] >= 0.2 - 0.005
-
-
-def test_a_burst_of_throttles_is_one_event_and_concurrency_settles_under_the_limit(
-    local: Storage,
-) -> None:
-    endpoint = Endpoint(admit=16, delay=0.04, error=_httpx_429, retry_after=0.05, reject_after=0.02)
-
-    result, stats = _run(
-        endpoint, 600, local, batch_size=1, checkpoint_interval=64, max_concurrency=64
-    )
-
-    assert result.get_column("_error").null_count() == 600
-    assert stats.failed_calls == 0
-    # The first burst (64 calls against 16 admitted, refused 20 ms later) is one event; the
-    # exact count of later probes depends on timing (see the Throttle test below for the rule).
-    assert stats.throttled_calls >= 3 * stats.throttle_events
-    assert stats.throttle_events <= 10
-    assert 8 <= stats.concurrency_final <= 16
-
-
-def test_throttles_from_calls_already_in_flight_are_one_event_and_halve_once() -> None:
-    now = [0.0]
-    gate = Throttle(64, max_seconds=60, clock=lambda: now[0])
-    started = [gate.acquire() for _ in range(64)]
-    assert gate.in_flight == 64
-    now[0] = 0.01
-    for s in started[32:]:
-        gate.throttle(s or 0.0, Throttled(0.2, "HTTP 429"))  # refused at once: one burst
-    for _ in started[:32]:
-        gate.release(True)  # the admitted ones answer later
-    assert gate.events == 1 and gate.limit == 32
-    assert gate.resume_at == pytest.approx(0.21) and gate.throttled_seconds == pytest.approx(0.2)
-    # After the pause, calls that start and are throttled again are a new event.
-    assert gate.limit == 32, "growth past the burst's lowest refused level is slow"
-    now[0] = 0.3
-    for _ in range(32):
-        gate.acquire()
-    gate.throttle(now[0], Throttled(None, "HTTP 503"))
-    assert gate.events == 2 and gate.limit == 16
-
-
-def test_growth_is_quick_below_the_last_throttled_level_and_slow_past_it() -> None:
-    gate = Throttle(64, max_seconds=60, clock=lambda: 0.0)
-    for _ in range(33):
-        gate.acquire()
-    gate.throttle(0.0, Throttled(0.0, "HTTP 429"))  # 33 in flight: one too many
-    assert gate.limit == 16
-    for _ in range(32):  # the 32 admitted answer: one more per two successes
-        gate.release(True)
-    assert gate.limit == 16 + 32 // 2 == 32  # just under the level that was refused
-    for _ in range(32 * 4):  # past it, one more per several windows: a probe, not a hammer
-        gate.acquire()
-        gate.release(True)
-    assert gate.limit == 32
-
-
-def test_a_quota_that_stays_spent_stops_the_run_with_what_is_done_checkpointed(
-    local: Storage,
-) -> None:
-    calls = 0
-
-    def fn(batch: pl.DataFrame) -> pl.DataFrame:
-        nonlocal calls
-        calls += 1
-        if calls > 3:
-            raise RetryAfter(0.1)
-        return route(batch)
-
-    with pytest.raises(QuotaExhaustedError) as raised:
-        _run(fn, 40, local, checkpoint_interval=4, max_throttle_seconds=0.5)
-
-    message = str(raised.value)
-    assert "quota looks spent" in message and "max_throttle_seconds" in message
-    assert "12 rows done before are checkpointed" in message
-    stored = _stored(local)
-    assert stored.height == 12 and stored.get_column("_error").null_count() == 12
-
-    _, again = _run(route, 40, local, checkpoint_interval=4)  # the quota is back
-    assert again.rows_resumed == 12 and again.rows_computed == 28
-
-
-def test_retry_after_headers_in_seconds_and_http_dates() -> None:
-    assert retry_after_seconds({"retry-after": "2.5"}) == 2.5
-    assert retry_after_seconds({"retry-after-ms": "150", "retry-after": "9"}) == 0.15
-    now = time.time()
-    date = format_datetime(dt.datetime.fromtimestamp(now + 30, tz=dt.UTC), usegmt=True)
-    assert 28 <= (retry_after_seconds({"Retry-After": date}, now=now) or 0) <= 31
-    assert retry_after_seconds({"retry-after": "soon"}) is None
-    assert retry_after_seconds({}) is None
-
-
-def test_only_rate_limits_count_as_throttles() -> None:
-    assert throttled(_httpx_429(1.0)) is not None
-    assert throttled(_openai_503(None)) is not None
-    request = httpx.Request("GET", "http://127.0.0.1/")
-    server_error = httpx.HTTPStatusError(
-        "500", request=request, response=httpx.Response(500, request=request)
-    )
-    assert throttled(server_error) is None
-    assert throttled(ValueError("no")) is None
-    try:
-        try:
-            raise _httpx_429(2.0)
-        except httpx.HTTPStatusError as e:
-            raise RuntimeError("the model call failed") from e
-    except RuntimeError as wrapped:
-        seen = throttled(wrapped)
-    assert seen is not None and seen.seconds == 2.0
 
 
 # -- broken functions -----------------------------------------------------------------------------

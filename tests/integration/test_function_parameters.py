@@ -1,9 +1,12 @@
 """What a checkpointed function may take and return, through real Dagster materializations:
 resources by name, the execution context, a signature checked at definition, a broken result
-stopping at once, rows per call from run config, usage and throttling metadata."""
+stopping at once, rows per call from run config, usage and throttling metadata, adaptive
+concurrency settings."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import dagster as dg
@@ -160,13 +163,55 @@ def test_usage_and_throttling_reach_the_materialization_metadata(storage: Storag
 
     assert first["usage/tokens"] == 120 and first["usage/cost"] == 3.0
     assert first["usage_total/tokens"] == 120
-    assert first["throttle_events"] == 1 and first["throttled_seconds"] >= 0.05
+    assert first["throttled_calls"] == 1, "the refused call waited and was sent again"
+    assert first["throttle_events"] == 0 and first["throttled_seconds"] == 0, "one refusal"
     assert first["concurrency_final"] == 1 and first["rows_failed"] == 0
 
     job.set_input(tickets(16))
     second = stats(job.materialize())
     assert second["usage/tokens"] == 40 and second["usage_total/tokens"] == 160
-    assert second["throttle_events"] == 0
+    assert second["throttle_events"] == 0 and second["throttled_calls"] == 0
+
+
+def test_adaptive_concurrency_off_keeps_max_concurrency_against_a_refusing_endpoint(
+    storage: Storage,
+) -> None:
+    lock = threading.Lock()
+    busy = [0]
+
+    def one_at_a_time(batch: pl.DataFrame) -> pl.DataFrame:  # an endpoint admitting one call
+        with lock:
+            if busy[0]:
+                raise RetryAfter(0.01)
+            busy[0] += 1
+        try:
+            time.sleep(0.005)
+            return route(batch)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    job = build_job(
+        storage,
+        tickets(200),
+        fn=one_at_a_time,
+        batch_size=1,
+        checkpoint_interval=16,
+        max_concurrency=8,
+        adaptive_concurrency=False,
+    )
+    meta = stats(job.materialize())
+
+    assert meta["rows_failed"] == 0 and meta["throttled_calls"] > 0
+    assert meta["concurrency_final"] == 8  # (most calls refused: the shard still pauses)
+
+
+def test_a_min_concurrency_above_max_concurrency_fails_the_definition() -> None:
+    with pytest.raises(ValueError, match=r"min_concurrency must be between 1 and max_concurrency"):
+
+        @checkpointed_asset(source="tickets", id_column=ID, max_concurrency=4, min_concurrency=8)
+        def asset(batch: pl.DataFrame) -> pl.DataFrame:
+            return batch
 
 
 def test_the_asset_key_of_a_function_with_resources_is_its_name() -> None:

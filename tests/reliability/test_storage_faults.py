@@ -30,7 +30,7 @@ from helpers.faulty_store import StoreFault, faulty
 from helpers.jobs import Storage
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
-from checkpoint_assets.engine import checkpoint as checkpoint_module
+from checkpoint_assets.engine import gaps as gaps_module
 from checkpoint_assets.engine.errors import StorageError
 from checkpoint_assets.engine.repair import repair
 from checkpoint_assets.engine.storage import Store
@@ -204,7 +204,7 @@ def test_a_stale_listing_at_finalize_is_listed_again_and_loses_nothing(
 def test_a_listing_that_stays_stale_stops_finalize_before_it_merges_or_deletes(
     proxy: FaultProxy, s3_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("checkpoint_assets.engine.checkpoint._RELIST_SECONDS", (0.01, 0.01))
+    monkeypatch.setattr("checkpoint_assets.engine.gaps._RELIST_SECONDS", (0.01, 0.01))
     store = _s3(proxy, s3_server)
     proxy.add(Fault("stale", "GET", PARTS_LIST, times=10**6))
     checkpoint = Checkpoint(store, "job")
@@ -357,7 +357,7 @@ def test_a_failed_read_at_resume_changes_nothing(storage: Storage) -> None:
 def test_a_stale_parts_listing_never_makes_finalize_lose_parts(
     storage: Storage, times: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("checkpoint_assets.engine.checkpoint._RELIST_SECONDS", (0.01, 0.01))
+    monkeypatch.setattr("checkpoint_assets.engine.gaps._RELIST_SECONDS", (0.01, 0.01))
     store = faulty(open_store(*storage), StoreFault("list", r"\.parquet\.parts$", times=times))
 
     if times == 1:
@@ -411,8 +411,8 @@ def _three_parts(storage: Storage) -> list[tuple[int, list[int]]]:
 def pauses(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The pauses taken before listing again (none taken for real)."""
     taken: list[float] = []
-    fake = types.SimpleNamespace(time=checkpoint_module.time.time, sleep=taken.append)
-    monkeypatch.setattr(checkpoint_module, "time", fake)
+    fake = types.SimpleNamespace(time=gaps_module.time.time, sleep=taken.append)
+    monkeypatch.setattr(gaps_module, "time", fake)
     return taken
 
 
@@ -477,7 +477,7 @@ def test_a_gap_that_stays_stops_the_run_before_any_call_and_a_rerun_resumes(
     assert "neither taken as done nor computed again, and nothing was merged or" in message
     assert "Run again in a few minutes" in message and "checkpoint-assets repair" in message
     assert calls == []  # nothing paid for
-    assert len(pauses) == len(checkpoint_module._RELIST_SECONDS)  # bounded: then it gives up
+    assert len(pauses) == len(gaps_module._RELIST_SECONDS)  # bounded: then it gives up
     after = {f.path: checkpoint.store.get(f.path) for f in checkpoint.list_files()}
     assert after == before  # the lock is released, nothing else was touched
     # Once the listing shows the part again, the run resumes.

@@ -1,0 +1,130 @@
+"""What the endpoint resources share: settings, one client per event loop, the optional package.
+
+An async client (``AsyncOpenAI``, ``AsyncAnthropic``) belongs to the event loop it first sends
+on: its pooled connections fail with "Event loop is closed" once used from another loop. So
+:meth:`EndpointResource.client` keeps one client per running event loop and per configuration,
+made on first use and reused by every call on that loop, so the calls in flight share its
+connections. The clients of loops that have closed are released when the step that used the
+resource ends (its connections hold their loop: without that, each run's loop and sockets would
+stay for the life of the process), not on the next call: a client dropped while a loop runs
+schedules its own close on that loop, where it fails. The sync client (for plain
+``def`` functions, whose calls run in threads) is one per process and configuration, as both
+packages' sync clients are thread-safe.
+
+The flow: ``client()`` / ``sync_client()`` → ``_cached`` (look up by ``_connection()``) →
+``_require`` (import the package, or say which extra installs it) → the package's class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import threading
+import weakref
+from types import ModuleType
+from typing import Any, ClassVar, Final
+
+import dagster as dg
+from pydantic import Field
+
+_Clients = dict[tuple[Any, ...], Any]
+_LOOP_CLIENTS: Final[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Clients]] = (
+    weakref.WeakKeyDictionary()
+)
+_PROCESS_CLIENTS: Final[_Clients] = {}
+_LOCK: Final = threading.Lock()
+
+
+class EndpointResource(dg.ConfigurableResource):
+    """The settings and client handling of :class:`OpenAIResource` and :class:`AnthropicResource`.
+
+    Subclasses name their package and its two client classes, declare ``base_url`` and
+    ``api_key`` (whose conventions differ by provider), and name the request settings they add
+    that change the answers.
+    """
+
+    _package: ClassVar[str]  # the optional package, also the name of the extra installing it
+    _client_classes: ClassVar[tuple[str, str]]  # (async, sync) client classes of the package
+    _answer_settings: ClassVar[tuple[str, ...]]  # fields sent with every request, besides model
+
+    base_url: str | None
+    api_key: str
+    model: str = Field(description="The model named in every request (`request_defaults()`).")
+    timeout_seconds: float = Field(
+        default=60.0, gt=0, description="Seconds before one request fails with a timeout."
+    )
+    max_retries: int = Field(
+        default=0,
+        ge=0,
+        description="Retries inside the client. Keep 0 so that rate limits and errors reach the "
+        "checkpointed asset, which pauses the shard on a rate limit, adapts its concurrency "
+        "and retries failed batches.",
+    )
+
+    def request_defaults(self) -> dict[str, Any]:
+        """The keyword arguments every request takes from this resource: ``model``, and the
+        request settings that are set (``max_tokens``, ``temperature``)."""
+        settings = {name: getattr(self, name) for name in self._answer_settings}
+        return {"model": self.model, **{k: v for k, v in settings.items() if v is not None}}
+
+    def checkpoint_fingerprint(self) -> dict[str, Any]:
+        """The settings that change the answers: the API, ``model`` and the request settings
+        (unset ones as None). Never the key, the URL or the timeouts."""
+        settings = {name: getattr(self, name) for name in self._answer_settings}
+        return {"api": self._package, "model": self.model, **settings}
+
+    def _loop_client(self) -> Any:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            name = type(self).__name__
+            raise RuntimeError(
+                f"{name}.client() returns an asyncio client and needs a running event loop: "
+                f"call it inside an `async def` function, or use {name}.sync_client() in a "
+                "plain `def`"
+            ) from None
+        with _LOCK:
+            return self._cached(_LOOP_CLIENTS.setdefault(loop, {}), self._client_classes[0])
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        """Release the clients of the event loops that have closed: the run's are done."""
+        with _LOCK:
+            released = [_LOOP_CLIENTS.pop(loop) for loop in list(_LOOP_CLIENTS) if loop.is_closed()]
+        released.clear()  # outside the lock: a client's finalizer may run here
+
+    def _process_client(self) -> Any:
+        with _LOCK:
+            return self._cached(_PROCESS_CLIENTS, self._client_classes[1], os.getpid())
+
+    def _cached(self, clients: _Clients, class_name: str, *scope: Any) -> Any:
+        connection = self._connection()
+        key = (class_name, *scope, *sorted(connection.items()))
+        client = clients.get(key)
+        if client is None:
+            package = _require(self._package, type(self).__name__)
+            client = clients[key] = getattr(package, class_name)(**connection)
+        return client
+
+    def _connection(self) -> dict[str, Any]:
+        """The client's constructor arguments: what makes two clients different."""
+        return {
+            "base_url": self.base_url,
+            "api_key": self.api_key,
+            "timeout": self.timeout_seconds,
+            "max_retries": self.max_retries,
+        }
+
+
+def _require(package: str, resource: str) -> ModuleType:
+    """Import the optional ``package``, or say which extra of checkpoint-assets installs it."""
+    try:
+        return importlib.import_module(package)
+    except ModuleNotFoundError as e:
+        if e.name != package:
+            raise
+        raise ModuleNotFoundError(
+            f"{resource} needs the `{package}` package, which is not installed: "
+            f'pip install "checkpoint-assets[{package}]"',
+            name=package,
+        ) from None

@@ -1,0 +1,81 @@
+"""``OpenAIResource``: the ``openai`` package's client for a checkpointed function.
+
+>>> from checkpoint_assets import OpenAIResource
+>>> OpenAIResource(api_key="local", model="gpt-4o-mini", temperature=0).request_defaults()
+{'model': 'gpt-4o-mini', 'temperature': 0.0}
+>>> OpenAIResource(api_key="local", model="gpt-4o-mini").checkpoint_fingerprint()
+{'api': 'openai', 'model': 'gpt-4o-mini', 'max_tokens': None, 'temperature': None}
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, cast
+
+from pydantic import Field
+
+from checkpoint_assets.resources.endpoint import EndpointResource
+
+if TYPE_CHECKING:
+    import openai
+
+__all__ = ["OpenAIResource"]
+
+
+class OpenAIResource(EndpointResource):
+    """An OpenAI-compatible endpoint: the OpenAI API, vLLM, Ollama, LiteLLM, any server that
+    speaks its protocol. Needs ``pip install "checkpoint-assets[openai]"``.
+
+    ``max_tokens`` is sent as ``max_tokens``, which compatible servers take; OpenAI's reasoning
+    models want ``max_completion_tokens``: leave ``max_tokens`` unset and pass that yourself.
+
+    Example::
+
+        openai_chat = OpenAIResource(
+            base_url=dg.EnvVar("OPENAI_BASE_URL"),
+            api_key=dg.EnvVar("OPENAI_API_KEY"),
+            model="gpt-4o-mini",
+        )
+
+        async def route(batch: pl.DataFrame, openai_chat: OpenAIResource) -> pl.DataFrame:
+            reply = await openai_chat.client().chat.completions.create(
+                messages=[{"role": "user", "content": text}], **openai_chat.request_defaults()
+            )
+    """
+
+    _package: ClassVar[str] = "openai"
+    _client_classes: ClassVar[tuple[str, str]] = ("AsyncOpenAI", "OpenAI")
+    _answer_settings: ClassVar[tuple[str, ...]] = ("max_tokens", "temperature")
+
+    base_url: str | None = Field(
+        default=None,
+        description="Base URL of the endpoint, ending in /v1; unset means the OpenAI API (or "
+        "OPENAI_BASE_URL). Usually dg.EnvVar('OPENAI_BASE_URL').",
+    )
+    api_key: str = Field(
+        description="API key, sent as a bearer token. Usually dg.EnvVar('OPENAI_API_KEY'); any "
+        "value for a local server that checks none."
+    )
+    max_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="Most tokens an answer may have, sent as max_tokens with every request "
+        "(`request_defaults()`); unset leaves the endpoint's default.",
+    )
+    temperature: float | None = Field(
+        default=None,
+        ge=0,
+        description="Sampling temperature sent with every request (`request_defaults()`); "
+        "unset leaves the endpoint's default.",
+    )
+
+    def client(self) -> openai.AsyncOpenAI:
+        """The ``openai.AsyncOpenAI`` client of the running event loop: made once, then reused.
+
+        Call it inside an ``async def`` function.
+        """
+        return cast("openai.AsyncOpenAI", self._loop_client())
+
+    def sync_client(self) -> openai.OpenAI:
+        """The ``openai.OpenAI`` client of this process, for a plain ``def`` function: made once,
+        then shared by every thread."""
+        return cast("openai.OpenAI", self._process_client())

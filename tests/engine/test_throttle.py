@@ -1,0 +1,427 @@
+"""Rate limits: a refused call waits on its own, concurrency follows what the endpoint sustains
+(sporadic refusals are not a limit; a limit is found, and found again when it moves), the shard
+pauses only when most calls are refused, and a quota that stays spent stops the run.
+
+The policy is checked twice: on a simulated endpoint driving the real ``Throttle`` with a fake
+clock (deterministic, every rule), and through real runs of the engine on real checkpoints
+against in-process endpoints (the same rules under real threads, tasks and timing)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from email.utils import format_datetime
+from typing import Any
+
+import httpx
+import openai
+import polars as pl
+import pytest
+from helpers.jobs import Storage, route, tickets
+
+from checkpoint_assets import QuotaExhaustedError, RetryAfter
+from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine.settings import RunStats
+from checkpoint_assets.engine.throttle import Throttle, Throttled, retry_after_seconds, throttled
+
+ID = "ticket_id"
+
+
+def _run(fn: Any, n: int, storage: Storage, **kw: Any) -> tuple[pl.DataFrame, RunStats]:
+    base: dict[str, Any] = {
+        "id_column": ID,
+        "input_columns": ("body",),
+        "retry_delay_seconds": 0.0,
+        "min_flush_seconds": 0.0,
+        "progress_seconds": 3600.0,
+    }
+    s = Settings(**(base | kw))
+    checkpoint = Checkpoint(open_store(*storage), "job")
+    return run(fn, prepare(tickets(n), s), checkpoint, s, job={"test": 1})
+
+
+@pytest.fixture
+def local(tmp_path: Any) -> Storage:
+    return (str(tmp_path / "checkpoints"), {})
+
+
+def _response(status: int, headers: dict[str, str] | None = None) -> httpx.Response:
+    request = httpx.Request("POST", "http://127.0.0.1/v1/chat/completions")
+    return httpx.Response(status, headers=headers or {}, request=request)
+
+
+def _httpx(status: int, retry_after: float | None) -> httpx.HTTPStatusError:
+    headers = {} if retry_after is None else {"Retry-After": str(retry_after)}
+    response = _response(status, headers)
+    return httpx.HTTPStatusError(str(status), request=response.request, response=response)
+
+
+def _openai_429(retry_after: float | None) -> openai.RateLimitError:
+    headers = {} if retry_after is None else {"retry-after-ms": str(int(retry_after * 1000))}
+    return openai.RateLimitError("Rate limit reached", response=_response(429, headers), body=None)
+
+
+def _overloaded_529(retry_after: float | None) -> openai.APIStatusError:
+    # Anthropic answers 529 `overloaded_error` when its fleet is busy, whatever the client does.
+    headers = {} if retry_after is None else {"retry-after": str(retry_after)}
+    return openai.APIStatusError("Overloaded", response=_response(529, headers), body=None)
+
+
+# -- a simulated endpoint on a fake clock: the policy, deterministically ------------------------
+@dataclass
+class Simulated:
+    """Drives a ``Throttle`` in steps of one call latency: every step, the calls the gate allows
+    are sent; those above ``capacity(t)`` or refused at random (``p``) are refused with
+    ``retry_after`` (held slots wait it out), the rest are answered."""
+
+    gate: Throttle
+    capacity: Callable[[float], int] = lambda t: 10**9
+    p: float = 0.0
+    latency: float = 0.05
+    retry_after: float = 0.2
+    seed: int = 0
+    now: float = 0.0
+    answered: int = 0
+    refused: int = 0
+    limits: list[int] = field(default_factory=list)
+    _waiting: list[float] = field(default_factory=list)  # when each held slot may retry
+
+    def step(self) -> None:
+        rng = random.Random(f"{self.seed}:{self.now:.3f}")
+        self.now = max(self.now, self.gate.resume_at)
+        ready = [w for w in self._waiting if w <= self.now]
+        self._waiting = [w for w in self._waiting if w > self.now]
+        for _ in ready:
+            self.gate.release(False)  # the refused call queues again
+        sent = 0
+        while self.gate.in_flight < self.gate.limit:
+            self.gate.acquire()
+            sent += 1
+        admitted = self.capacity(self.now)
+        self.now += self.latency
+        for i in range(sent):
+            if i >= admitted or rng.random() < self.p:
+                self.refused += 1
+                delay = self.gate.throttle(Throttled(self.retry_after, "HTTP 429"))
+                self._waiting.append(self.now + delay)
+            else:
+                self.answered += 1
+                self.gate.release(True)
+        self.limits.append(self.gate.limit)
+
+    def run(self, seconds: float) -> list[int]:
+        end = self.now + seconds
+        first = len(self.limits)
+        while self.now < end:
+            self.step()
+        return self.limits[first:]
+
+
+def _gate(max_concurrency: int = 32, **kw: Any) -> tuple[Throttle, list[float]]:
+    clock = [0.0]
+    return Throttle(max_concurrency, max_seconds=600, clock=lambda: clock[0], **kw), clock
+
+
+def _simulated(max_concurrency: int = 32, **kw: Any) -> Simulated:
+    gate_kw = {k: kw.pop(k) for k in ("min_concurrency", "adaptive") if k in kw}
+    clock = [0.0]
+    gate = Throttle(max_concurrency, max_seconds=600, clock=lambda: clock[0], **gate_kw)
+    sim = Simulated(gate, **kw)
+    gate.clock = lambda: sim.now
+    return sim
+
+
+@pytest.mark.parametrize("p", [0.01, 0.05, 0.2])
+def test_sporadic_refusals_keep_concurrency_at_its_maximum(p: float) -> None:
+    sim = _simulated(32, p=p)
+
+    limits = sim.run(30)
+
+    assert sim.refused > 0
+    # A trial now and then (one round at half) to tell them from a limit; never a collapse.
+    assert sum(limits) / len(limits) >= 0.9 * 32, f"{p:.0%} random refusals lowered concurrency"
+    assert limits[-1] == 32 and min(limits) >= 16
+    assert sim.gate.background <= p + 0.1  # learned as the endpoint's own
+
+
+def test_over_a_limit_concurrency_settles_near_it() -> None:
+    sim = _simulated(64, capacity=lambda t: 16)
+
+    limits = sim.run(30)[-200:]  # the last 10 s
+
+    assert 12 <= sum(limits) / len(limits) <= 22, "concurrency should settle near 16"
+    assert sim.gate.background < 0.1, "refusals caused by concurrency are not background"
+
+
+def test_a_limit_that_drops_and_returns_is_found_again() -> None:
+    sim = _simulated(32, capacity=lambda t: 8 if 10 <= t < 20 else 32)
+
+    sim.run(10)
+    low = sim.run(10)
+    back = sim.run(10)
+
+    assert sum(low[-100:]) / 100 <= 14, "the lower limit was found"
+    steps = next(i for i, limit in enumerate(back) if limit >= 0.8 * 32)
+    assert steps * sim.latency < 3.0, "back near the limit within seconds of its return"
+    assert sum(back[-100:]) / 100 >= 28
+
+
+def test_sporadic_refusals_on_top_of_a_limit_are_learned_not_chased_down() -> None:
+    sim = _simulated(64, capacity=lambda t: 24, p=0.1)
+
+    limits = sim.run(40)[-200:]
+
+    assert 18 <= sum(limits) / len(limits) <= 40
+    assert min(limits) >= 8, "random refusals must not ratchet concurrency down"
+
+
+def test_min_concurrency_is_the_floor_and_adaptation_can_be_turned_off() -> None:
+    floored = _simulated(32, capacity=lambda t: 2, min_concurrency=8)
+    assert min(floored.run(10)) == 8
+
+    fixed = _simulated(32, capacity=lambda t: 8, adaptive=False)
+    assert set(fixed.run(10)) == {32}, "adaptive=False keeps max_concurrency"
+    assert fixed.answered > 0
+
+
+def _clean_round(gate: Throttle) -> None:
+    for _ in range(max(16, 2 * gate.limit)):
+        gate.acquire()
+        gate.release(True)
+
+
+def test_a_level_refused_for_concurrency_is_forgotten_after_30_seconds() -> None:
+    gate, clock = _gate(32)
+    for _ in range(32):
+        gate.acquire()
+    for _ in range(8):  # eight refusals in a row: over a limit, halve at once
+        gate.throttle(Throttled(0.0, "HTTP 429"))
+    assert gate.limit == 16 and gate.events == 1
+    for _ in range(32):
+        gate.release(False)
+    # Near the refused level, one more per clean round ...
+    _clean_round(gate)
+    assert gate.limit == 17
+    _clean_round(gate)
+    assert gate.limit == 18
+    # ... and a quarter more per round once it is forgotten.
+    clock[0] = 31.0
+    _clean_round(gate)
+    assert gate.limit == 18 + 18 // 4
+
+
+def test_most_calls_of_a_round_refused_pause_the_whole_shard() -> None:
+    gate, _ = _gate(4)
+    for _ in range(4):
+        gate.acquire()
+    for _ in range(4):  # a streak as long as the limit, all refused
+        gate.throttle(Throttled(1.5, "HTTP 429"))
+    assert gate.resume_at == pytest.approx(1.5) and gate.throttled_seconds == pytest.approx(1.5)
+
+
+def test_one_refusal_pauses_nothing_but_its_own_call() -> None:
+    gate, _ = _gate(32)
+    for _ in range(32):
+        gate.acquire()
+    delay = gate.throttle(Throttled(0.2, "HTTP 429"))
+    assert delay == 0.2 and gate.resume_at == 0.0 and gate.events == 0
+    assert gate.in_flight == 32, "a refused call keeps its slot while it waits"
+    assert gate.throttle(Throttled(None, "HTTP 503"), refusals=2) == 4.0  # base 1 s, doubled
+
+
+# -- real runs of the engine ---------------------------------------------------------------------
+@dataclass
+class Endpoint:
+    """An in-process endpoint: admits ``admit`` calls at once, refuses the rest, and refuses
+    ``refuse_first`` calls (or a seeded share ``p``) whatever the load; records every start."""
+
+    admit: int = 10**9
+    delay: float = 0.02
+    error: Any = RetryAfter
+    retry_after: float | None = 0.2
+    refuse_first: int = 0
+    p: float = 0.0
+    seed: int = 0
+    in_flight: int = 0
+    peak: int = 0
+    starts: list[float] = field(default_factory=list)
+    refused_at: list[float] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+    def _enter(self) -> bool:
+        with self.lock:
+            now = time.monotonic()
+            self.starts.append(now)
+            refused = (
+                self.refuse_first > 0 or self.in_flight >= self.admit or self.rng.random() < self.p
+            )
+            if refused:
+                self.refuse_first -= 1
+                self.refused_at.append(now)
+            else:
+                self.in_flight += 1
+                self.peak = max(self.peak, self.in_flight)
+            return not refused
+
+    def _leave(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
+
+    def __call__(self, batch: pl.DataFrame) -> pl.DataFrame:
+        if not self._enter():
+            raise self.error(self.retry_after)
+        try:
+            time.sleep(self.delay)
+            return route(batch)
+        finally:
+            self._leave()
+
+    async def call_async(self, batch: pl.DataFrame) -> pl.DataFrame:
+        if not self._enter():
+            raise self.error(self.retry_after)
+        try:
+            await asyncio.sleep(self.delay)
+            return route(batch)
+        finally:
+            self._leave()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [RetryAfter, lambda s: _httpx(429, s), _openai_429, _overloaded_529],
+    ids=["RetryAfter", "httpx-429-Retry-After", "openai-429-retry-after-ms", "529-overloaded"],
+)
+def test_a_refused_call_waits_its_retry_after_while_the_others_go_on(
+    local: Storage, error: Any
+) -> None:
+    endpoint = Endpoint(delay=0.02, error=error, retry_after=0.3, refuse_first=1)
+
+    result, stats = _run(
+        endpoint, 60, local, batch_size=1, checkpoint_interval=8, max_concurrency=4, max_attempts=1
+    )
+
+    assert result.get_column("_error").null_count() == 60, "a refusal is not a failure"
+    assert stats.failed_calls == 0 and stats.throttled_calls == 1 and stats.calls == 60
+    assert stats.throttle_events == 0 and stats.throttled_seconds == 0
+    assert stats.concurrency_final == 4
+    (refused,) = endpoint.refused_at
+    during = [t for t in endpoint.starts if refused < t < refused + 0.25]
+    assert len(during) >= 8, "the other calls went on while the refused one waited"
+    assert endpoint.starts[-1] >= refused + 0.3, "the refused call came back after Retry-After"
+
+
+def test_a_refusal_without_retry_after_backs_off_exponentially(local: Storage) -> None:
+    endpoint = Endpoint(delay=0.0, error=lambda s: _httpx(503, None), refuse_first=3)
+
+    result, _ = _run(endpoint, 4, local, max_attempts=1, retry_delay_seconds=0.05)
+
+    assert result.get_column("_error").null_count() == 4
+    gaps = [b - a for a, b in zip(endpoint.starts, endpoint.starts[1:], strict=False)][:3]
+    assert gaps[0] >= 0.05 - 0.005 and gaps[1] >= 0.1 - 0.005 and gaps[2] >= 0.2 - 0.005
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["threads", "asyncio"])
+def test_random_refusals_do_not_lower_concurrency(local: Storage, is_async: bool) -> None:
+    endpoint = Endpoint(delay=0.02, p=0.2, retry_after=0.02, seed=3)
+    fn = endpoint.call_async if is_async else endpoint
+
+    result, stats = _run(fn, 800, local, batch_size=1, checkpoint_interval=32, max_concurrency=16)
+
+    assert result.get_column("_error").null_count() == 800
+    assert stats.throttled_calls == len(endpoint.refused_at) > 100
+    assert stats.concurrency_final == 16
+    assert endpoint.peak == 16
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["threads", "asyncio"])
+def test_over_an_endpoints_limit_a_shard_settles_near_it(local: Storage, is_async: bool) -> None:
+    endpoint = Endpoint(admit=8, delay=0.02, retry_after=0.02)
+    fn = endpoint.call_async if is_async else endpoint
+
+    result, stats = _run(fn, 1200, local, batch_size=1, checkpoint_interval=64, max_concurrency=64)
+
+    assert result.get_column("_error").null_count() == 1200 and stats.failed_calls == 0
+    assert stats.throttle_events >= 1
+    assert 4 <= stats.concurrency_final <= 16
+    late = [t for t in endpoint.refused_at if t > endpoint.starts[len(endpoint.starts) // 2]]
+    assert len(late) < 0.25 * len(endpoint.starts) / 2, "still refused as often as at the start"
+
+
+def test_min_concurrency_holds_against_an_endpoint_that_refuses(local: Storage) -> None:
+    endpoint = Endpoint(admit=2, delay=0.01, retry_after=0.01)
+
+    result, stats = _run(
+        endpoint,
+        300,
+        local,
+        batch_size=1,
+        checkpoint_interval=32,
+        max_concurrency=8,
+        min_concurrency=6,
+    )
+
+    assert result.get_column("_error").null_count() == 300
+    assert stats.concurrency_final >= 6
+
+
+def test_a_quota_that_stays_spent_stops_the_run_with_what_is_done_checkpointed(
+    local: Storage,
+) -> None:
+    calls = 0
+
+    def fn(batch: pl.DataFrame) -> pl.DataFrame:
+        nonlocal calls
+        calls += 1
+        if calls > 3:
+            raise RetryAfter(0.1)
+        return route(batch)
+
+    with pytest.raises(QuotaExhaustedError) as raised:
+        _run(fn, 40, local, checkpoint_interval=4, max_throttle_seconds=0.5)
+
+    message = str(raised.value)
+    assert "quota looks spent" in message and "max_throttle_seconds" in message
+    assert "12 rows done before are checkpointed" in message
+
+    _, again = _run(route, 40, local, checkpoint_interval=4)  # the quota is back
+    assert again.rows_resumed == 12 and again.rows_computed == 28
+
+
+# -- what counts as a refusal --------------------------------------------------------------------
+def test_rate_limits_and_overload_answers_are_refusals_other_server_errors_are_not() -> None:
+    assert throttled(_httpx(429, 1.0)) is not None
+    assert throttled(_openai_429(None)) is not None
+    for status in (503, 529):
+        assert throttled(_httpx(status, None)) is not None, status
+        assert throttled(_httpx(status, 2.0)) == Throttled(2.0, f"HTTP {status}")
+    for status in (500, 502, 504):
+        assert throttled(_httpx(status, None)) is None, f"{status} without Retry-After"
+    assert throttled(_httpx(502, 3.0)) == Throttled(3.0, "HTTP 502"), "the server said when"
+    assert throttled(ValueError("no")) is None
+    try:
+        try:
+            raise _httpx(429, 2.0)
+        except httpx.HTTPStatusError as e:
+            raise RuntimeError("the model call failed") from e
+    except RuntimeError as wrapped:
+        seen = throttled(wrapped)
+    assert seen is not None and seen.seconds == 2.0
+
+
+def test_retry_after_headers_in_seconds_and_http_dates() -> None:
+    assert retry_after_seconds({"retry-after": "2.5"}) == 2.5
+    assert retry_after_seconds({"retry-after-ms": "150", "retry-after": "9"}) == 0.15
+    now = time.time()
+    date = format_datetime(dt.datetime.fromtimestamp(now + 30, tz=dt.UTC), usegmt=True)
+    assert 28 <= (retry_after_seconds({"Retry-After": date}, now=now) or 0) <= 31
+    assert retry_after_seconds({"retry-after": "soon"}) is None
+    assert retry_after_seconds({}) is None
