@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -149,11 +150,12 @@ def test_a_rate_limit_pauses_and_the_row_is_called_again(
     async def aroute(row: dict[str, Any]) -> dict[str, Any]:
         return route(row)
 
+    started = time.monotonic()
     _, stats = _run(aroute if asynchronous else route, 12, local)
 
     assert refused == [3]
-    assert stats.throttled_calls == 1 and stats.throttle_events == 1
-    assert stats.throttled_seconds >= 0.1
+    assert stats.throttled_calls == 1, "the refused call waited and was sent again"
+    assert time.monotonic() - started >= 0.1  # it waited for Retry-After
     stored = _stored(local)
     assert stored.get_column("_error").null_count() == 12  # not a failure of the row
     assert stored.filter(pl.col(ID) == 3).get_column("_attempts").to_list() == [1]

@@ -177,7 +177,7 @@ def test_a_rate_limit_pauses_and_calls_the_row_again(tmp_path: Any) -> None:
 
     meta = stats(result)
     assert len(refused) == 1
-    assert meta["throttle_events"] == 1 and meta["throttled_seconds"] >= 0.05
+    assert meta["throttled_calls"] == 1, "the refused call waited and was sent again"
     assert meta["rows_failed"] == 0
     assert result.output_for_node(ASSET).get_column("label").null_count() == 0
 
