@@ -124,7 +124,7 @@ class Check:
                 f"it returned the id {raw[self.id_column]!r} for the row with id {row_id!r}; "
                 "leave the id out of the result, or return the row's own"
             )
-        return raw
+        return dict(raw)  # a copy: a function may reuse its dict for the next row
 
     def _new_keys(self, raw: Mapping[str, Any]) -> None:
         outputs = frozenset(k for k in raw if k != self.id_column)
@@ -136,7 +136,7 @@ class Check:
                 reserved = sorted(outputs & set(BOOKKEEPING))
                 if reserved:
                     raise Broken(f"its result uses reserved column names {reserved}")
-                self._outputs, self._keys = outputs, raw.keys()
+                self._outputs, self._keys = outputs, dict.fromkeys(raw).keys()
             elif outputs != self._outputs:
                 raise Broken(
                     f"it returned the keys {sorted(map(str, outputs))} for one row and "
