@@ -8,12 +8,14 @@ Where each part lives (ARCHITECTURE.md says more):
   ``compaction.py``: one checkpoint's files, read, merged and compacted; ``damage.py``: its
   damaged files; ``gaps.py``: its parts, listed when listings lag; ``lock.py``: its writer;
 - ``opening.py`` (job check, load, plan; ``resume.py``), ``calls.py`` (the user's function),
+  ``batches.py`` (what a call takes and returns), ``workers.py`` (threads or tasks),
   ``sink.py`` (flushes), ``runner.py`` (the loop): one run;
 - ``global_resume.py``: finished rows across every checkpoint of an asset;
 - ``function_fingerprint.py``: what counts as a change of the user's function;
 - ``settings.py``: run settings and their defaults; ``errors.py``: what can go wrong.
 """
 
+from checkpoint_assets.engine.batches import PerRow
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
     CheckpointError,
@@ -45,6 +47,7 @@ __all__ = [
     "MissingColumnsError",
     "OnInputChange",
     "OutageError",
+    "PerRow",
     "RunStats",
     "Scheme",
     "Settings",

@@ -32,28 +32,20 @@ import math
 import threading
 import time
 import types
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import polars as pl
-import pyarrow as pa
 
-from checkpoint_assets.engine.rows import ATTEMPTS, BOOKKEEPING, ERROR, INPUT_HASH, NO_RESULT
+from checkpoint_assets.engine.batches import Batch, Broken, Check, PerRow, Record, batches
 from checkpoint_assets.engine.throttle import Throttle, throttled
 
 BatchFn = Callable[[pl.DataFrame], Any]
 _MAX_ERROR_CHARS = 2000
 
-
 T = TypeVar("T")
-# What a step waits for, and for what: a slot of the shard's gate, a delay, a call.
-_ACQUIRE, _SLEEP, _CALL = "acquire", "sleep", "call"
-Steps = Generator[tuple[str, Any], Any, T]
-
-
-class Broken(Exception):
-    """The function is broken: retrying cannot help."""
+_Got = tuple[Record, pl.DataFrame | None]  # a checked result, and failures of rows it skipped
 
 
 def outage_threshold(max_attempts: int, batch_rows: int) -> int:
@@ -67,9 +59,10 @@ def outage_threshold(max_attempts: int, batch_rows: int) -> int:
 
 @dataclass
 class Outcome:
-    """Rows produced by processing one batch: successes and failures, plus call counts."""
+    """What processing one batch produced: results (records, see batches.py), stored failures,
+    and call counts."""
 
-    ok: list[pl.DataFrame] = field(default_factory=list)
+    ok: list[Record] = field(default_factory=list)
     failed: list[pl.DataFrame] = field(default_factory=list)
     calls: int = 0
     failed_calls: int = 0
@@ -77,11 +70,14 @@ class Outcome:
 
 
 class Caller:
-    """Calls ``fn`` on batches, sync or async, with rate limits, retries and splitting."""
+    """Calls ``fn`` on batches, sync or async, with rate limits, retries and splitting.
+
+    ``fn`` takes a frame of rows, or one row as a dict when it is wrapped in :class:`PerRow`.
+    """
 
     def __init__(
         self,
-        fn: BatchFn,
+        fn: BatchFn | PerRow,
         id_column: str,
         *,
         max_attempts: int = 3,
@@ -89,8 +85,10 @@ class Caller:
         outage_after: int | None = None,
         throttle: Throttle | None = None,
     ) -> None:
-        self.fn = fn
+        self.per_row = isinstance(fn, PerRow)
+        self.fn: Callable[[Any], Any] = fn.fn if isinstance(fn, PerRow) else fn
         self.id_column = id_column
+        self.check = Check(id_column)
         self.max_attempts = max(1, max_attempts)
         self.retry_delay_seconds = retry_delay_seconds
         self.outage_after = outage_after  # consecutive failed calls that mean an outage
@@ -102,16 +100,20 @@ class Caller:
         self._started = 0  # calls started so far; each call's number orders it
         self._streak = 0  # consecutive failed calls
         self._streak_began = 0  # calls started when the streak's first failure was seen
-        self._columns: list[str] | None = None  # what the function sees of a batch
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
-        if inspect.iscoroutinefunction(fn):
+        self._blocking = not inspect.iscoroutinefunction(self.fn)
+        if not self._blocking:
             self._start_loop()
 
     @property
     def stopping(self) -> bool:
         """The shard stops: an outage, a broken function, or the quota looks spent."""
         return self.outage or self.broken is not None or self.throttle.spent is not None
+
+    def batches(self, todo: pl.DataFrame, size: int) -> Iterator[Batch]:
+        """The batches of ``todo`` as this function takes them (see batches.py)."""
+        return batches(todo, self.id_column, size, self.per_row)
 
     # -- the event loop of an ``async def`` function ---------------------------------------
     @property
@@ -133,13 +135,12 @@ class Caller:
             self._loop.close()
             self._loop = None
 
-    def _call_fn(self, batch: pl.DataFrame) -> Any:
-        # The one place the function is called (a coroutine comes back for ``async def``):
-        # a TypeError raised right here is a signature that does not fit the call.
-        return self.fn(batch)
-
-    # -- drivers: the steps below, run by threads or by the event loop ---------------------
-    def process(self, batch: pl.DataFrame) -> Outcome:
+    # -- the drivers: the steps below, on a worker thread or on the event loop --------------
+    # The steps are written once, as coroutines. What they wait for (a slot of the shard's
+    # gate, a delay, a call) blocks a worker thread for a plain function, so there they never
+    # suspend and run to their end without an event loop; for an ``async def`` function they
+    # are awaited on its event loop. These three waits are the whole difference.
+    def process(self, batch: Batch) -> Outcome:
         """Results for every row of ``batch`` (rows the function skipped count as failed).
 
         For an ``async def`` function this blocks the calling thread while the event loop
@@ -147,80 +148,34 @@ class Caller:
         """
         if self._loop is not None:
             return asyncio.run_coroutine_threadsafe(self.aprocess(batch), self._loop).result()
-        steps = self._process(batch)
-        value: Any = None
-        error: Exception | None = None
-        while True:
-            try:
-                kind, arg = steps.send(value) if error is None else steps.throw(error)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-            value, error = None, None
-            if kind == _ACQUIRE:
-                value = self.throttle.acquire()
-            elif kind == _SLEEP:
-                time.sleep(arg)
-            else:
-                try:
-                    value = self._call_fn(arg)
-                except Exception as e:
-                    error = e
+        return run_blocking(self.aprocess(batch))
 
-    async def aprocess(self, batch: pl.DataFrame) -> Outcome:
-        """:meth:`process` for an ``async def`` function, on its event loop."""
-        steps = self._process(batch)
-        value: Any = None
-        error: Exception | None = None
-        while True:
-            try:
-                kind, arg = steps.send(value) if error is None else steps.throw(error)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-            value, error = None, None
-            if kind == _ACQUIRE:
-                value = await self.throttle.acquire_async()
-            elif kind == _SLEEP:
-                await asyncio.sleep(arg)
-            else:
-                try:
-                    value = await self._call_fn(arg)
-                except Exception as e:
-                    error = e
+    async def aprocess(self, batch: Batch) -> Outcome:
+        """:meth:`process` as a coroutine (on the event loop of an ``async def`` function)."""
+        outcome = Outcome()
+        await self._attempt(batch, self.max_attempts, 0, outcome)
+        return outcome
 
-    # -- checking a result ---------------------------------------------------------------
-    def _check(self, raw: Any, batch: pl.DataFrame) -> pl.DataFrame:
-        out = _as_frame(raw)
-        if out is None:
-            raise Broken(
-                f"it returned {type(raw).__name__}; it must return a polars DataFrame "
-                f"with the id column {self.id_column!r} and the output columns"
-            )
-        if self.id_column not in out.columns:
-            raise Broken(
-                f"its result has no id column {self.id_column!r} "
-                f"(columns: {out.columns}); return the id with each result"
-            )
-        reserved = [c for c in out.columns if c in BOOKKEEPING]
-        if reserved:
-            raise Broken(f"its result uses reserved column names {reserved}")
-        ids = out.get_column(self.id_column)
-        wanted = batch.get_column(self.id_column)
-        if ids.dtype == wanted.dtype and ids.equals(wanted):
-            return out  # the batch's own ids in its order (the usual case): nothing to check
-        if ids.null_count():
-            raise Broken("it returned results with a null id")
-        if ids.n_unique() != out.height:
-            raise Broken("it returned more than one result for some ids")
-        if ids.dtype != wanted.dtype:
-            try:
-                out = out.with_columns(pl.col(self.id_column).cast(wanted.dtype, strict=True))
-            except Exception as e:
-                raise Broken(f"it returned ids of type {ids.dtype}: {e}") from e
-        unknown = out.join(batch.select(self.id_column), on=self.id_column, how="anti")
-        if unknown.height:
-            sample = unknown.get_column(self.id_column).head(5).to_list()
-            raise Broken(f"it returned ids that were not in its batch: {sample}")
-        return out
+    async def _acquire(self) -> float | None:
+        if self._blocking:
+            return self.throttle.acquire()
+        return await self.throttle.acquire_async()
+
+    async def _sleep(self, seconds: float) -> None:
+        if self._blocking:
+            time.sleep(seconds)
+        else:
+            await asyncio.sleep(seconds)
+
+    async def _invoke(self, argument: Any) -> Any:
+        if self._blocking:
+            return self._call_fn(argument)
+        return await self._call_fn(argument)
+
+    def _call_fn(self, argument: Any) -> Any:
+        # The one place the function is called (a coroutine comes back for ``async def``):
+        # a TypeError raised right here is a signature that does not fit the call.
+        return self.fn(argument)
 
     # -- the outage breaker --------------------------------------------------------------
     def _start(self) -> int:
@@ -250,31 +205,23 @@ class Caller:
             return not self.outage
 
     # -- the steps of a batch: rate limits, retries and splitting ------------------------
-    # Written once as generators that yield what to wait for (a slot, a delay, a call); the
-    # drivers above run them with threads or on the event loop.
-    def _process(self, batch: pl.DataFrame) -> Steps[Outcome]:
-        outcome = Outcome()
-        yield from self._attempt(batch, self.max_attempts, 0, outcome)
-        return outcome
-
-    def _call(self, batch: pl.DataFrame, outcome: Outcome) -> Steps[pl.DataFrame | str | None]:
+    async def _call(self, batch: Batch, used: int, outcome: Outcome) -> _Got | str | None:
         """One call through the shard's gate, again and again while it is rate limited.
 
-        Returns the result, the error of a failed call, or None when the shard stops.
+        Returns the checked result (and the failures of rows it skipped), the error of a
+        failed call, or None when the shard stops. ``used``: calls of these rows, this one too.
         """
-        if self._columns is None:
-            self._columns = [c for c in batch.columns if c not in BOOKKEEPING]
         refusals = 0  # of this call in a row
         while True:
-            started = yield (_ACQUIRE, None)
+            started = await self._acquire()
             if started is None or self.stopping:
                 if started is not None:
                     self.throttle.release(False)
                 return None
             number = self._start()
             try:
-                raw = yield (_CALL, batch[self._columns])
-                out = self._check(raw, batch)
+                raw = await self._invoke(batch.argument)
+                got = batch.results(raw, used, self.check)
             except Broken as e:
                 self._broke(str(e))
                 return None
@@ -287,7 +234,7 @@ class Caller:
                     if delay > 0:
                         # This call waits, keeping its slot so no other call takes its place;
                         # the others go on. Then it queues again (a pause, a lowered limit).
-                        yield (_SLEEP, delay)
+                        await self._sleep(delay)
                     self.throttle.release(False)
                     continue
                 if _is_bug(e, Caller._call_fn.__code__):
@@ -297,12 +244,12 @@ class Caller:
                 outcome.calls += 1
                 outcome.failed_calls += 1
                 self.last_error = _describe(e)
-                fresh = bool(batch.get_column(ATTEMPTS).min() == 0)  # a row never tried before
+                fresh = batch.fresh  # a row never tried before
                 return self.last_error if self._finish(False, number, fresh) else None
             self.throttle.release(True)
             outcome.calls += 1
             self._finish(True, number)  # a result paid for is kept, outage or not
-            return out
+            return got
 
     def _broke(self, problem: str) -> None:
         self.throttle.release(False)
@@ -311,9 +258,7 @@ class Caller:
                 self.broken = problem
         self.throttle.stop()
 
-    def _attempt(
-        self, batch: pl.DataFrame, attempts: int, before: int, outcome: Outcome
-    ) -> Steps[bool]:
+    async def _attempt(self, batch: Batch, attempts: int, before: int, outcome: Outcome) -> bool:
         """Try ``batch`` up to ``attempts`` times, then split. False when the run must stop.
 
         ``before`` counts the calls that already included these rows (for ``_attempts``).
@@ -321,27 +266,36 @@ class Caller:
         error = ""
         for attempt in range(attempts):
             if attempt:
-                yield (_SLEEP, self.retry_delay_seconds * 2 ** (attempt - 1))
-            got = yield from self._call(batch, outcome)
+                await self._sleep(self.retry_delay_seconds * 2 ** (attempt - 1))
+            got = await self._call(batch, before + attempt + 1, outcome)
             if got is None:
                 return False
             if isinstance(got, str):
                 error = got
                 continue
-            used = before + attempt + 1
-            outcome.ok.append(_successes(got, batch, self.id_column, used))
-            if got.height < batch.height:  # its ids are unique and from the batch (checked)
-                missing = batch.join(got.select(self.id_column), on=self.id_column, how="anti")
-                outcome.failed.append(_failures(missing, self.id_column, NO_RESULT, used))
+            record, missing = got
+            outcome.ok.append(record)
+            if missing is not None:
+                outcome.failed.append(missing)
             return not self.stopping
         used = before + attempts
         if batch.height == 1:
-            outcome.failed.append(_failures(batch, self.id_column, error, used))
+            outcome.failed.append(batch.failures(error, used, self.id_column))
             return True
-        half = batch.height // 2
-        if not (yield from self._attempt(batch.head(half), 1, used, outcome)):
+        head, tail = batch.halves()
+        if not await self._attempt(head, 1, used, outcome):
             return False
-        return (yield from self._attempt(batch.slice(half), 1, used, outcome))
+        return await self._attempt(tail, 1, used, outcome)
+
+
+def run_blocking(steps: Coroutine[Any, Any, T]) -> T:
+    """Run steps whose every wait blocks the thread: they never suspend, so need no event loop."""
+    try:
+        steps.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    steps.close()
+    raise RuntimeError("a step of a plain function waited on an event loop")
 
 
 def _is_bug(e: BaseException, call_site: types.CodeType) -> bool:
@@ -363,50 +317,6 @@ def _raised_at(e: BaseException, call_site: types.CodeType) -> bool:
     return tb.tb_frame.f_code is call_site
 
 
-def _as_frame(raw: Any) -> pl.DataFrame | None:
-    if isinstance(raw, pl.DataFrame):
-        return raw
-    if isinstance(raw, pl.LazyFrame):
-        return raw.collect()
-    if isinstance(raw, (pa.Table, pa.RecordBatch)):
-        frame = pl.from_arrow(raw)
-        return frame if isinstance(frame, pl.DataFrame) else None
-    if isinstance(raw, dict):
-        return pl.DataFrame(raw)
-    return None
-
-
 def _describe(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}"
     return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
-
-
-_NO_ERROR = pl.Series(ERROR, [None], dtype=pl.String)
-
-
-def _successes(out: pl.DataFrame, batch: pl.DataFrame, id_column: str, used: int) -> pl.DataFrame:
-    if out.get_column(id_column).equals(batch.get_column(id_column)):  # same ids, same order
-        attempts = batch.get_column(ATTEMPTS)
-        return out.hstack(  # plain Series: a tenth of the cost of expressions on small batches
-            [
-                (attempts + used)
-                if attempts.dtype == pl.Int32
-                else (attempts + used).cast(pl.Int32),
-                batch.get_column(INPUT_HASH),
-                _NO_ERROR if out.height == 1 else _NO_ERROR.new_from_index(0, out.height),
-            ]
-        )
-    joined = out.join(batch.select(id_column, ATTEMPTS, INPUT_HASH), on=id_column, how="left")
-    return joined.with_columns(
-        pl.lit(None, pl.String).alias(ERROR),
-        (pl.col(ATTEMPTS) + used).cast(pl.Int32).alias(ATTEMPTS),
-    )
-
-
-def _failures(rows: pl.DataFrame, id_column: str, error: str, used: int) -> pl.DataFrame:
-    return rows.select(
-        id_column,
-        INPUT_HASH,
-        pl.lit(error, pl.String).alias(ERROR),
-        (pl.col(ATTEMPTS) + used).cast(pl.Int32).alias(ATTEMPTS),
-    )

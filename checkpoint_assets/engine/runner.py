@@ -16,10 +16,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import dataclasses
 import logging
-import queue
 import signal
 import threading
 import time
@@ -28,7 +27,8 @@ from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine import hashing
+from checkpoint_assets.engine import hashing, workers
+from checkpoint_assets.engine.batches import Batch, PerRow, Record, build, height
 from checkpoint_assets.engine.calls import BatchFn, Caller, Outcome, outage_threshold
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
@@ -62,7 +62,7 @@ def prepare(df: pl.DataFrame, settings: Settings) -> pl.DataFrame:
 
 
 def run(
-    fn: BatchFn,
+    fn: BatchFn | PerRow,
     inputs: pl.DataFrame,
     checkpoint: Checkpoint | None,
     settings: Settings,
@@ -78,6 +78,8 @@ def run(
 ) -> tuple[pl.DataFrame, RunStats]:
     """Run ``fn`` over ``inputs`` (already ``prepare()``d) with resume and checkpointing.
 
+    ``fn`` takes a frame of rows, or one row as a dict when wrapped in :class:`PerRow` (one row
+    per call then: ``batch_size`` must be unset or 1).
     Returns the result (id, outputs, ``_error``; one row per input id) and the run's stats.
     With ``checkpointing`` off, ``checkpoint`` is ignored and nothing is read or written.
     ``job``: the settings that change results (their fingerprint identifies the job).
@@ -89,6 +91,8 @@ def run(
     finishes, the checkpoint records this one. None: nothing is compared or recorded.
     """
     log = logger or logging.getLogger("checkpoint_assets")
+    if isinstance(fn, PerRow):
+        settings = _one_row_per_call(settings, label)
     stats = RunStats(rows_total=inputs.height)
     stats.input_fingerprint = hashing.fingerprint(inputs.get_column(INPUT_HASH).to_numpy())
     label = label or "checkpoint"
@@ -147,12 +151,23 @@ def run(
         stats.requests = dict(checkpoint.store.requests)
 
 
+def _one_row_per_call(settings: Settings, label: str) -> Settings:
+    if settings.batch_size not in (None, 1):
+        raise CheckpointError(
+            f"{label or 'checkpoint'}: batch_size={settings.batch_size}, but the function takes "
+            "one row (a dict) per call.",
+            "Leave batch_size unset for a per-row function, or take a frame of rows "
+            "(annotate the first parameter as pl.DataFrame).",
+        )
+    return dataclasses.replace(settings, batch_size=1)
+
+
 class Run:
     """The loop of one run: dispatch batches, absorb their outcomes, report progress."""
 
     def __init__(
         self,
-        fn: BatchFn,
+        fn: BatchFn | PerRow,
         inputs: pl.DataFrame,
         settings: Settings,
         opened: Opened,
@@ -178,6 +193,10 @@ class Run:
         self.todo_rows = opened.plan.todo.height
         self.done_rows = 0
         self.failed_rows = 0  # rows this run stored as failed (for progress lines)
+        # Rows done and not yet handed to the sink: built into one frame when a flush is due.
+        self.pending: list[Record] = []
+        self.pending_failed: list[pl.DataFrame] = []
+        self.pending_rows = 0
         self.suspect: list[pl.DataFrame] = []  # failures that an outage may still disown
         self.last_error = ""
         self.outage_at = outage_threshold(settings.max_attempts, settings.batch_rows)
@@ -198,7 +217,7 @@ class Run:
                 try:
                     stopped = self.work(self.opened.todo)
                 except BaseException:
-                    self.sink.flush_before_leaving(self.log)
+                    self._keep_what_is_done()
                     raise
             return self.close(stopped)
         finally:
@@ -223,95 +242,125 @@ class Run:
             throttle=self.throttle,
         )
         try:
-            for outcome in self._outcomes(caller, todo):
-                if caller.outage:
-                    # Failures seen during an outage say nothing about the rows; results of
-                    # calls that succeeded before it (batches still in flight) are kept.
-                    self.suspect.clear()
-                    outcome.failed.clear()
-                self._absorb(outcome)
-                self.sink.maybe_flush()
+            for outcomes in self._outcomes(caller, todo):
+                self._absorb(outcomes, outage=caller.outage)
+                self._settle()
                 self._maybe_progress()
         finally:
             caller.close()
+        if caller.outage:
+            # Failures seen during an outage say nothing about the rows; results of calls
+            # that succeeded before it (batches still in flight) are kept.
+            self.suspect.clear()
+        self.pending_failed += self.suspect
+        self.suspect = []
+        self._commit()
         if caller.broken is not None:
-            self._commit(self.suspect)
             return FunctionError(self.label, caller.broken, self.done_rows)
         if caller.outage:
-            self.suspect.clear()
             last = caller.last_error or "every call failed"
             return OutageError(self.label, self.outage_at, last, self.done_rows)
-        self._commit(self.suspect)
-        self.suspect = []
         spent = self.throttle.quota_spent
         if spent is not None:
             return QuotaExhaustedError(self.label, spent, self.done_rows)
         return None
 
-    def _outcomes(self, caller: Caller, todo: pl.DataFrame) -> Iterator[Outcome]:
-        size = self.s.batch_rows
-        batches = (todo.slice(i, size) for i in range(0, todo.height, size))
+    def _outcomes(self, caller: Caller, todo: pl.DataFrame) -> Iterator[list[Outcome]]:
+        """The outcomes of the batches, as many at a time as are ready."""
+        batches = caller.batches(todo, self.s.batch_rows)
         if self.s.max_concurrency <= 1:
             for batch in batches:
-                yield caller.process(batch)
+                yield [caller.process(batch)]
                 if caller.stopping:
                     return
             return
         yield from self._concurrently(caller, batches)
 
-    def _concurrently(self, caller: Caller, batches: Iterator[pl.DataFrame]) -> Iterator[Outcome]:
+    def _concurrently(self, caller: Caller, batches: Iterator[Batch]) -> Iterator[list[Outcome]]:
         """``max_concurrency`` workers take batches and call the function; their outcomes come
-        back here, to the one thread that hands results to the sink.
-
-        Workers are threads, or tasks on the event loop of an ``async def`` function. A worker
-        goes on to its next batch as soon as a call returns, without a round trip through this
-        thread. A batch holds a slot from when a worker takes it until its outcome is absorbed
-        here, so calls in flight and results waiting for this thread are ``batches_held``
-        batches at most: while this thread waits for storage, workers stop taking batches. The
-        shard's throttle decides how many of them may call the function at a time (fewer while
-        the endpoint rate limits).
-        """
-        results: queue.SimpleQueue[Outcome | BaseException | None] = queue.SimpleQueue()
-        workers = self.s.max_concurrency
-        start = _tasks if caller.loop is not None else _threads
-        release, leave = start(caller, batches, workers, self.s.batches_held, results)
-        running = workers
+        back here, to the one thread that hands results to the sink, several at a time (see
+        workers.py). The shard's throttle decides how many of them may call the function at a
+        time (fewer while the endpoint rate limits)."""
+        handoff = workers.start(caller, batches, self.s.max_concurrency, self.s.batches_held)
+        running = self.s.max_concurrency
         try:
             while running:
-                try:
-                    item = results.get(timeout=self._poll_seconds())
-                except queue.Empty:
-                    self.sink.maybe_flush()  # a flush may be due by time, or the writer free
+                items = handoff.wait(self._poll_seconds())
+                if not items:
+                    self._settle()  # a flush may be due by time, or the writer free
                     continue
-                release()  # the batch's slot (or, at a worker's end, one for the next to end)
-                if item is None:
-                    running -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
+                handoff.release(len(items))  # the batches' slots (at a worker's end, its own)
+                outcomes = [i for i in items if isinstance(i, Outcome)]
+                running -= items.count(None)
+                if outcomes:
+                    yield outcomes
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
         finally:
-            leave()  # on an exception or a stop: finish the calls in flight, take no more
+            handoff.leave()  # on an exception or a stop: finish the calls in flight, take no more
 
     def _poll_seconds(self) -> float:
         """How long to wait for a call before looking at the sink again: briefly while rows
         wait for the writer to be free, else until a time-based flush could be due."""
-        return 0.05 if self.sink.buffered_rows else self.s.flush_seconds
+        waiting = self.pending_rows or self.sink.buffered_rows
+        return 0.05 if waiting else self.s.flush_seconds
 
-    def _absorb(self, outcome: Outcome) -> None:
-        self.stats.calls += outcome.calls
-        self.stats.failed_calls += outcome.failed_calls
-        self.stats.throttled_calls += outcome.throttled_calls
-        if outcome.ok:
-            if self.sink.outputs is None:
-                self._check_usage(outcome.ok[0])
-            self.sink.learn_outputs(outcome.ok[0])
-            self._commit(self.suspect + outcome.ok + outcome.failed)
+    def _absorb(self, outcomes: list[Outcome], *, outage: bool) -> None:
+        for outcome in outcomes:
+            self.stats.calls += outcome.calls
+            self.stats.failed_calls += outcome.failed_calls
+            self.stats.throttled_calls += outcome.throttled_calls
+            if outage:
+                # Failures seen during an outage say nothing about the rows; results of calls
+                # that succeeded before it (batches still in flight) are kept.
+                self.suspect.clear()
+                outcome.failed.clear()
+            if outcome.failed:
+                self.last_error = str(outcome.failed[-1].get_column(ERROR)[-1])
+            if not outcome.ok:
+                self.suspect.extend(outcome.failed)  # until a success shows the endpoint works
+                continue
+            self.pending.extend(outcome.ok)
+            self.pending_rows += sum(height(r) for r in outcome.ok)
+            for failed in (self.suspect, outcome.failed):
+                self.pending_failed.extend(failed)
+                self.pending_rows += sum(f.height for f in failed)
             self.suspect = []
-        else:
-            self.suspect.extend(outcome.failed)
-        if outcome.failed:
-            self.last_error = str(outcome.failed[-1].get_column(ERROR)[-1])
+
+    def _settle(self) -> None:
+        """Hand the rows done to the sink when a flush of them is due, and the first result at
+        once: its output columns must be storable before more calls are paid for."""
+        if self.sink.due(self.pending_rows):
+            self._commit()
+            self.sink.flush()
+        elif self.pending and self.sink.outputs is None:
+            self._commit()
+
+    def _keep_what_is_done(self) -> None:
+        """On an exception: store the rows done, without hiding the exception."""
+        try:
+            self._commit()
+        except Exception as e:  # the original exception matters more
+            self.log.error("Could not keep the last results before stopping: %s", e)
+        self.sink.flush_before_leaving(self.log)
+
+    def _commit(self) -> None:
+        """Build the rows done into one frame (see batches.py), check their output columns and
+        types, count them and hand them to the sink. A result whose types changed raises, after
+        the rows before it are handed over."""
+        frames = build(self.pending, self.id, self.inputs.schema[self.id])
+        checked: list[pl.DataFrame] = []
+        for frame in frames:
+            try:
+                if self.sink.outputs is None:
+                    self._check_usage(frame)
+                self.sink.learn_outputs(frame)
+            except CheckpointError:
+                self._hand_over(checked + self.pending_failed)  # the rest is refused
+                raise
+            checked.append(frame)
+        self._hand_over(checked + self.pending_failed)
 
     def _check_usage(self, sample: pl.DataFrame) -> None:
         bad = [
@@ -327,22 +376,28 @@ class Run:
                 "Return them from the function, or remove them from usage_columns.",
             )
 
-    def _commit(self, frames: Sequence[pl.DataFrame]) -> None:
+    def _hand_over(self, frames: Sequence[pl.DataFrame]) -> None:
         frames = [f for f in frames if f.height]
         if not frames:
+            self.pending, self.pending_failed, self.pending_rows = [], [], 0
             return
         computed = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
         done = computed
         if self.opened.copies is not None and self.opened.copies.rows.height:
             copies = self.opened.copies.of(computed, self.id)
             done = pl.concat([computed, copies], how="diagonal_relaxed")
-        self.stats.rows_computed += computed.height
-        for c in self.usage:
+        rows_computed = self.stats.rows_computed + computed.height
+        usage = dict(self.usage)
+        for c in usage:
             if c in computed.columns:
-                self.usage[c] += float(computed.get_column(c).sum() or 0)
+                usage[c] += float(computed.get_column(c).sum() or 0)
+        failed = done.height - done.get_column(ERROR).null_count()
+        # Nothing below can fail: the rows are counted once, and handed over once.
+        self.pending, self.pending_failed, self.pending_rows = [], [], 0
+        self.stats.rows_computed, self.usage = rows_computed, usage
         self.stats.rows_reused += done.height - computed.height
         self.done_rows += done.height
-        self.failed_rows += done.height - done.get_column(ERROR).null_count()
+        self.failed_rows += failed
         self.sink.add(done)
 
     def _maybe_progress(self) -> None:
@@ -405,89 +460,6 @@ class Run:
             if c not in stored.columns:
                 stored = stored.with_columns(pl.lit(None).alias(c))
         return stored.select(self.id, *outputs, ERROR)
-
-
-Results = queue.SimpleQueue[Outcome | BaseException | None]
-
-
-def _threads(
-    caller: Caller, batches: Iterator[pl.DataFrame], workers: int, held: int, results: Results
-) -> tuple[Callable[[], None], Callable[[], None]]:
-    """Start ``workers`` threads taking batches while fewer than ``held`` are out; returns how
-    to release a slot and how to make them leave."""
-    slots = threading.Semaphore(held)
-    take = threading.Lock()
-    leaving = threading.Event()
-
-    def work() -> None:
-        try:
-            while True:
-                slots.acquire()
-                if leaving.is_set() or caller.stopping:
-                    return
-                with take:
-                    batch = next(batches, None)
-                if batch is None:
-                    return
-                results.put(caller.process(batch))
-        except BaseException as e:  # handed to the loop, which raises it
-            results.put(e)
-        finally:
-            results.put(None)  # this worker is done
-
-    for i in range(workers):
-        threading.Thread(target=work, name=f"checkpoint-{i}", daemon=True).start()
-
-    def leave() -> None:
-        leaving.set()
-        slots.release(workers)
-
-    return slots.release, leave
-
-
-def _tasks(
-    caller: Caller, batches: Iterator[pl.DataFrame], workers: int, held: int, results: Results
-) -> tuple[Callable[[], None], Callable[[], None]]:
-    """Start ``workers`` tasks on the function's event loop (one thread for every call)."""
-    loop = caller.loop
-    assert loop is not None
-    slots = asyncio.Semaphore(held)
-    leaving = threading.Event()
-
-    async def work() -> None:
-        try:
-            while True:
-                await slots.acquire()
-                if leaving.is_set() or caller.stopping:
-                    return
-                batch = next(batches, None)  # only this loop's thread takes batches
-                if batch is None:
-                    return
-                results.put(await caller.aprocess(batch))
-        except BaseException as e:  # handed to the loop, which raises it
-            results.put(e)
-        finally:
-            results.put(None)
-
-    tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references to tasks
-
-    async def start() -> None:
-        for _ in range(workers):
-            task = loop.create_task(work())
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-
-    asyncio.run_coroutine_threadsafe(start(), loop).result()
-
-    def release() -> None:
-        loop.call_soon_threadsafe(slots.release)
-
-    def leave() -> None:
-        leaving.set()
-        for _ in range(workers):
-            loop.call_soon_threadsafe(slots.release)
-
-    return release, leave
 
 
 @contextlib.contextmanager

@@ -2,7 +2,10 @@
 
 Both take computed rows with ``add`` and flush every ``checkpoint_interval`` rows or
 ``flush_seconds``, never more often than ``min_flush_seconds``; ``finish`` returns every stored
-row of the run's result. The run loop does not know which one it has.
+row of the run's result. The run loop does not know which one it has. It keeps the rows done as
+the calls returned them until ``due`` says a flush of them should start, then builds them into
+one frame and hands it over with ``add`` (see batches.py): they are the buffer below as much as
+the rows handed over.
 
 ``PartWriter`` hands each flush to a background thread that writes the part and compacts while
 the function works on. At most one flush is in flight, and dispatching never waits for it
@@ -134,18 +137,18 @@ class Sink:
         self.buffer.append(computed)
         self.buffered_rows += computed.height
 
-    def maybe_flush(self) -> None:
-        """Flush when due, unless the previous flush is still being written and the buffer is
-        within ``max_unflushed``: then these rows join the next flush (group commit)."""
-        if not self.buffered_rows:
-            return
+    def due(self, pending: int = 0) -> bool:
+        """Whether to flush the buffer and ``pending`` more rows done now: a flush is due, and
+        the previous one is written or they outgrew ``max_unflushed`` (else they join the next
+        flush: group commit)."""
+        rows = self.buffered_rows + pending
+        if not rows:
+            return False
         since = time.monotonic() - self.last_flush
-        due = self.buffered_rows >= self.interval or since >= self.flush_seconds
+        due = rows >= self.interval or since >= self.flush_seconds
         if not due or since < self.min_flush_seconds:
-            return
-        if self.busy() and self.buffered_rows < self.max_unflushed:
-            return
-        self.flush()
+            return False
+        return not (self.busy() and rows < self.max_unflushed)
 
     def busy(self) -> bool:
         """Whether a flush is still being written."""

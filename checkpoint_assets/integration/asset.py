@@ -168,7 +168,7 @@ def checkpointed_asset(
 
     def decorator(fn: Callable[..., Any]) -> dg.AssetsDefinition:
         asset_name = name or fn.__name__
-        signature = Signature.of(fn)
+        signature = Signature.of(fn, batch_size)
         code = function_fingerprint.of_function(fn)  # resources add theirs at run time
         base = Settings(
             id_column=id_column,
