@@ -76,14 +76,15 @@ class GcsEmulator:
                 time.sleep(0.1)
 
     def options(self) -> dict[str, Any]:
-        return {"endpoint_url": self.endpoint, "token": "anon", "project": "test"}
+        """The storage_options docs/operations.md gives for a GCS emulator."""
+        return {"endpoint_url": self.endpoint, "token": "anon"}
 
     def new_storage(self) -> tuple[str, dict[str, Any]]:
         """(base_dir, storage_options) in a fresh, empty bucket."""
         from gcsfs.core import GCSFileSystem
 
         bucket = f"test-{uuid.uuid4().hex[:12]}"
-        GCSFileSystem(**self.options(), skip_instance_cache=True).mkdir(bucket)
+        GCSFileSystem(**self.options(), project="test", skip_instance_cache=True).mkdir(bucket)
         return f"gs://{bucket}/checkpoints", self.options()
 
     def stop(self) -> None:

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from helpers.jobs import ASSET, Storage, build_job, route, stats, tickets
+from helpers.jobs import ASSET, Storage, build_job, parts_by_partition, route, stats, tickets
+
+from checkpoint_assets.cli import main as cli
 
 HERE = Path(__file__).parent
 TESTS = Path(__file__).parents[1]
@@ -119,3 +121,17 @@ def test_two_runs_started_together_one_writes_the_other_is_refused(cloud: Storag
     assert "LockHeldError" in refused
     result = build_job(cloud, tickets(600)).checkpoint().read_result("ticket_id", ["route"])
     assert result.height == 600
+
+
+def test_the_cli_reads_a_checkpoint_with_the_documented_options(
+    cloud: Storage, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base_dir, options = cloud
+    build_job(cloud, tickets(20)).materialize()
+    # As docs/operations.md writes them: -o endpoint_url=... -o token=anon (GCS),
+    # -o connection_string=... (Azure).
+    flags = [f"-o{key}={value}" for key, value in options.items()]
+
+    assert cli(["status", base_dir, *flags]) == 0
+    assert parts_by_partition(capsys.readouterr().out) == {"all": "0"}
+    assert cli(["verify", base_dir, *flags]) == 0
