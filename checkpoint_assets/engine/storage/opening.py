@@ -44,7 +44,8 @@ _S3FS_RETRIES = 2
 
 
 def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Store:
-    """The store for a local path or fsspec URI (``s3://bucket/prefix``, ``gs://...``).
+    """The store for a local path or fsspec URI (``s3://bucket/prefix``, ``gs://...``,
+    ``az://container/prefix``).
 
     ``storage_options`` go to the filesystem's constructor (for s3fs: ``key``, ``secret``,
     ``token``, ``endpoint_url``, ``client_kwargs``, ``config_kwargs``...). Without them s3fs
@@ -100,7 +101,7 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> St
     return ObjectStore(fs, root, f"{protocol}://{root}")
 
 
-def _filesystem_class(protocol: str) -> type:
+def _filesystem_class(protocol: str) -> type[fsspec.AbstractFileSystem]:
     """fsspec's filesystem for ``protocol``; for GCS, gcsfs's JSON-API one.
 
     gcsfs's default class (its "extended" one) first asks the Storage Control API, over gRPC,
@@ -112,8 +113,8 @@ def _filesystem_class(protocol: str) -> type:
     if protocol in _GCS:
         from gcsfs.core import GCSFileSystem
 
-        return GCSFileSystem
-    return fsspec.get_filesystem_class(protocol)
+        return GCSFileSystem  # type: ignore[no-any-return]
+    return fsspec.get_filesystem_class(protocol)  # type: ignore[no-any-return]
 
 
 # Options every fsspec filesystem takes besides its own (AbstractFileSystem, AsyncFileSystem).
