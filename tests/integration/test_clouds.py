@@ -30,7 +30,7 @@ def cloud(request: pytest.FixtureRequest) -> Storage:
 
 
 def _slow_route(batch: pl.DataFrame) -> pl.DataFrame:
-    time.sleep(0.02)
+    time.sleep(0.005 * batch.height)  # 200 rows per second, whatever the batch size
     return route(batch)
 
 
