@@ -3,6 +3,8 @@
 The S3 side talks real HTTP to moto's server mode on 127.0.0.1 (started once per session),
 never an in-process mock of boto. The server counts the requests it serves per bucket
 (``s3_requests``), so tests can hold the engine's own request counters to what really happened.
+GCS and Azure Blob run against their emulators (``helpers/clouds.py``), started once per session
+by the tests that ask for them.
 """
 
 from __future__ import annotations
@@ -135,6 +137,26 @@ def storage(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[st
         return str(tmp_path / "checkpoints"), {}
     endpoint = request.getfixturevalue("s3_server")
     return f"s3://{make_bucket(endpoint)}/checkpoints", s3_options(endpoint)
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[Any]:
+    """The session's GCS emulator (see ``helpers.clouds.GcsEmulator``)."""
+    from helpers.clouds import GcsEmulator
+
+    server = GcsEmulator()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def azure_server() -> Iterator[Any]:
+    """The session's Azurite (see ``helpers.clouds.AzuriteEmulator``)."""
+    from helpers.clouds import AzuriteEmulator
+
+    server = AzuriteEmulator()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""The storage contract: the five operations behave the same on local
-disk and on S3, and a scheme that cannot be used fails with an error that says what to install.
+"""The storage contract: the five operations behave the same on local disk, on S3 (moto), on GCS
+(fake-gcs-server) and on Azure Blob (Azurite), and a scheme that cannot be used fails with an
+error that says what to install.
 """
 
 from __future__ import annotations
@@ -13,6 +14,17 @@ from helpers.jobs import Storage
 
 from checkpoint_assets import StorageError
 from checkpoint_assets.engine.storage import Store, open_store
+
+
+@pytest.fixture(params=["local", "s3", "gcs", "azure"])
+def storage(request: pytest.FixtureRequest, tmp_path: Any) -> Storage:
+    """(base_dir, storage_options) of an empty checkpoint root on each backend."""
+    if request.param == "local":
+        return str(tmp_path / "checkpoints"), {}
+    if request.param == "s3":
+        return request.getfixturevalue("new_s3_storage")()  # type: ignore[no-any-return]
+    server = request.getfixturevalue(f"{request.param}_server")
+    return server.new_storage()  # type: ignore[no-any-return]
 
 
 def _store(storage: Storage, *, own_client: bool = False) -> Store:
@@ -146,10 +158,10 @@ def test_display_gives_a_uri_the_user_can_paste(storage: Storage) -> None:
     assert store.display(store.path("a", "b.parquet")) == f"{base_dir.rstrip('/')}/a/b.parquet"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed")
+@pytest.mark.skipif(importlib.util.find_spec("ocifs") is not None, reason="ocifs is installed")
 def test_a_scheme_without_its_package_names_the_package_to_install() -> None:
-    with pytest.raises(StorageError, match=r"pip install gcsfs"):
-        open_store("gs://bucket/checkpoints")
+    with pytest.raises(StorageError, match=r"pip install ocifs"):
+        open_store("oci://bucket/checkpoints")
 
 
 def test_an_unknown_scheme_fails_clearly() -> None:

@@ -2,7 +2,10 @@
 
 - ``ObjectStore``: any non-local fsspec filesystem (GCS, Azure...). No temporary object, no
   copy-then-delete "rename". Directory-listing caches are off so a resume sees what the previous
-  run committed.
+  run committed. The conditional create is fsspec's ``pipe_file(mode="create")``: gcsfs sends
+  ``ifGenerationMatch=0`` and adlfs ``If-None-Match: *``, which the server refuses (412/409,
+  raised as ``FileExistsError``) when the object exists; both are tested racing against
+  emulators. A filesystem that ignores ``mode`` would overwrite: only these are tested.
 - ``S3Store``: S3 and S3-compatible stores (MinIO, Ceph, R2) through s3fs. The conditional create
   is a PUT with ``If-None-Match: *``, which the server refuses when the object exists, so two
   writers racing for a lock never both win. Listings and deletes are plain S3 calls (one request

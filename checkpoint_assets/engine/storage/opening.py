@@ -30,6 +30,7 @@ _PACKAGES = {
     "adl": "adlfs",
 }
 _S3 = ("s3", "s3a")
+_GCS = ("gs", "gcs")
 
 # botocore settings for s3fs unless ``config_kwargs`` in storage_options says otherwise:
 # "standard" retries (throttling, 5xx, dropped connections) with at most 3 attempts.
@@ -43,7 +44,8 @@ _S3FS_RETRIES = 2
 
 
 def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Store:
-    """The store for a local path or fsspec URI (``s3://bucket/prefix``, ``gs://...``).
+    """The store for a local path or fsspec URI (``s3://bucket/prefix``, ``gs://...``,
+    ``az://container/prefix``).
 
     ``storage_options`` go to the filesystem's constructor (for s3fs: ``key``, ``secret``,
     ``token``, ``endpoint_url``, ``client_kwargs``, ``config_kwargs``...). Without them s3fs
@@ -70,7 +72,7 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> St
     # A resume must see what the previous run committed, never a cached listing.
     options["use_listings_cache"] = False
     try:
-        fs_cls = fsspec.get_filesystem_class(protocol)
+        fs_cls = _filesystem_class(protocol)
     except (ImportError, ValueError) as e:
         package = _PACKAGES.get(protocol) or _known_package(protocol)
         if package:
@@ -97,6 +99,22 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> St
         fs.retries = _S3FS_RETRIES
         return S3Store(fs, root, f"{protocol}://{root}")
     return ObjectStore(fs, root, f"{protocol}://{root}")
+
+
+def _filesystem_class(protocol: str) -> type[fsspec.AbstractFileSystem]:
+    """fsspec's filesystem for ``protocol``; for GCS, gcsfs's JSON-API one.
+
+    gcsfs's default class (its "extended" one) first asks the Storage Control API, over gRPC,
+    for the bucket's layout (again before each operation while it cannot tell, as without that
+    permission or on an emulator), and in zonal buckets writes without the ``ifGenerationMatch=0``
+    precondition the lock's conditional create needs. The JSON-API class makes every operation
+    one HTTP request and sends the precondition.
+    """
+    if protocol in _GCS:
+        from gcsfs.core import GCSFileSystem
+
+        return GCSFileSystem  # type: ignore[no-any-return]
+    return fsspec.get_filesystem_class(protocol)  # type: ignore[no-any-return]
 
 
 # Options every fsspec filesystem takes besides its own (AbstractFileSystem, AsyncFileSystem).
