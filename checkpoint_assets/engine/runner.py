@@ -243,8 +243,9 @@ class Run:
         )
         try:
             for outcomes in self._outcomes(caller, todo):
-                self._absorb(outcomes, outage=caller.outage)
-                self._settle()
+                for outcome in outcomes:  # a flush may fall due after any of them: the bound
+                    self._absorb([outcome], outage=caller.outage)
+                    self._settle()
                 self._maybe_progress()
         finally:
             caller.close()
