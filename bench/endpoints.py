@@ -8,8 +8,9 @@ this process, each side against a fresh server so both meet the same 429s:
 - the loop: 32 asyncio workers sharing one client, one prompt per call; a worker that gets
   ``openai.RateLimitError`` sleeps its retry-after and sends the same prompt again
   (``bench.openai_ceiling.send_all``);
-- the package: the same call in an ``async def`` function run by the engine, one row per call,
-  ``checkpoint_interval=64``, checkpointing on local disk.
+- the package: the same call in an ``async def`` per-row function (a dict in, a dict out: the
+  form for one-row calls) run by the engine, ``checkpoint_interval=64``, checkpointing on local
+  disk. ``python -m bench.per_row`` compares it with the frame form.
 
 The endpoints: random 429s on 1 %, 5 % and 20 % of requests (3,200 rows, about 5 s at full
 speed); a limit of 32 requests in flight (429 beyond it) with the package started at
@@ -47,6 +48,7 @@ from bench import data
 from bench.openai_ceiling import Sent, ask, prompts, send_all
 from bench.report import Result
 from checkpoint_assets.engine import Checkpoint, RunStats, Settings, open_store, prepare, run
+from checkpoint_assets.engine.batches import PerRow
 from examples.llm_openai.server import Settings as Server
 from examples.llm_openai.server import serve, serve_process, stats
 
@@ -138,18 +140,17 @@ def _package(endpoint: Endpoint, texts: list[str], workdir: str) -> Side:
         asyncio.run(_warm(base_url))
         client = _client(base_url)  # first used, and bound, on the engine's event loop
 
-        async def classify(batch: pl.DataFrame) -> pl.DataFrame:
-            (text,) = batch.get_column(data.TEXT).to_list()
+        async def classify(row: dict[str, Any]) -> dict[str, Any]:
             sent.started = min(sent.started, time.perf_counter())
-            answer = await ask(client, text)
+            answer = await ask(client, row[data.TEXT])
             sent.answered.append(time.perf_counter())
             if len(sent.answered) == len(texts):  # the last call: close on the engine's loop
                 await client.close()
-            return batch.select(data.ID, answer=pl.lit(answer))
+            return {"answer": answer}
 
         prepared = prepare(frame, settings)
         cpu, started = time.process_time(), time.perf_counter()
-        out, run_stats = run(classify, prepared, checkpoint, settings, job=data.JOB)
+        out, run_stats = run(PerRow(classify), prepared, checkpoint, settings, job=data.JOB)
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
         side = Side(len(texts), seconds, cpu, sent, run_stats=run_stats)
         side.refused = sum(stats(base_url)[k] for k in REFUSED)
