@@ -54,6 +54,7 @@ _MIN_ROUND = 16  # answered calls per round, at least
 _SIGMAS = 3.0  # how far above the background a round's refusals must be to mean something
 _MIN_MARGIN = 0.02
 _KEPT = 0.75  # half the calls in flight kept this share of the answers: a limit, not noise
+_EXPECTED_REFUSALS = 4  # a trial round without refusal says something only past this many
 _FORGET_SECONDS = 30.0  # a level refused because of concurrency is remembered this long
 _PAUSE_STREAK = 8  # refusals in a row that pause the whole shard
 _HOLD_ROUNDS = 8  # clean rounds without growth after the refusals proved to be the endpoint's
@@ -187,7 +188,8 @@ class Throttle:
         self._hold = 0  # clean rounds to wait before growing again
         self._good: int | None = None  # the level of the last clean round
         self._probe_wait = _FIRST_PROBE_WAIT  # rounds before probing a refused level again
-        self._trial: tuple[int, float] | None = None  # before a trial: level, answers/s
+        # Before a trial: the level, answers per second, share refused.
+        self._trial: tuple[int, float, float] | None = None
         self._ceiling: tuple[int, float] | None = None  # (level refused for concurrency, when)
         self._streak = 0  # refusals in a row
         self._last_delay = 0.0  # what the latest refusal asked for
@@ -318,7 +320,9 @@ class Throttle:
             self._end_round(over=self._streak >= streak)
 
     def _new_round(self) -> None:
-        self._answered = self._refused = 0
+        # A streak counts within a round: refusals that ended the last one (or came back from
+        # calls started before the limit was lowered) must not lower it again at once.
+        self._answered = self._refused = self._streak = 0
         self._round_began = self.clock()
 
     def _end_round(self, over: bool) -> None:
@@ -339,13 +343,14 @@ class Throttle:
             self._ceiling = None
             self._probe_wait = _FIRST_PROBE_WAIT
         if self._trial is not None:
-            level, before = self._trial
+            level, before, before_share = self._trial
             self._trial = None
             if rate >= _KEPT * before:
                 # As many answers with half the calls: a limit, below that level. Stay.
                 self._ceiling, self._good, self._hold = (level, now), None, 0
-            elif share == 0:
-                # Fewer answers, but no refusal either: a limit between the two levels.
+            elif share == 0 and before_share * answered >= _EXPECTED_REFUSALS:
+                # Fewer answers, and no refusal where the background would have shown several:
+                # a limit between the two levels.
                 self._ceiling, self._good, self._hold = (level, now), None, 0
                 self._set_limit((self.limit + level) // 2)
                 return
@@ -354,8 +359,9 @@ class Throttle:
                 # are the endpoint's background. Back up, learn the background from this
                 # round (the round that started the trial was picked for its refusals, a
                 # biased sample), and stay at that level for a few rounds.
-                self._learned = max(self._learned, share)
-                self._background = max(self._background, share)
+                learned = share
+                self._learned = max(self._learned, learned)
+                self._background = max(self._background, learned)
                 self._set_limit(level)
                 self._good, self._hold = level, _HOLD_ROUNDS
                 return
@@ -377,7 +383,7 @@ class Throttle:
                 # Half the calls for one round will tell.
                 level = self.limit
                 if self._lower(level // 2):
-                    self._trial = (level, self._rate)
+                    self._trial = (level, self._rate, share)
             return
         # The background follows clean rounds, never above what trials found (refusals of
         # a shard creeping past a limit are not the endpoint's own).
