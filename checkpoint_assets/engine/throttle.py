@@ -359,9 +359,8 @@ class Throttle:
                 # are the endpoint's background. Back up, learn the background from this
                 # round (the round that started the trial was picked for its refusals, a
                 # biased sample), and stay at that level for a few rounds.
-                learned = share
-                self._learned = max(self._learned, learned)
-                self._background = max(self._background, learned)
+                self._learned = max(self._learned, share)
+                self._background = max(self._background, share)
                 self._set_limit(level)
                 self._good, self._hold = level, _HOLD_ROUNDS
                 return
