@@ -290,11 +290,13 @@ class Run:
                 if not items:
                     self._settle()  # a flush may be due by time, or the writer free
                     continue
-                handoff.release(len(items))  # the batches' slots (at a worker's end, its own)
                 outcomes = [i for i in items if isinstance(i, Outcome)]
                 running -= items.count(None)
                 if outcomes:
                     yield outcomes
+                # The batches' slots (at a worker's end, its own), once their outcomes are
+                # absorbed: until then they count in the loss bound's calls held.
+                handoff.release(len(items))
                 for item in items:
                     if isinstance(item, BaseException):
                         raise item
