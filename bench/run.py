@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="checkpoint-assets-bench-")
     os.makedirs(workdir, exist_ok=True)
     runs: dict[str, Callable[[], list[Result]]] = {
-        "overhead": lambda: [scenarios.overhead(sizes, workdir)],
+        "overhead": lambda: [scenarios.overhead(sizes, workdir, args.ray or not args.smoke)],
         "per_call": lambda: [scenarios.per_call(sizes, workdir)],
         "resume": lambda: list(scenarios.resume(sizes, workdir)),
         "compaction": lambda: [scenarios.compaction(sizes, workdir)],

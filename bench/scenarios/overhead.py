@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from bench import data
 from bench.report import Result
-from bench.scenarios.common import Sizes, median, timed
+from bench.scenarios.common import Sizes, child, median, timed
 from checkpoint_assets import CheckpointIOManager, checkpointed_asset
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.layout import checkpoint_name
@@ -31,7 +31,7 @@ CHECKPOINTED = "bench_checkpointed"
 
 
 # -- 1. overhead through Dagster -----------------------------------------------------------
-def overhead(sizes: Sizes, workdir: str) -> Result:
+def overhead(sizes: Sizes, workdir: str, with_ray: bool = False) -> Result:
     """A checkpointed asset against a plain Dagster asset writing Parquet, same function."""
     result = Result("overhead", "checkpointed asset vs plain Dagster asset (materialize)")
     frame = data.make_input(sizes.rows)
@@ -206,15 +206,54 @@ def overhead(sizes: Sizes, workdir: str) -> Result:
     short = f"min_flush_seconds: {SHORT_FLOOR}"
     add(short, "min_flush_seconds_short", f"ratio, {short}")
     add_flushes(short, "bench_timed_short")
+    _added(result, sizes.rows, seconds, cpu)
+    ray = _ray_added(sizes, workdir) if with_ray else None
+    if ray is not None:
+        ray_seconds = ray["seconds"]
+        per_million = 1e6 / sizes.rows
+        differences = zip(ray_seconds["checkpointed"], ray_seconds["plain"], strict=True)
+        ray_added = median([c - p for c, p in differences]) * per_million
+        result.add("added per 1M rows: Ray Data's checkpoint (wall)", ray_added, "s")
     result.details = {
         "rows": sizes.rows,
         "interval": sizes.interval,
+        "ray": ray,
         "storage_wait_seconds": waits,
         "flushes": flushes,
         **{f"{key}_seconds": values for key, values in seconds.items()},
         **{f"{key}_cpu_seconds": values for key, values in cpu.items()},
     }
     return result
+
+
+def _added(
+    result: Result, rows: int, seconds: dict[str, list[float]], cpu: dict[str, list[float]]
+) -> None:
+    """What each way adds to the plain asset, per 1M rows: the median over rounds of its
+    difference to the plain run of the same round (wall, and this process's CPU)."""
+    per_million = 1e6 / rows
+    for figure, key, limit in [
+        ("checkpointed asset", "checkpointed", 0.22),
+        ("the floor (durable Parquet writes, one per interval)", "floor", None),
+        ("checkpointing: false", "checkpointing_false", None),
+    ]:
+        for clock, values, bound in [("wall", seconds, None), ("CPU", cpu, limit)]:
+            pairs = zip(values[key], values["plain"], strict=True)
+            added = median([mine - plain for mine, plain in pairs]) * per_million
+            result.add(f"added per 1M rows: {figure} ({clock})", added, "s", limit=bound)
+
+
+def _ray_added(sizes: Sizes, workdir: str) -> dict[str, Any] | None:
+    """Ray Data's job without and with its checkpoint, in a child process (None without Ray)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return None
+    folder = os.path.join(workdir, "overhead-ray")
+    os.makedirs(os.path.join(folder, "input"), exist_ok=True)
+    data.make_input(sizes.rows).write_parquet(os.path.join(folder, "input", "data.parquet"))
+    rounds = str(max(sizes.overhead_rounds, sizes.repeat))
+    return child("bench.ray_job", str(sizes.rows), folder, str(sizes.interval), "added", rounds)
 
 
 def _flushes(base_dir: str, asset: str, tag: str) -> int:
