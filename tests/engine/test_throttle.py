@@ -213,7 +213,7 @@ def _clean_round(gate: Throttle) -> None:
         gate.release(True)
 
 
-def test_a_level_refused_for_concurrency_is_forgotten_after_30_seconds() -> None:
+def test_growth_stops_below_a_refused_level_until_it_is_forgotten_after_30_seconds() -> None:
     gate, clock = _gate(32)
     for _ in range(32):
         gate.acquire()
@@ -222,15 +222,18 @@ def test_a_level_refused_for_concurrency_is_forgotten_after_30_seconds() -> None
     assert gate.limit == 16 and gate.events == 1
     for _ in range(32):
         gate.release(False)
-    # Near the refused level, one more per clean round ...
+    # A quarter more per clean round, up to just below the refused level (32) ...
     _clean_round(gate)
-    assert gate.limit == 17
+    assert gate.limit == 20
     _clean_round(gate)
-    assert gate.limit == 18
-    # ... and a quarter more per round once it is forgotten.
+    assert gate.limit == 25
+    _clean_round(gate)
+    assert gate.limit == 31
+    gate.max = 64  # (so that growth past the refused level shows)
+    # ... and a quarter more once it is forgotten (one more, to 32, while it is remembered).
     clock[0] = 31.0
     _clean_round(gate)
-    assert gate.limit == 18 + 18 // 4
+    assert gate.limit == 31 + 31 // 4
 
 
 def test_most_calls_of_a_round_refused_pause_the_whole_shard() -> None:
