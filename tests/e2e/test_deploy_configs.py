@@ -124,6 +124,7 @@ def _chart_instance_yaml(values: dict[str, Any]) -> str:
     daemon = values["dagsterDaemon"]
     monitoring, retries = daemon["runMonitoring"], daemon["runRetries"]
     concurrency = values["concurrency"]
+    s3_logs = values["computeLogManager"]["config"]["s3ComputeLogManager"]
     instance = {
         "run_launcher": {
             "module": "dagster_k8s",
@@ -171,6 +172,15 @@ def _chart_instance_yaml(values: dict[str, Any]) -> str:
                 }
             }
         },
+        "compute_logs": {
+            "module": "dagster_aws.s3.compute_log_manager",
+            "class": "S3ComputeLogManager",
+            "config": {
+                "bucket": s3_logs["bucket"],
+                "prefix": s3_logs["prefix"],
+                "region": s3_logs["region"],
+            },
+        },
         "telemetry": {"enabled": values["telemetry"]["enabled"]},
     }
     return yaml.safe_dump(instance)
@@ -187,6 +197,7 @@ def test_kubernetes_values_give_a_valid_k8s_run_launcher_instance_and_pod_resour
     values = yaml.safe_load((DEPLOY / "kubernetes" / "values.yaml").read_text())
     config = _load_instance(_chart_instance_yaml(values), tmp_path / "home", monkeypatch)
     assert config["run_launcher"]["class"] == "K8sRunLauncher"
+    assert config["compute_logs"]["class"] == "S3ComputeLogManager"
     assert _postgres_url_loads_its_driver(config["storage"]).startswith("postgresql+psycopg2://")
 
     # The run pod's container config is a valid Kubernetes container (keys and quantities).
