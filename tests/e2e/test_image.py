@@ -12,7 +12,7 @@ import re
 import shlex
 import subprocess
 import tomllib
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import pytest
 from deploy_services import ROOT
@@ -20,13 +20,15 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 DOCKERFILE = ROOT / "deploy" / "kubernetes" / "Dockerfile"
+# The ECS image adds the instance and workspace config to the image above.
+DOCKERFILES = [DOCKERFILE, ROOT / "deploy" / "ecs" / "Dockerfile"]
 CONSTRAINTS = ROOT / "deploy" / "kubernetes" / "constraints.txt"
 DAGSTER = "1.13.27"
 
 
-def _instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of the Dockerfile, continuation lines joined."""
-    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+def _instructions(dockerfile: Path = DOCKERFILE) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
     lines = [line.strip() for line in text.splitlines()]
     return [
         (line.split(None, 1)[0].upper(), line.split(None, 1)[1])
@@ -35,10 +37,10 @@ def _instructions() -> list[tuple[str, str]]:
     ]
 
 
-def _copied() -> list[str]:
+def _copied(dockerfile: Path = DOCKERFILE) -> list[str]:
     """The sources of every COPY from the build context."""
     sources = []
-    for op, args in _instructions():
+    for op, args in _instructions(dockerfile):
         words = shlex.split(args)
         if op == "COPY" and not any(w.startswith("--from") for w in words):
             sources += [w for w in words[:-1] if not w.startswith("--")]
@@ -85,9 +87,14 @@ def excluded(path: str) -> bool:
     return out
 
 
-def test_every_path_the_dockerfile_copies_is_in_the_build_context() -> None:
-    copied = _copied()
-    assert {"LICENSE", "pyproject.toml", "checkpoint_assets"} <= set(copied)
+def test_the_image_copies_the_package_its_license_and_the_examples() -> None:
+    assert {"LICENSE", "pyproject.toml", "checkpoint_assets", "examples"} <= set(_copied())
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_path_a_dockerfile_copies_is_in_the_build_context(dockerfile: Path) -> None:
+    copied = _copied(dockerfile)
+    assert copied
     for source in copied:
         assert (ROOT / source).exists(), f"the Dockerfile copies {source}, which does not exist"
         assert not excluded(source), f"the Dockerfile copies {source}, which .dockerignore excludes"
