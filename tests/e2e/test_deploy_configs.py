@@ -206,6 +206,7 @@ def test_kubernetes_values_give_a_valid_k8s_run_launcher_instance_and_pod_resour
         kubernetes.client.V1Container, {"name": "run", **container["containerConfig"]}
     )
     assert model.resources.requests["cpu"] == "500m"
+    assert model.security_context.run_as_non_root
 
     # The code location's module exists, and the env it sets is what the definitions read.
     (deployment,) = values["dagster-user-deployments"]["deployments"]
