@@ -268,11 +268,11 @@ class BudgetExceededError(CheckpointError):
         self.limit = limit
         self.spent = spent
         self.done = done
-        against = "this run" if limit_name == "max_run_cost" else "the asset, every shard and run"
+        spender = "this run" if limit_name == "max_run_cost" else "the asset (every shard and run)"
         super().__init__(
             f"{label}: stopped at the spend limit: {limit_name} is {limit:.4f} USD and "
-            f"{against} spent {spent:.4f} USD. No new call was started (calls already in flight "
-            f"were paid and kept); {_ran(done)}.",
+            f"{spender} has spent {spent:.4f} USD. No new call was started (calls already in "
+            f"flight were paid and kept); {_ran(done)}.",
             f"Raise {limit_name} (or remove it) to go on: running again resumes where this "
             "stopped.",
         )

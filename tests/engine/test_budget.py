@@ -71,7 +71,7 @@ def test_a_run_stops_starting_calls_at_its_limit_and_keeps_what_it_paid_for(
     assert fn.calls == 10
     assert _stored(tmp_path).height == 10
     text = str(stopped.value)
-    assert "max_run_cost is 0.0200 USD" in text and "spent 0.0200 USD" in text
+    assert "max_run_cost is 0.0200 USD" in text and "has spent 0.0200 USD" in text
     assert "Raise max_run_cost" in text
     # Raising the limit goes on from the stored rows: only the rest is paid for.
     _, stats = _run(fn, 50, tmp_path, Budget(PRICES, max_run_cost=1.0))
