@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,7 +173,19 @@ class Spend:
     by_model: dict[str, float] = field(default_factory=dict)
     problem: CheckpointError | None = None  # a result that could not be priced
     reserved: float = 0.0
+    # Brings ``asset_spent_before`` up to date (others' spend while this run goes on), called by
+    # the run loop at most every ``refresh_seconds``.
+    refresh: Callable[[], None] | None = None
+    refresh_seconds: float = 30.0
+    _refreshed: float = field(default_factory=time.monotonic, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def maybe_refresh(self) -> None:
+        """Call ``refresh`` when ``refresh_seconds`` have passed since the last time."""
+        now = time.monotonic()
+        if self.refresh is not None and now - self._refreshed >= self.refresh_seconds:
+            self._refreshed = now
+            self.refresh()
 
     def reached(self) -> Limit | None:
         """The first limit the spend (reservations included) has reached, or None."""

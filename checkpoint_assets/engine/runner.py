@@ -439,6 +439,8 @@ class Run:
         self.sink.add(done)
 
     def _maybe_progress(self) -> None:
+        if self.spend is not None:
+            self.spend.maybe_refresh()  # what other shards spent meanwhile
         now = time.monotonic()
         if now - self.last_progress >= self.s.progress_seconds:
             self.last_progress = now

@@ -250,7 +250,7 @@ def checkpointed_asset(
                 tag = config.checkpoint_tag
                 imported = _global_rows(io_manager, store, context, job, keys, tag)
             shard_rows = ShardRows(table, id_column, keys)  # only these shards' rows, streamed
-            spend = _spend(context, settings)
+            spend = _spend(context, settings, keys)
             frames: list[pl.DataFrame] = []
             stats: list[RunStats] = []
             too_many: list[TooManyFailuresError] = []
@@ -341,11 +341,14 @@ def _settings(base: Settings, config: CheckpointRunConfig, columns: Sequence[str
     )
 
 
-def _spend(context: dg.AssetExecutionContext, settings: Settings) -> AssetSpend | None:
+def _spend(
+    context: dg.AssetExecutionContext, settings: Settings, keys: Sequence[str | None]
+) -> AssetSpend | None:
     """The run's spend tally, with what the asset spent before, when the asset has a budget."""
     if settings.budget is None:
         return None
-    return AssetSpend(context, Spend(settings.budget, label=context.asset_key.to_user_string()))
+    label = context.asset_key.to_user_string()
+    return AssetSpend(context, Spend(settings.budget, label=label), keys)
 
 
 def _budget(base: Budget | None, limits: BudgetLimits | None) -> Budget | None:
@@ -395,7 +398,7 @@ def _run_partition(
 
     label = context.asset_key.to_user_string() + (f" {partition}" if partition else "")
     if spend is not None:
-        spend.start()
+        spend.start(partition)
     try:
         return runner.run(
             fn,

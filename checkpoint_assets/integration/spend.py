@@ -14,9 +14,10 @@ spend counts. What the asset spent before a run is the sum, over its shards, of 
 observation of each partition), plus a short look back for a shard whose latest event lacks the
 key. Nothing is read from or written to a file that every shard rewrites.
 
-Shards that run at the same time do not see each other's spend until they end: each checks
-``max_asset_cost`` against what was recorded when it started, so the asset's total can pass it
-by what shards running at once spend beyond it (``max_run_cost`` bounds each run).
+With ``max_asset_cost``, a running shard also records what it spent so far (an observation
+with ``cost_shard_total_usd``) and reads the other shards' totals every ``REFRESH_SECONDS``:
+shards running at once see each other's spend within that time, so the asset's total passes
+the limit by at most what they spend in it (plus their calls in flight).
 """
 
 from __future__ import annotations
@@ -33,23 +34,51 @@ from checkpoint_assets.integration import metadata as md
 
 STOPPED_BY_TAG = "checkpoint_assets/stopped_by"  # "budget" on a run the budget stopped
 _LOOK_BACK = 20  # events of a shard read when its latest one carries no cost
+REFRESH_SECONDS = 30.0  # how often a running shard shows its spend and reads the others'
 
 
 class AssetSpend:
     """The spend of one run of an asset: the shared tally, and what each shard cost before."""
 
-    def __init__(self, context: dg.AssetExecutionContext, spend: Spend) -> None:
+    def __init__(
+        self, context: dg.AssetExecutionContext, spend: Spend, keys: Sequence[str | None]
+    ) -> None:
         self.context = context
         self.spend = spend
-        partitioned = context.assets_def.partitions_def is not None
-        self.shards = spent_by_shard(context.instance, context.asset_key, partitioned)
+        self.partitioned = context.assets_def.partitions_def is not None
+        self.shards = spent_by_shard(context.instance, context.asset_key, self.partitioned)
+        self.ours = {k or "": self.shards.get(k or "", 0.0) for k in keys}  # before this run
         spend.asset_spent_before = sum(self.shards.values())
+        if spend.budget.max_asset_cost is not None:
+            spend.refresh, spend.refresh_seconds = self.refresh, REFRESH_SECONDS
         self._mark: tuple[float, dict[str, float]] = (0.0, {})
+        self._current: str | None = None
+        self._shown = 0.0  # this shard's spend its last observation showed
         self.done: dict[str | None, dict[str, Any]] = {}  # the cost keys of each shard that ran
 
-    def start(self) -> None:
+    def start(self, partition: str | None = None) -> None:
         """A shard starts: what the tally holds now is the other shards'."""
         self._mark = (self.spend.spent, dict(self.spend.by_model))
+        self._current, self._shown = partition, 0.0
+
+    def refresh(self) -> None:
+        """While a shard runs, with ``max_asset_cost``: show what it spent so far to the other
+        shards (an observation, only when it changed) and take what they spent meanwhile."""
+        cost = self.spend.spent - self._mark[0]
+        key = self._current or ""
+        if cost > self._shown:
+            self._shown = cost
+            self.context.log_event(
+                dg.AssetObservation(
+                    asset_key=self.context.asset_key,
+                    partition=self._current,
+                    metadata={md.COST_USD: cost, md.COST_SHARD_TOTAL_USD: self.ours[key] + cost},
+                )
+            )
+        read = spent_by_shard(self.context.instance, self.context.asset_key, self.partitioned)
+        self.shards.update({p: v for p, v in read.items() if p not in self.ours})
+        others = sum(v for p, v in self.shards.items() if p not in self.ours)
+        self.spend.asset_spent_before = others + sum(self.ours.values())
 
     def finish(self, partition: str | None) -> None:
         """A shard ends: what the tally gained since :meth:`start` is its cost in this run."""
@@ -57,13 +86,13 @@ class AssetSpend:
         cost = self.spend.spent - spent
         models = {m: round(v - by_model.get(m, 0.0), 9) for m, v in self.spend.by_model.items()}
         key = partition or ""
-        self.shards[key] = self.shards.get(key, 0.0) + cost
+        self.shards[key] = self.ours.get(key, 0.0) + cost
         self.done[partition] = {
             md.COST_USD: round(cost, 9),
             md.COST_BY_MODEL: dg.MetadataValue.json({m: v for m, v in models.items() if v}),
             md.COST_SHARD_TOTAL_USD: round(self.shards[key], 9),
         }
-        self.start()
+        self.start(partition)
 
     def metadata(self, partition: str | None) -> dict[str, Any]:
         """The cost keys of ``partition``'s materialization (after :meth:`finish`)."""

@@ -21,6 +21,7 @@ from checkpoint_assets import (
     shard_partitions,
 )
 from checkpoint_assets.integration import metadata as md
+from checkpoint_assets.integration import spend
 
 # 1,000 input and 500 output tokens a row at 1 and 2 USD per million: 0.002 USD a row; the
 # job's calls take 4 rows (checkpoint_interval 4): 0.008 USD a call.
@@ -171,3 +172,39 @@ def test_the_sensor_still_retries_a_shard_that_failed_for_another_reason(tmp_pat
     )
     tick = sensor.evaluate_tick(dg.build_sensor_context(instance=job.instance, definitions=defs))
     assert [r.partition_key for r in tick.run_requests or []] == ["0-of-2"]
+
+
+def test_a_running_shard_sees_what_another_shard_spends_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(spend, "REFRESH_SECONDS", 0.0)  # read the others after every call
+    df = tickets(80)
+    calls: list[int] = []
+    instance: list[dg.DagsterInstance] = []
+
+    def meanwhile(batch: pl.DataFrame) -> pl.DataFrame:
+        calls.append(batch.height)
+        if len(calls) == 2:  # shard 0, running in another process, has spent 0.5 USD by now
+            instance[0].report_runless_asset_event(
+                dg.AssetObservation(
+                    dg.AssetKey(ASSET), partition="0-of-2", metadata={md.COST_SHARD_TOTAL_USD: 0.5}
+                )
+            )
+        return priced(batch)
+
+    job = _job(tmp_path, df, fn=meanwhile, max_asset_cost=0.4)
+    instance.append(job.instance)
+    stopped = job.materialize("1-of-2", raise_on_error=False)
+    assert "max_asset_cost is 0.4000 USD and the asset (every shard and run) has spent 0.5160" in (
+        _error(stopped)
+    )
+    # Read after the second call's result: no call starts after it.
+    assert len(calls) == 2
+    assert job.checkpoint("1-of-2").load("ticket_id").rows.height == 8
+    # And while it ran, it showed the other shards what it had spent so far.
+    records = job.instance.fetch_observations(
+        dg.AssetRecordsFilter(dg.AssetKey(ASSET), asset_partitions=["1-of-2"]), limit=10
+    ).records
+    running = [r.asset_observation.metadata for r in records if r.asset_observation]
+    shown = [md.plain(m[md.COST_SHARD_TOTAL_USD]) for m in running if "stopped_by" not in m]
+    assert shown == [pytest.approx(0.016), pytest.approx(0.008)]  # newest first
