@@ -106,8 +106,15 @@ class Budget:
 
     def price(self, model: str | None) -> Price:
         """The price of ``model`` (None: the table's one model); raises when it has none."""
-        if model is None and self.model_column is None:
+        if self.model_column is None:
             return next(iter(self.prices.values()))
+        if model is None:
+            raise CheckpointError(
+                f"A result has no model in the budget's model_column {self.model_column!r}, so "
+                "what it cost is unknown.",
+                f"Return the model's name in the output column {self.model_column!r} of every "
+                "row; the rows done so far are kept.",
+            )
         found = self.prices.get(str(model))
         if found is None:
             raise CheckpointError(
@@ -237,6 +244,5 @@ class Spend:
         self.add(actual, model)
 
     def _name(self, model: str | None) -> str:
-        if model is None:
-            return next(iter(self.budget.prices)) if self.budget.model_column is None else "?"
-        return str(model)
+        """The model's name in ``by_model`` (None: the table's one model)."""
+        return next(iter(self.budget.prices)) if model is None else str(model)

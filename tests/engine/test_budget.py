@@ -170,3 +170,16 @@ def test_a_submission_reserves_its_estimate_and_settles_what_it_cost() -> None:
     spend.settle(estimate, 0.4, "small")  # the results cost more than estimated
     assert spend.spent == pytest.approx(0.4) and spend.reserved == pytest.approx(0.6)
     assert spend.stopped  # 1.0 spent or held: no per-row call starts any more
+
+
+def test_a_result_without_its_model_says_which_column_to_return(tmp_path: Any) -> None:
+    budget = Budget({"small": Price(1.0, 2.0), "large": Price(3.0, 4.0)}, model_column="model")
+
+    def no_model(batch: pl.DataFrame) -> pl.DataFrame:
+        return batch.select(ID, input_tokens=pl.lit(1), output_tokens=pl.lit(1))
+
+    s = _settings(budget)
+    checkpoint = Checkpoint(open_store(str(tmp_path / "checkpoints")), "job")
+    with pytest.raises(CheckpointError, match="in the output column 'model' of every row"):
+        run(no_model, prepare(tickets(10), s), checkpoint, s, job={"t": 1})
+    assert _stored(tmp_path).height == 4  # the one call paid for is kept
