@@ -33,7 +33,9 @@ def priced(batch: pl.DataFrame, fn: Any = route) -> pl.DataFrame:
     return fn(batch).with_columns(input_tokens=pl.lit(1000), output_tokens=pl.lit(500))
 
 
-def _job(tmp_path: Path, df: pl.DataFrame, fn: Any = priced, **budget: Any) -> Job:
+def _job(
+    tmp_path: Path, df: pl.DataFrame, fn: Any = priced, policy: Any = None, **budget: Any
+) -> Job:
     return build_job(
         (str(tmp_path / "checkpoints"), {}),
         df,
@@ -44,6 +46,7 @@ def _job(tmp_path: Path, df: pl.DataFrame, fn: Any = priced, **budget: Any) -> J
         usage_columns=["input_tokens", "output_tokens"],
         budget=Budget({"small": Price(input=1.0, output=2.0)}, **budget),
         partitions_def=SHARDS,
+        backfill_policy=policy,
     )
 
 
@@ -96,6 +99,26 @@ def test_every_materialization_records_its_cost_and_the_assets_total(tmp_path: P
     assert again[md.COST_USD] == 0 and again[md.COST_BY_MODEL] == {}
     assert again[md.COST_SHARD_TOTAL_USD] == pytest.approx(rows[0] * ROW_USD)
     assert again[md.COST_ASSET_TOTAL_USD] == pytest.approx(40 * ROW_USD)
+
+
+def test_a_ranged_run_records_each_shards_own_cost(tmp_path: Path) -> None:
+    df = tickets(40)
+    rows = [len(ids_in_shard(df, s, 2)) for s in range(2)]
+    job = _job(tmp_path, df, policy=dg.BackfillPolicy.single_run())
+    ranged = dg.materialize(
+        [job.source, job.asset],
+        instance=job.instance,
+        resources=job.resources(),
+        tags={
+            "dagster/asset_partition_range_start": "0-of-2",
+            "dagster/asset_partition_range_end": "1-of-2",
+        },
+    )
+    events = ranged.asset_materializations_for_node(ASSET)
+    costs = {e.partition: e.metadata[md.COST_USD].value for e in events}
+    assert costs == {f"{s}-of-2": pytest.approx(rows[s] * ROW_USD) for s in range(2)}
+    totals = [e.metadata[md.COST_ASSET_TOTAL_USD].value for e in events]
+    assert totals == [pytest.approx(40 * ROW_USD)] * 2
 
 
 def test_a_run_budget_stops_the_run_midway_and_run_config_raises_it(tmp_path: Path) -> None:
