@@ -208,8 +208,16 @@ class Spend:
 
     @property
     def stopped(self) -> bool:
-        """No new call may start: a limit is reached, or a result could not be priced."""
-        return self.problem is not None or self.reached() is not None
+        """No new call may start: a limit is reached, or a result could not be priced.
+
+        :meth:`reached` without building its answer: this is asked several times per call."""
+        spent = self.spent + self.reserved - EPSILON
+        run, asset = self.budget.max_run_cost, self.budget.max_asset_cost
+        return (
+            self.problem is not None
+            or (run is not None and spent >= run)
+            or (asset is not None and self.asset_spent_before + spent >= asset)
+        )
 
     def add(self, usd: float, model: str | None = None) -> None:
         """Count a call's cost."""
