@@ -211,7 +211,7 @@ class Spend:
         """No new call may start: a limit is reached, or a result could not be priced.
 
         :meth:`reached` without building its answer: this is asked several times per call."""
-        spent = self.spent + self.reserved - EPSILON
+        spent = self.spent + self.reserved + EPSILON  # reached when within EPSILON below
         run, asset = self.budget.max_run_cost, self.budget.max_asset_cost
         return (
             self.problem is not None
