@@ -250,10 +250,10 @@ class Caller:
                 self.last_error = _describe(e)
                 fresh = batch.fresh  # a row never tried before
                 return self.last_error if self._finish(False, number, fresh) else None
+            self._pay(got[0])  # before its slot is free: no call starts on a stale spend
             self.throttle.release(True)
             outcome.calls += 1
             self._finish(True, number)  # a result paid for is kept, outage or not
-            self._pay(got[0])
             return got
 
     def _pay(self, record: Record) -> None:
