@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from checkpoint_assets.engine.budget import Budget
 from checkpoint_assets.engine.compaction import COMPACT_AT, COMPACT_FANOUT
 
 DEFAULT_LEASE_SECONDS = 300.0
@@ -51,6 +52,7 @@ class Settings:
     retry_delay_seconds: float = 1.0
     max_throttle_seconds: float = 600.0
     usage_columns: tuple[str, ...] = ()
+    budget: Budget | None = None  # prices and spend limits (engine/budget.py)
     progress_seconds: float = 10.0
     lease_seconds: float = DEFAULT_LEASE_SECONDS
 
@@ -86,6 +88,15 @@ class Settings:
             )
         if self.lease_seconds <= 0:
             raise ValueError(f"lease_seconds must be positive, got {self.lease_seconds}")
+        unpriced = (
+            [c for c in self.budget.columns if c not in self.usage_columns] if self.budget else []
+        )
+        if unpriced:
+            raise ValueError(
+                f"the budget prices the token columns {unpriced}, which are not among "
+                f"usage_columns {list(self.usage_columns)}: add them to usage_columns (or name "
+                "the budget's input_tokens / output_tokens after the usage columns you have)"
+            )
 
     @property
     def batch_rows(self) -> int:
@@ -217,6 +228,9 @@ class RunStats:
     # Sums of the ``usage_columns``: over the rows this run computed, and over every stored row.
     usage: dict[str, float] = field(default_factory=dict)
     usage_total: dict[str, float] = field(default_factory=dict)
+    # What this run's calls cost (USD, with a budget's prices; see engine/budget.py).
+    cost_usd: float | None = None
+    cost_by_model: dict[str, float] = field(default_factory=dict)
     # What differs from the function that computed the stored results it reused (same job).
     function_changed: list[str] = field(default_factory=list)
 

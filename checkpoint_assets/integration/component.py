@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 import dagster as dg
 from pydantic import BaseModel, Field
 
+from checkpoint_assets.engine.budget import Budget, Price
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.integration.asset import checkpointed_asset
 from checkpoint_assets.integration.checks import checkpoint_checks
@@ -138,6 +139,58 @@ BackfillPolicy = Annotated[
             "{type: multi_run, max_partitions_per_run: N} (Dagster's default: one per shard)."
         ),
         examples=[{"type": "single_run"}, {"type": "multi_run", "max_partitions_per_run": 4}],
+    ),
+]
+
+
+class PriceSpec(dg.Model):
+    """One model's price (``Price``)."""
+
+    input: float = Field(description="USD per million input tokens.")
+    output: float = Field(description="USD per million output tokens.")
+    batch_discount: float = Field(
+        default=Price.batch_discount, description="Fraction off through the batch API."
+    )
+
+
+class BudgetSpec(dg.Model):
+    """Prices and spend limits (``Budget``)."""
+
+    prices: dict[str, PriceSpec] = Field(description="Price per model name.")
+    input_tokens: str = Field(default=Budget.input_tokens, description="Input tokens column.")
+    output_tokens: str = Field(default=Budget.output_tokens, description="Output tokens column.")
+    model_column: str | None = Field(default=None, description="Output column naming the model.")
+    max_run_cost: float | None = Field(default=None, description="USD one run may spend.")
+    max_asset_cost: float | None = Field(
+        default=None, description="USD the asset may spend, every shard and run."
+    )
+
+
+def _budget(context: dg.ResolutionContext, value: Any) -> Budget | None:
+    if value is None:
+        return None
+    data = value.model_dump() if isinstance(value, BaseModel) else dict(value)
+    return Budget(**data)
+
+
+BudgetArgument = Annotated[
+    Budget | None,
+    dg.Resolver(
+        _budget,
+        model_field_type=BudgetSpec | None,
+        description=(
+            "Prices per model read against two usage_columns, and the spend limits: {prices: "
+            "{model: {input, output, batch_discount}}, input_tokens, output_tokens, "
+            "model_column, max_run_cost, max_asset_cost}."
+        ),
+        examples=[
+            {
+                "prices": {"gpt-4o-mini": {"input": 0.15, "output": 0.6}},
+                "input_tokens": "prompt_tokens",
+                "output_tokens": "completion_tokens",
+                "max_run_cost": 50,
+            }
+        ],
     ),
 ]
 
@@ -311,6 +364,7 @@ class CheckpointedAssetComponent(dg.Component, dg.Resolvable, dg.Model):
         list[str] | None,
         _doc("Numeric output columns (tokens, cost) summed into usage/<col> metadata."),
     ] = None
+    budget: BudgetArgument = None
     key_prefix: Annotated[str | list[str] | None, _doc("Asset key prefix.")] = None
     group_name: Annotated[str | None, _doc("Asset group.")] = None
     code_version: Annotated[
