@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
+from checkpoint_assets.engine.budget import Budget
 from checkpoint_assets.engine.compaction import COMPACT_AT, COMPACT_FANOUT
 
 DEFAULT_LEASE_SECONDS = 300.0
@@ -94,6 +95,12 @@ class AssetSettings:
         "Numeric output columns (tokens, cost) summed into the metadata as usage/<col> (this "
         "run) and usage_total/<col> (every stored row).",
     )
+    budget: Budget | None = setting(
+        None,
+        "A Budget: prices per model read against two of the usage_columns, so each "
+        "materialization records its cost, and the spend limits max_run_cost and max_asset_cost "
+        "(every shard and run) that stop new calls with BudgetExceededError when reached.",
+    )
 
     def __post_init__(self) -> None:
         # Accept the plain strings "fail" / "recompute" as well as the enum, and any sequence of
@@ -126,6 +133,15 @@ class AssetSettings:
         if not 0.0 <= self.max_failed_fraction <= 1.0:
             raise ValueError(
                 f"max_failed_fraction must be between 0 and 1, got {self.max_failed_fraction}"
+            )
+        unpriced = (
+            [c for c in self.budget.columns if c not in self.usage_columns] if self.budget else []
+        )
+        if unpriced:
+            raise ValueError(
+                f"the budget prices the token columns {unpriced}, which are not among "
+                f"usage_columns {list(self.usage_columns)}: add them to usage_columns (or name "
+                "the budget's input_tokens / output_tokens after the usage columns you have)"
             )
 
     def settings(self) -> dict[str, Any]:
@@ -286,6 +302,9 @@ class RunStats:
     # Sums of the ``usage_columns``: over the rows this run computed, and over every stored row.
     usage: dict[str, float] = field(default_factory=dict)
     usage_total: dict[str, float] = field(default_factory=dict)
+    # What this run's calls cost (USD, with a budget's prices; see engine/budget.py).
+    cost_usd: float | None = None
+    cost_by_model: dict[str, float] = field(default_factory=dict)
     # What differs from the function that computed the stored results it reused (same job).
     function_changed: list[str] = field(default_factory=list)
 

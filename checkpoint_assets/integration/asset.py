@@ -3,6 +3,7 @@
 No ``from __future__ import annotations`` here: Dagster reads the body's annotations at runtime.
 """
 
+import contextlib
 import dataclasses
 import inspect
 import io
@@ -14,6 +15,7 @@ import polars as pl
 from pydantic import Field, model_validator
 
 from checkpoint_assets.engine import function_fingerprint, hashing, runner
+from checkpoint_assets.engine.budget import Budget, Spend
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError, TooManyFailuresError
 from checkpoint_assets.engine.global_resume import JOB, shard_rows
@@ -28,9 +30,23 @@ from checkpoint_assets.integration.function import Signature
 from checkpoint_assets.integration.global_resume import global_resume_key, table_path
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
 from checkpoint_assets.integration.source import ShardRows, as_lazy, user_columns
+from checkpoint_assets.integration.spend import AssetSpend
 
 T = TypeVar("T")
 JOB_FORMAT = 1
+
+
+class BudgetLimits(dg.Config):
+    """The spend limits of one run, replacing the asset's budget's (``budget`` in run config)."""
+
+    max_run_cost: float | None = Field(
+        default=None, ge=0, description="USD this run may spend (default: the asset's)."
+    )
+    max_asset_cost: float | None = Field(
+        default=None,
+        ge=0,
+        description="USD the asset may have spent, every shard and run (default: the asset's).",
+    )
 
 
 class CheckpointRunConfig(dg.Config):
@@ -69,6 +85,11 @@ class CheckpointRunConfig(dg.Config):
     on_input_change: OnInputChange | None = Field(
         default=None,
         description="fail or recompute finished rows whose input changed (default: the asset's).",
+    )
+    budget: BudgetLimits | None = Field(
+        default=None,
+        description="{max_run_cost, max_asset_cost}: spend limits in USD replacing the asset's "
+        "budget's (raise them to go on after BudgetExceededError).",
     )
 
     @model_validator(mode="after")
@@ -154,41 +175,45 @@ def checkpointed_asset(
                 tag = config.checkpoint_tag
                 imported = _global_rows(io_manager, store, context, job, keys, tag)
             shard_rows = ShardRows(table, id_column, keys)  # only these shards' rows, streamed
+            spend = _spend(context, settings, keys)
             frames: list[pl.DataFrame] = []
             stats: list[RunStats] = []
             too_many: list[TooManyFailuresError] = []
-            for key in keys:
-                checkpoint = io_manager.checkpoint(
-                    context.asset_key, config.checkpoint_tag, key, store
-                )
-                rows = shard_rows.of(key)
-                saved = md.saved_on_failure(
-                    context, checkpoint, key, settings.id_column, config.checkpointing
-                )
-                try:
-                    with saved:  # on a failure or interrupt: say what the checkpoint holds
-                        frame, one = _run_partition(
-                            context,
-                            config,
-                            call,
-                            settings,
-                            checkpoint,
-                            rows,
-                            key,
-                            job,
-                            imported,
-                            printed,
-                        )
-                except TooManyFailuresError as e:
-                    # A ranged run still finishes its other shards, so their retries are free.
-                    too_many.append(e)
-                    continue
-                except CheckpointError as e:
-                    raise advise(e) from None
-                frames.append(frame)
-                stats.append(one)
-            if too_many:
-                raise advise(TooManyFailuresError.of_several(too_many))
+            # On a failure: what the run spent counts, though no shard materializes.
+            with spend.recorded_on_failure() if spend else contextlib.nullcontext():
+                for key in keys:
+                    checkpoint = io_manager.checkpoint(
+                        context.asset_key, config.checkpoint_tag, key, store
+                    )
+                    rows = shard_rows.of(key)
+                    saved = md.saved_on_failure(
+                        context, checkpoint, key, settings.id_column, config.checkpointing
+                    )
+                    try:
+                        with saved:  # on a failure or interrupt: say what the checkpoint holds
+                            frame, one = _run_partition(
+                                context,
+                                config,
+                                call,
+                                settings,
+                                checkpoint,
+                                rows,
+                                key,
+                                job,
+                                imported,
+                                printed,
+                                spend,
+                            )
+                    except TooManyFailuresError as e:
+                        # A ranged run still finishes its other shards, so their retries are free.
+                        too_many.append(e)
+                        continue
+                    except CheckpointError as e:
+                        raise advise(e) from None
+                    frames.append(frame)
+                    stats.append(one)
+                if too_many:
+                    raise advise(TooManyFailuresError.of_several(too_many))
             result = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
             context.add_output_metadata(
                 md.materialization(
@@ -199,6 +224,9 @@ def checkpointed_asset(
                     settings.id_column,
                 )
             )
+            if spend is not None:
+                for key in keys:
+                    context.add_asset_metadata(spend.metadata(key), partition_key=key)
             return result
 
         body.__doc__ = fn.__doc__
@@ -234,6 +262,34 @@ def _settings(base: Settings, config: CheckpointRunConfig, columns: Sequence[str
         checkpointing=config.checkpointing,
         retry_failed=_given(config.retry_failed, base.retry_failed),
         on_input_change=_given(config.on_input_change, base.on_input_change),
+        budget=_budget(base.budget, config.budget),
+    )
+
+
+def _spend(
+    context: dg.AssetExecutionContext, settings: Settings, keys: Sequence[str | None]
+) -> AssetSpend | None:
+    """The run's spend tally, with what the asset spent before, when the asset has a budget."""
+    if settings.budget is None:
+        return None
+    label = context.asset_key.to_user_string()
+    return AssetSpend(context, Spend(settings.budget, label=label), keys)
+
+
+def _budget(base: Budget | None, limits: BudgetLimits | None) -> Budget | None:
+    """The asset's budget with the run config's limits."""
+    if limits is None:
+        return base
+    if base is None:
+        raise CheckpointError(
+            "Run config sets `budget` limits, but the asset has no budget: without prices, "
+            "what calls cost is unknown.",
+            "Give the asset `budget=Budget(prices=...)`, or drop `budget` from run config.",
+        )
+    return dataclasses.replace(
+        base,
+        max_run_cost=_given(limits.max_run_cost, base.max_run_cost),
+        max_asset_cost=_given(limits.max_asset_cost, base.max_asset_cost),
     )
 
 
@@ -253,6 +309,7 @@ def _run_partition(
     job: dict[str, Any],
     imported: pl.DataFrame | None,
     printed: dict[str, str],
+    spend: AssetSpend | None,
 ) -> tuple[pl.DataFrame, RunStats]:
     """Run one partition's checkpoint over its input rows; returns its result and stats."""
     if config.limit is not None:
@@ -265,20 +322,27 @@ def _run_partition(
         return record is not None and record.is_finished
 
     label = context.asset_key.to_user_string() + (f" {partition}" if partition else "")
-    return runner.run(
-        fn,
-        inputs,
-        checkpoint,
-        settings,
-        job=job,
-        scheme=Scheme.of(partition),
-        run_id=context.run.run_id,
-        is_run_finished=is_run_finished,
-        logger=context.log,  # type: ignore[arg-type]
-        label=label,
-        imported=imported,
-        function_fingerprint=printed,
-    )
+    if spend is not None:
+        spend.start(partition)
+    try:
+        return runner.run(
+            fn,
+            inputs,
+            checkpoint,
+            settings,
+            job=job,
+            scheme=Scheme.of(partition),
+            run_id=context.run.run_id,
+            is_run_finished=is_run_finished,
+            logger=context.log,  # type: ignore[arg-type]
+            label=label,
+            imported=imported,
+            function_fingerprint=printed,
+            spend=None if spend is None else spend.spend,
+        )
+    finally:
+        if spend is not None:
+            spend.finish(partition)
 
 
 def _global_rows(

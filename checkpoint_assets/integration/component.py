@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, get_type_hints
 import dagster as dg
 from pydantic import BaseModel, Field, create_model
 
+from checkpoint_assets.engine.budget import Budget, Price
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.settings import DOC
 from checkpoint_assets.integration.arguments import AssetArguments
@@ -50,8 +51,8 @@ def _doc(description: str) -> dg.Resolver:
 
 _SENSOR = _defaults(failed_partitions_sensor)
 # Arguments of checkpointed_asset that the YAML says its own way: source as a key string,
-# partitions_def as a shard count (``shards``), backfill_policy as a mapping.
-_OWN_FORM = {"source", "partitions_def", "backfill_policy"}
+# partitions_def as a shard count (``shards``), backfill_policy and budget as mappings.
+_OWN_FORM = {"source", "partitions_def", "backfill_policy", "budget"}
 _PASSED_ON = [f for f in dataclasses.fields(AssetArguments) if f.name not in _OWN_FORM]
 
 
@@ -162,6 +163,58 @@ BackfillPolicy = Annotated[
             "{type: multi_run, max_partitions_per_run: N} (Dagster's default: one per shard)."
         ),
         examples=[{"type": "single_run"}, {"type": "multi_run", "max_partitions_per_run": 4}],
+    ),
+]
+
+
+class PriceSpec(dg.Model):
+    """One model's price (``Price``)."""
+
+    input: float = Field(description="USD per million input tokens.")
+    output: float = Field(description="USD per million output tokens.")
+    batch_discount: float = Field(
+        default=Price.batch_discount, description="Fraction off through the batch API."
+    )
+
+
+class BudgetSpec(dg.Model):
+    """Prices and spend limits (``Budget``)."""
+
+    prices: dict[str, PriceSpec] = Field(description="Price per model name.")
+    input_tokens: str = Field(default=Budget.input_tokens, description="Input tokens column.")
+    output_tokens: str = Field(default=Budget.output_tokens, description="Output tokens column.")
+    model_column: str | None = Field(default=None, description="Output column naming the model.")
+    max_run_cost: float | None = Field(default=None, description="USD one run may spend.")
+    max_asset_cost: float | None = Field(
+        default=None, description="USD the asset may spend, every shard and run."
+    )
+
+
+def _budget(context: dg.ResolutionContext, value: Any) -> Budget | None:
+    if value is None:
+        return None
+    data = value.model_dump() if isinstance(value, BaseModel) else dict(value)
+    return Budget(**data)
+
+
+BudgetArgument = Annotated[
+    Budget | None,
+    dg.Resolver(
+        _budget,
+        model_field_type=BudgetSpec | None,
+        description=(
+            "Prices per model read against two usage_columns, and the spend limits: {prices: "
+            "{model: {input, output, batch_discount}}, input_tokens, output_tokens, "
+            "model_column, max_run_cost, max_asset_cost}."
+        ),
+        examples=[
+            {
+                "prices": {"gpt-4o-mini": {"input": 0.15, "output": 0.6}},
+                "input_tokens": "prompt_tokens",
+                "output_tokens": "completion_tokens",
+                "max_run_cost": 50,
+            }
+        ],
     ),
 ]
 
@@ -289,6 +342,7 @@ class CheckpointedAssetComponent(dg.Component, dg.Resolvable, AssetAttributes):
         _doc("Split the rows into this many shards, one partition each (default: one checkpoint)."),
     ] = None
     backfill_policy: BackfillPolicy = None
+    budget: BudgetArgument = None
     base_dir: Annotated[
         str | None,
         _doc(
@@ -337,6 +391,7 @@ class CheckpointedAssetComponent(dg.Component, dg.Resolvable, AssetAttributes):
         arguments = {f.name: getattr(self, f.name) for f in _PASSED_ON}
         arguments["source"] = self.source
         arguments["backfill_policy"] = self.backfill_policy
+        arguments["budget"] = self.budget
         if self.shards is not None:
             arguments["partitions_def"] = shard_partitions(self.shards)
         return arguments

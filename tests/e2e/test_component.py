@@ -25,9 +25,11 @@ from dagster.components.testing import create_defs_folder_sandbox
 from helpers.jobs import ids_in_shard
 
 from checkpoint_assets import (
+    Budget,
     CheckpointedAssetComponent,
     CheckpointError,
     CheckpointIOManager,
+    Price,
     checkpointed_asset,
 )
 
@@ -198,6 +200,26 @@ def test_metadata_and_backfill_policy_reach_the_asset() -> None:
     assert single.backfill_policy == dg.BackfillPolicy.single_run()
     with pytest.raises(pydantic.ValidationError, match="single_run"):
         _component("backfill_policy: {type: sometimes}\n")
+
+
+def test_a_budget_in_yaml_is_the_decorators_budget() -> None:
+    component = _component(
+        "usage_columns: [prompt_tokens, completion_tokens]\n"
+        "budget: {prices: {small: {input: 0.15, output: 0.6}}, input_tokens: prompt_tokens, "
+        "output_tokens: completion_tokens, max_run_cost: 5}\n"
+    )
+    assert component.budget == Budget(
+        {"small": Price(input=0.15, output=0.6)},
+        input_tokens="prompt_tokens",
+        output_tokens="completion_tokens",
+        max_run_cost=5.0,
+    )
+    assert _defs(
+        "usage_columns: [input_tokens, output_tokens]\n"
+        "budget: {prices: {m: {input: 1, output: 1}}}\n"
+    ).assets
+    with pytest.raises(ValueError, match="add them to usage_columns"):
+        _defs("budget: {prices: {small: {input: 1, output: 2}}}\n")
 
 
 def test_without_flags_it_adds_the_asset_alone() -> None:

@@ -17,6 +17,8 @@ from checkpoint_assets.engine.settings import DOC, AssetSettings
 from checkpoint_assets.integration.arguments import AssetArguments
 
 SETTINGS = [f.name for f in fields(AssetSettings)]
+# Settings whose YAML form is a mapping of their own (the component resolves it to the value).
+OWN_FORM = {"budget"}
 
 
 @pytest.mark.parametrize("name", SETTINGS)
@@ -27,7 +29,7 @@ def test_every_setting_is_a_keyword_argument_of_the_decorator_with_its_default(n
     assert parameter.default == field.default
 
 
-@pytest.mark.parametrize("name", SETTINGS)
+@pytest.mark.parametrize("name", [n for n in SETTINGS if n not in OWN_FORM])
 def test_every_setting_is_a_component_attribute_with_its_default_and_meaning(name: str) -> None:
     [field] = [f for f in fields(AssetSettings) if f.name == name]
     assert CheckpointedAssetComponent.model_fields[name].default == field.default
