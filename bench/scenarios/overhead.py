@@ -40,21 +40,11 @@ def overhead(sizes: Sizes, workdir: str, with_ray: bool = False) -> Result:
     def bench_input() -> pl.DataFrame:
         return frame
 
-    @checkpointed_asset(
-        source="bench_input",
-        id_column=data.ID,
-        input_columns=[data.TEXT],
-        checkpoint_interval=sizes.interval,
-        name=CHECKPOINTED,
-    )
-    def bench_checkpointed(batch: pl.DataFrame) -> pl.DataFrame:
-        return data.score(batch)
-
-    # The same job trading the loss bound in rows for one in time: flushes at most once per
-    # ``floor`` seconds. A floor longer than the run never flushes before the end (the clock
-    # starts when the run starts): the whole run is one write, so each is reported with the
-    # flushes it made.
-    def floored(name: str, floor: float) -> dg.AssetsDefinition:
+    # The checkpointed job, and the same trading the loss bound in rows for one in time
+    # (``floor``): flushes at most once per ``floor`` seconds. A floor longer than the run never
+    # flushes before the end (the clock starts when the run starts): the whole run is one
+    # write, so each is reported with the flushes it made.
+    def checkpointed_job(name: str, floor: float | None = None) -> dg.AssetsDefinition:
         @checkpointed_asset(
             source="bench_input",
             id_column=data.ID,
@@ -63,13 +53,14 @@ def overhead(sizes: Sizes, workdir: str, with_ray: bool = False) -> Result:
             min_flush_seconds=floor,
             name=name,
         )
-        def bench_timed(batch: pl.DataFrame) -> pl.DataFrame:
+        def job(batch: pl.DataFrame) -> pl.DataFrame:
             return data.score(batch)
 
-        return bench_timed
+        return job
 
-    bench_timed = floored("bench_timed", 1.0)
-    bench_timed_short = floored("bench_timed_short", SHORT_FLOOR)
+    bench_checkpointed = checkpointed_job(CHECKPOINTED)
+    bench_timed = checkpointed_job("bench_timed", 1.0)
+    bench_timed_short = checkpointed_job("bench_timed_short", SHORT_FLOOR)
 
     @dg.asset(name="bench_plain", ins={"source": dg.AssetIn("bench_input")})
     def bench_plain(source: pl.DataFrame) -> pl.DataFrame:
