@@ -58,6 +58,7 @@ class Sizes:
     global_rows: tuple[int, ...] = (10_000_000, 30_000_000)
     global_checkpoints: int = 256
     overhead_rounds: int = 5  # at least; more with a larger ``repeat``
+    overhead_warmup: int = 1  # rounds first, not counted (a smoke run's figures mean nothing: 0)
 
 
 def _median(values: list[float]) -> float:
@@ -207,16 +208,17 @@ def overhead(sizes: Sizes, workdir: str) -> Result:
         materialize(bench_input, {})
         seconds = {key: [] for key in runs}
         cpu: dict[str, list[float]] = {key: [] for key in runs}  # this process, all threads
-        # Round 0 warms every path up (first materializations are slower) and is not counted;
-        # then the jobs alternate, so background noise hits all alike.
-        for i in range(max(sizes.overhead_rounds, sizes.repeat) + 1):
-            if i == 1:
+        # The warm-up rounds warm every path up (first materializations are slower) and are not
+        # counted; then the jobs alternate, so background noise hits all alike.
+        warmup = sizes.overhead_warmup
+        for i in range(warmup + max(sizes.overhead_rounds, sizes.repeat)):
+            if i == warmup:
                 flushes.clear()
                 waits.clear()
             for key, job in runs.items():
                 cpu_before = time.process_time()
                 took = _timed(functools.partial(job, i))
-                if i:
+                if i >= warmup:
                     seconds[key].append(took)
                     cpu[key].append(time.process_time() - cpu_before)
 
