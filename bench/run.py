@@ -110,6 +110,7 @@ def sizes_from(args: argparse.Namespace) -> Sizes:
         global_rows=tuple(int(float(r)) for r in global_rows.split(",") if r.strip()),
         global_checkpoints=int(pick(None, 256, 16)),
         overhead_rounds=int(pick(None, 5, 1)),
+        overhead_warmup=int(pick(None, 1, 0)),
     )
 
 

@@ -36,6 +36,7 @@ class Sizes:
     global_rows: tuple[int, ...] = (10_000_000, 30_000_000)
     global_checkpoints: int = 256
     overhead_rounds: int = 5  # at least; more with a larger ``repeat``
+    overhead_warmup: int = 1  # rounds first, not counted (a smoke run's figures mean nothing: 0)
 
 
 def median(values: list[float]) -> float:

@@ -158,16 +158,17 @@ def overhead(sizes: Sizes, workdir: str, with_ray: bool = False) -> Result:
         materialize(bench_input, {})
         seconds = {key: [] for key in runs}
         cpu: dict[str, list[float]] = {key: [] for key in runs}  # this process, all threads
-        # Round 0 warms every path up (first materializations are slower) and is not counted;
-        # then the jobs alternate, so background noise hits all alike.
-        for i in range(max(sizes.overhead_rounds, sizes.repeat) + 1):
-            if i == 1:
+        # The warm-up rounds warm every path up (first materializations are slower) and are not
+        # counted; then the jobs alternate, so background noise hits all alike.
+        warmup = sizes.overhead_warmup
+        for i in range(warmup + max(sizes.overhead_rounds, sizes.repeat)):
+            if i == warmup:
                 flushes.clear()
                 waits.clear()
             for key, job in runs.items():
                 cpu_before = time.process_time()
                 took = timed(functools.partial(job, i))
-                if i:
+                if i >= warmup:
                     seconds[key].append(took)
                     cpu[key].append(time.process_time() - cpu_before)
 
