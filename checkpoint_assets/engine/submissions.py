@@ -10,8 +10,8 @@ own client (``resources/openai.py``'s ``OpenAIResource.batch_provider()``, and A
 provider's API path for every request, such as ``"/v1/embeddings"``; None: its default). The
 adapter does its own retries of transient HTTP errors (the client's ``max_retries`` or its own):
 every method may be called again after a crash, and must be safe to repeat except ``create``,
-which the engine never calls twice for one tag without ``find`` first. It imports nothing of the package, so the adapters beside the
-engine (``resources/``) can import it without importing the engine.
+which the engine never calls twice for one tag without ``find`` first. It imports nothing else
+of the package: the adapters in ``resources/`` import it and nothing more of the engine.
 
 A submission is tagged, so that a run that died anywhere finds it again instead of paying for it
 twice. The tag (``ca`` and 32 hex digits) is recorded in the checkpoint *before* anything is sent;
