@@ -59,14 +59,20 @@ class OpenAIBatches:
         self.endpoint = endpoint
         self.defaults = dict(defaults or {})
         self.limits = limits
+        self._sized: dict[str, bytes] = {}  # lines encoded by ``size``, until uploaded
 
     def _line(self, request: Request) -> bytes:
+        line = self._sized.pop(request.custom_id, None)
+        return line if line is not None else self._encode(request)
+
+    def _encode(self, request: Request) -> bytes:
         body = {**self.defaults, **request.body}
         line = {"custom_id": request.custom_id, "method": "POST", "url": self.endpoint}
         return json.dumps({**line, "body": body}, separators=(",", ":")).encode() + b"\n"
 
     def size(self, request: Request) -> int:
-        return len(self._line(request))
+        line = self._sized[request.custom_id] = self._encode(request)
+        return len(line)
 
     def upload(self, requests: Sequence[Request], tag: str) -> str:
         data = b"".join(self._line(r) for r in requests)
