@@ -3,8 +3,8 @@ local provider (``examples/llm_batch/provider.py``) is there: the real ``openai`
 it over HTTP.
 
 A batch is ``validating`` then ``completed`` ``delay`` seconds after it was created; requests
-whose ``custom_id`` hashes below ``error_rate`` get an error line (a 500); with ``expire=True``
-a batch expires instead, with results for its first half; ``cancel`` ends it the same way.
+whose ``custom_id`` hashes below ``error_rate`` get an error line (a 500); the first ``expire``
+batches expire instead, with results for their first half; ``cancel`` ends one the same way.
 ``GET /stats`` counts uploads, creates, polls, lists, downloads and requests processed.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 
 class Provider:
-    def __init__(self, delay: float, error_rate: float, expire: bool) -> None:
+    def __init__(self, delay: float, error_rate: float, expire: int) -> None:
         self.delay, self.error_rate, self.expire = delay, error_rate, expire
         self.files: dict[str, bytes] = {}
         self.batches: dict[str, dict[str, Any]] = {}
@@ -37,12 +37,14 @@ class Provider:
     def view(self, b: dict[str, Any]) -> dict[str, Any]:
         """The batch as the API shows it now, ending it (and writing its files) when due."""
         if b["status"] in ("validating", "cancelling") and (
-            time.time() >= b["created_at"] + self.delay or b["status"] == "cancelling"
+            time.time() >= b["_created"] + self.delay or b["status"] == "cancelling"
         ):
             if b["status"] == "cancelling":
                 self.end(b, "cancelled", half=True)
             else:
-                self.end(b, "expired" if self.expire else "completed", half=self.expire)
+                expire = self.expire > 0
+                self.expire -= expire
+                self.end(b, "expired" if expire else "completed", half=expire)
         return {k: v for k, v in b.items() if not k.startswith("_")}
 
     def end(self, b: dict[str, Any], status: str, *, half: bool) -> None:
@@ -126,6 +128,7 @@ def _handler(p: Provider) -> type[BaseHTTPRequestHandler]:
                         "created_at": int(time.time()),
                         "metadata": req.get("metadata"),
                         "_total": total,
+                        "_created": time.time(),
                         "request_counts": {"total": total, "completed": 0, "failed": 0},
                     }
                     p.stats["creates"] += 1
@@ -157,7 +160,7 @@ def _handler(p: Provider) -> type[BaseHTTPRequestHandler]:
 
 @contextlib.contextmanager
 def serve(
-    delay: float = 0.2, error_rate: float = 0.0, expire: bool = False
+    delay: float = 0.2, error_rate: float = 0.0, expire: int = 0
 ) -> Iterator[tuple[str, Provider]]:
     """The base URL (ending in /v1) of a stand-in on a free port, and its state."""
     provider = Provider(delay, error_rate, expire)
