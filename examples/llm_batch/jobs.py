@@ -20,9 +20,10 @@ Each request done gets its answer when it is first seen done: a chat completion,
 an Anthropic message, deterministic from the prompt (the support-ticket department the demo's
 rules pick, with whitespace-token usage, as ``examples.llm_openai.server`` answers), or a
 per-request error: ``400`` for a malformed body, ``500`` for a share ``error_rate`` of requests.
-Which batch expires and which request fails is a hash of ``(seed, key, attempt)``, where the key
-is the request's ``custom_id`` (a batch's: its ``custom_id``s) and ``attempt`` counts how often it
-was seen before, so runs are reproducible and a retried request eventually succeeds.
+Which request fails is a hash of ``(seed, custom_id, attempt)``, where ``attempt`` counts how
+often that ``custom_id`` was answered before, so runs are reproducible and a retried request
+eventually succeeds. Which batch expires is a hash of ``(seed, API, n)`` for the API's n-th batch
+(:func:`expires`), so a test knows which of its batches will (whatever their ids).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any, Final
 
 from examples.llm_openai.server import classify
 
-__all__ = ["Answerer", "Job", "ManualClock", "Outcome", "Phase", "Settings"]
+__all__ = ["Answerer", "Job", "ManualClock", "Outcome", "Phase", "Settings", "expires"]
 
 #: The endpoints an OpenAI batch may name here, and Anthropic's.
 CHAT: Final = "/v1/chat/completions"
@@ -237,18 +238,13 @@ class Job:
 
 
 class Answerer:
-    """Answers requests, deterministically, and draws the requests that fail and the batches
-    that expire (see the module docstring). Counts what it answered in ``counts``."""
+    """Answers requests, deterministically, and draws the requests that fail (see the module
+    docstring). Counts what it answered in ``counts``."""
 
     def __init__(self, settings: Settings, counts: Counter[str]) -> None:
         self.settings = settings
         self.counts = counts
         self._attempts: dict[bytes, int] = {}
-
-    def expires(self, custom_ids: Sequence[str]) -> bool:
-        """Whether a new batch of these requests is drawn to expire."""
-        key = "\x00".join(custom_ids).encode()
-        return self._draw(b"batch\x00" + key) < self.settings.expire_rate
 
     def answer(self, endpoint: str, custom_id: str, body: Any) -> Outcome:
         """The outcome of one request to ``endpoint``."""
@@ -274,10 +270,25 @@ class Answerer:
         digest = hashlib.blake2b(key, digest_size=16).digest()
         attempt = self._attempts.get(digest, 0)
         self._attempts[digest] = attempt + 1
-        fate = hashlib.blake2b(
-            b"%d\x00%d\x00" % (self.settings.seed, attempt) + digest, digest_size=8
-        ).digest()
-        return int.from_bytes(fate, "big") / 2**64
+        return _fate(self.settings.seed, b"%d\x00" % attempt + digest)
+
+
+def expires(settings: Settings, api: str, number: int) -> bool:
+    """Whether the ``number``-th batch (from 1) created through ``api`` (``"openai"``,
+    ``"anthropic"``) expires.
+
+    >>> [expires(Settings(expire_rate=0.5, seed=3), "openai", n) for n in (1, 2, 3)]
+    [False, True, True]
+    """
+    return (
+        _fate(settings.seed, b"batch\x00%s\x00%d" % (api.encode(), number)) < settings.expire_rate
+    )
+
+
+def _fate(seed: int, key: bytes) -> float:
+    """A number in [0, 1) fixed by the seed and the key."""
+    digest = hashlib.blake2b(b"%d\x00" % seed + key, digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
 
 
 # -- the answers ---------------------------------------------------------------------------------

@@ -86,6 +86,7 @@ from examples.llm_batch.jobs import (
     Outcome,
     Phase,
     Settings,
+    expires,
     jsonl,
 )
 
@@ -360,7 +361,7 @@ class Provider:
             requests=requests,
             created=now,
             settings=self.settings,
-            expiring=not problems and self.answerer.expires([c for c, _ in requests]),
+            expiring=not problems and expires(self.settings, "openai", len(self.batches) + 1),
             problems=problems,
             metadata=metadata,
             input_file_id=file_id,
@@ -476,7 +477,7 @@ class Provider:
             requests=pairs,
             created=now,
             settings=s,
-            expiring=self.answerer.expires(ids),
+            expiring=expires(s, "anthropic", len(self.message_batches) + 1),
         )
         self.message_batches[job.id] = job
         self.counts["creates"] += 1
