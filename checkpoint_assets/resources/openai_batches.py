@@ -5,7 +5,9 @@ One submission is one JSONL file uploaded with ``files.create(purpose="batch")``
 its ``metadata``). A batch found again after a crash is found by that metadata in
 ``batches.list``, newest first, read back only to the time its submission was recorded. Results
 come from the batch's output file (successes, and requests the endpoint answered with an error
-status) and its error file, streamed line by line.
+status) and its error file, streamed line by line; the error file's lines of requests an expiry
+or a cancel left unrun (``batch_expired``, ``batch_cancelled``) are no results: those rows are
+submitted again.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 # OpenAI's documented limits of one batch: 50,000 requests and an input file of 200 MB.
 LIMITS: Final = Limits(max_requests=50_000, max_bytes=200 * 1000 * 1000)
 DEFAULT_ENDPOINT: Final = "/v1/chat/completions"
+# The error codes of requests an expiry or a cancel left unrun: no result, to be submitted again.
+_UNRUN: Final = frozenset({"batch_expired", "batch_cancelled"})
 _STATES: Final = {
     "validating": State.RUNNING,
     "in_progress": State.RUNNING,
@@ -59,14 +63,20 @@ class OpenAIBatches:
         self.endpoint = endpoint
         self.defaults = dict(defaults or {})
         self.limits = limits
+        self._sized: dict[str, bytes] = {}  # lines encoded by ``size``, until uploaded
 
     def _line(self, request: Request) -> bytes:
+        line = self._sized.pop(request.custom_id, None)
+        return line if line is not None else self._encode(request)
+
+    def _encode(self, request: Request) -> bytes:
         body = {**self.defaults, **request.body}
         line = {"custom_id": request.custom_id, "method": "POST", "url": self.endpoint}
         return json.dumps({**line, "body": body}, separators=(",", ":")).encode() + b"\n"
 
     def size(self, request: Request) -> int:
-        return len(self._line(request))
+        line = self._sized[request.custom_id] = self._encode(request)
+        return len(line)
 
     def upload(self, requests: Sequence[Request], tag: str) -> str:
         data = b"".join(self._line(r) for r in requests)
@@ -109,8 +119,12 @@ class OpenAIBatches:
             if file_id:
                 with self.client.with_streaming_response.files.content(file_id) as response:
                     for line in response.iter_lines():
-                        if line.strip():
-                            yield _result(json.loads(line))
+                        found = json.loads(line) if line.strip() else None
+                        if (
+                            found is not None
+                            and (found.get("error") or {}).get("code") not in _UNRUN
+                        ):
+                            yield _result(found)
 
     def cancel(self, batch_id: str) -> None:
         self.client.batches.cancel(batch_id)
