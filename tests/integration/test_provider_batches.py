@@ -26,7 +26,7 @@ from checkpoint_assets import (
 )
 from checkpoint_assets.engine import Checkpoint, open_store
 from checkpoint_assets.integration.pending import PENDING_TAG
-from examples.llm_batch.jobs import Settings
+from examples.llm_batch.jobs import ManualClock, Settings
 from examples.llm_batch.provider import serve
 from examples.llm_batch.provider import stats as provider_stats
 
@@ -69,8 +69,8 @@ def asset(**kw: Any) -> dg.AssetsDefinition:
 
 
 class Setup:
-    def __init__(self, base_dir: str, url: str, rows: int) -> None:
-        self.base_dir, self.url = base_dir, url
+    def __init__(self, base_dir: str, url: str, rows: int, clock: ManualClock) -> None:
+        self.base_dir, self.url, self.clock = base_dir, url, clock
         self.df = tickets(rows)
         self.instance = dg.DagsterInstance.ephemeral()
 
@@ -116,8 +116,10 @@ def setup(tmp_path: Any, request: pytest.FixtureRequest) -> Iterator[Setup]:
     marker = request.node.get_closest_marker("provider")
     options = dict(marker.kwargs) if marker else {}
     rows = options.pop("rows", 2_000)
-    with serve(Settings(**options)) as url:
-        yield Setup(str(tmp_path / "checkpoints"), url, rows)
+    manual = options.pop("manual_clock", False)  # the provider's time moves only when told
+    clock = ManualClock()
+    with serve(Settings(**options), clock=clock if manual else time.time) as url:
+        yield Setup(str(tmp_path / "checkpoints"), url, rows, clock)
 
 
 @pytest.mark.provider(rows=20_000, processing_delay=0.3)
@@ -160,7 +162,7 @@ def test_rows_of_an_expired_batch_are_submitted_again_and_nothing_twice(setup: S
     assert parts.height == 2_000 and parts.get_column(ID).n_unique() == 2_000
 
 
-@pytest.mark.provider(processing_delay=0.5)
+@pytest.mark.provider(processing_delay=600, manual_clock=True)
 def test_submit_and_end_then_the_sensor_requests_the_collecting_run(setup: Setup) -> None:
     routed = asset(wait=False)
     first = setup.materialize(routed, raise_on_error=False)
@@ -181,7 +183,7 @@ def test_submit_and_end_then_the_sensor_requests_the_collecting_run(setup: Setup
         early = collect(context)
         assert not early.run_requests and "wait" in str(early.skip_reason)
         context.update_cursor(early.cursor)
-        time.sleep(0.6)
+        setup.clock.advance(601)  # the provider's batches end
         ready = collect(context)
         assert [r.partition_key for r in ready.run_requests] == [SHARD]
         context.update_cursor(ready.cursor)
@@ -196,20 +198,23 @@ def test_submit_and_end_then_the_sensor_requests_the_collecting_run(setup: Setup
         assert "No partition" in str(after.skip_reason)
 
 
-@pytest.mark.provider(processing_delay=4)
+@pytest.mark.provider(processing_delay=600, manual_clock=True)
 def test_a_cancelled_batch_gives_back_its_unrun_rows(setup: Setup) -> None:
     routed = asset(wait=False)
-    first = setup.materialize(routed, raise_on_error=False)
-    assert not first.success
+    assert not setup.materialize(routed, raise_on_error=False).success
     api = setup.resources()["openai"].batch_provider()
     observation = setup.instance.fetch_observations(dg.AssetKey(ASSET), limit=1).records[0]
     assert observation.asset_observation is not None
     pending = observation.asset_observation.metadata["batches_pending"].value
-    time.sleep(1)
+    setup.clock.advance(300)  # half of its requests done
     api.cancel(json.loads(str(pending))[0])
-    result = setup.materialize(asset())  # waits: collects the rows that ran, submits the rest
-    assert result.success
+    setup.clock.advance(1)  # cancelling, then cancelled
+    # Collects the half that ran, submits the rest and ends; then collects that.
+    second = setup.materialize(routed, raise_on_error=False)
+    assert not second.success
+    assert 900 <= setup.provider()["cancelled"] <= 1_100
+    setup.clock.advance(601)
+    assert setup.materialize(routed).success
     assert setup.provider()["creates"] == 2
-    assert 0 < setup.provider()["cancelled"] < 2_000
     assert setup.provider()["processed"] == 2_000
     assert setup.parts().get_column(ID).n_unique() == setup.parts().height == 2_000
