@@ -74,8 +74,10 @@ class AnthropicBatches:
         return {"custom_id": request.custom_id, "params": {**self.defaults, **request.body}}
 
     def size(self, request: Request) -> int:
-        # One entry of the create's ``requests`` list and the comma after it.
-        return len(json.dumps(self._entry(request), separators=(",", ":")).encode()) + 1
+        # One entry of the create's ``requests`` list and the comma after it, encoded as the
+        # client encodes its body (compact, UTF-8).
+        entry = json.dumps(self._entry(request), ensure_ascii=False, separators=(",", ":"))
+        return len(entry.encode()) + 1
 
     def upload(self, requests: Sequence[Request], tag: str) -> None:
         return None  # the create takes the requests itself

@@ -179,7 +179,8 @@ class Job:
     cancelled_at: float | None = None
     outcomes: list[Outcome] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # "output"/"error" -> file id, once ended
-    settled: bool = False  # whether its end was counted (and its files written)
+    settled: bool = False  # whether its end was counted and ``on_end`` called
+    on_end: Callable[[Job, Phase], None] | None = None  # what its API does once it has ended
 
     def phase(self, now: float) -> Phase:
         """The state at ``now``."""

@@ -10,6 +10,7 @@ stopped before recording it is found again by its requests' ``custom_id`` prefix
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -36,7 +37,7 @@ from checkpoint_assets.resources.anthropic_batches import (
     SubmissionUndecidedError,
 )
 from examples.llm_batch.jobs import expires
-from examples.llm_batch.provider import Settings, serve
+from examples.llm_batch.provider import ManualClock, Settings, serve
 from examples.llm_batch.provider import stats as served
 
 ID = "ticket_id"
@@ -77,8 +78,8 @@ def asset(**kw: Any) -> dg.AssetsDefinition:
 
 
 class Setup:
-    def __init__(self, base_dir: str, url: str, rows: int) -> None:
-        self.base_dir, self.url = base_dir, url
+    def __init__(self, base_dir: str, url: str, rows: int, clock: ManualClock) -> None:
+        self.base_dir, self.url, self.clock = base_dir, url, clock
         self.df = pl.DataFrame({ID: list(range(rows)), "body": [TEXTS[i % 3] for i in range(rows)]})
         self.instance = dg.DagsterInstance.ephemeral()
         self.claude = AnthropicResource(
@@ -132,8 +133,10 @@ def setup(tmp_path: Any, request: pytest.FixtureRequest) -> Iterator[Setup]:
     marker = request.node.get_closest_marker("provider")
     options = dict(marker.kwargs) if marker else {}
     rows = options.pop("rows", 2_000)
-    with serve(Settings(**options)) as url:
-        yield Setup(str(tmp_path / "checkpoints"), url, rows)
+    manual = options.pop("manual_clock", False)  # batches move only when the test says
+    clock = ManualClock()
+    with serve(Settings(**options), clock=clock if manual else time.time) as url:
+        yield Setup(str(tmp_path / "checkpoints"), url, rows, clock)
 
 
 @pytest.mark.provider(rows=20_000, processing_delay=0.3)
@@ -193,7 +196,7 @@ def test_rows_of_an_expired_batch_are_submitted_again_and_none_is_paid_twice(
     assert setup.stored().get_column("_error").null_count() == 2_000
 
 
-@pytest.mark.provider(processing_delay=2)
+@pytest.mark.provider(processing_delay=2, manual_clock=True)
 def test_submit_and_end_then_the_sensor_requests_the_collecting_run(setup: Setup) -> None:
     routed = asset(wait=False)
     first = setup.materialize(routed, raise_on_error=False)
@@ -214,7 +217,7 @@ def test_submit_and_end_then_the_sensor_requests_the_collecting_run(setup: Setup
         early = collect(context)
         assert not early.run_requests and "wait" in str(early.skip_reason)
         context.update_cursor(early.cursor)
-        time.sleep(2.1)
+        setup.clock.advance(2.1)
         ready = collect(context)
         assert [r.partition_key for r in ready.run_requests] == [SHARD]
         context.update_cursor(ready.cursor)
@@ -227,20 +230,34 @@ def test_submit_and_end_then_the_sensor_requests_the_collecting_run(setup: Setup
     setup.stored_once()
 
 
-@pytest.mark.provider(processing_delay=4)
+@pytest.mark.provider(processing_delay=4, manual_clock=True)
 def test_a_cancelled_batch_gives_back_its_unrun_rows(setup: Setup) -> None:
     assert not setup.materialize(asset(wait=False), raise_on_error=False).success
-    time.sleep(1)
+    setup.clock.advance(1)  # a quarter of the requests done
     claude = anthropic.Anthropic(base_url=setup.url.removesuffix("/v1"), api_key="local")
     (batch,) = claude.messages.batches.list().data
     claude.messages.batches.cancel(batch.id)
-    result = setup.materialize(asset())  # waits: collects what ran, submits the rest
+    # The waiting run collects what ran and submits the rest, whose batch ends as the clock
+    # ticks on meanwhile.
+    done = threading.Event()
+    ticking = threading.Thread(target=tick, args=(setup.clock, done), daemon=True)
+    ticking.start()
+    try:
+        result = setup.materialize(asset())
+    finally:
+        done.set()
+        ticking.join()
     assert result.success
     provider = setup.provider()
     assert provider["creates"] == 2 and provider["cancels"] == 1
-    assert 0 < provider["cancelled"] < 2_000
+    assert provider["cancelled"] == 1_500
     assert provider["processed"] == 2_000 == provider["submitted"] - provider["cancelled"]
     setup.stored_once()
+
+
+def tick(clock: ManualClock, done: threading.Event) -> None:
+    while not done.wait(0.05):
+        clock.advance(1.0)
 
 
 # -- finding a batch again -------------------------------------------------------------------------
