@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from checkpoint_assets.engine.budget import Budget, Price
 from checkpoint_assets.engine.errors import (
+    BatchesPendingError,
     BudgetExceededError,
     CheckpointError,
     CorruptCheckpointError,
@@ -26,6 +27,7 @@ from checkpoint_assets.engine.errors import (
     TooManyFailuresError,
 )
 from checkpoint_assets.engine.settings import OnInputChange
+from checkpoint_assets.engine.submissions import BatchProvider
 from checkpoint_assets.engine.throttle import RetryAfter
 
 if TYPE_CHECKING:
@@ -35,6 +37,11 @@ if TYPE_CHECKING:
     from checkpoint_assets.integration.global_resume import global_resume_asset
     from checkpoint_assets.integration.io_manager import CheckpointIOManager
     from checkpoint_assets.integration.partitions import shard_partitions
+    from checkpoint_assets.integration.provider_asset import (
+        ProviderBatchRunConfig,
+        provider_batch_asset,
+    )
+    from checkpoint_assets.integration.provider_sensor import provider_batches_sensor
     from checkpoint_assets.integration.sensor import failed_partitions_sensor
     from checkpoint_assets.resources import AnthropicResource, OpenAIResource
 
@@ -48,6 +55,9 @@ _LAZY = {
     "global_resume_asset": "checkpoint_assets.integration.global_resume",
     "CheckpointIOManager": "checkpoint_assets.integration.io_manager",
     "shard_partitions": "checkpoint_assets.integration.partitions",
+    "ProviderBatchRunConfig": "checkpoint_assets.integration.provider_asset",
+    "provider_batch_asset": "checkpoint_assets.integration.provider_asset",
+    "provider_batches_sensor": "checkpoint_assets.integration.provider_sensor",
     "failed_partitions_sensor": "checkpoint_assets.integration.sensor",
     "AnthropicResource": "checkpoint_assets.resources",
     "OpenAIResource": "checkpoint_assets.resources",
@@ -70,6 +80,8 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AnthropicResource",
+    "BatchProvider",
+    "BatchesPendingError",
     "Budget",
     "BudgetExceededError",
     "CheckpointError",
@@ -88,6 +100,7 @@ __all__ = [
     "OpenAIResource",
     "OutageError",
     "Price",
+    "ProviderBatchRunConfig",
     "QuotaExhaustedError",
     "RetryAfter",
     "StorageError",
@@ -96,5 +109,7 @@ __all__ = [
     "checkpointed_asset",
     "failed_partitions_sensor",
     "global_resume_asset",
+    "provider_batch_asset",
+    "provider_batches_sensor",
     "shard_partitions",
 ]

@@ -96,7 +96,7 @@ def test_every_public_error_is_documented_with_its_remedy(error: type[Checkpoint
 
 
 def test_every_run_config_key_is_documented() -> None:
-    fields = set(checkpoint_assets.CheckpointRunConfig.model_fields)
+    fields = set(checkpoint_assets.ProviderBatchRunConfig.model_fields)  # every key, and wait
     assert not undocumented(fields, table_names(section(REFERENCE, "Run config")))
 
 
@@ -124,6 +124,14 @@ def test_every_argument_of_checkpointed_asset_is_documented() -> None:
         ),
         ("checkpoint_checks", lambda: keyword_parameters(checkpoint_assets.checkpoint_checks)),
         ("Budget", lambda: keyword_parameters(checkpoint_assets.Budget)),
+        (
+            "provider_batch_asset",
+            lambda: keyword_parameters(checkpoint_assets.provider_batch_asset),
+        ),
+        (
+            "provider_batches_sensor",
+            lambda: keyword_parameters(checkpoint_assets.provider_batches_sensor),
+        ),
         ("global_resume_asset", lambda: keyword_parameters(checkpoint_assets.global_resume_asset)),
         ("CheckpointIOManager", lambda: set(checkpoint_assets.CheckpointIOManager.model_fields)),
         ("OpenAIResource", lambda: set(checkpoint_assets.OpenAIResource.model_fields)),

@@ -10,6 +10,8 @@ Where each part lives (ARCHITECTURE.md says more):
 - ``opening.py`` (job check, load, plan; ``resume.py``), ``calls.py`` (the user's function),
   ``batches.py`` (what a call takes and returns), ``workers.py`` (threads or tasks),
   ``sink.py`` (flushes), ``runner.py`` (the loop): one run;
+- ``submissions.py`` (a provider's batch API), ``submission_records.py`` (what was submitted),
+  ``provider_batches.py`` (a run through it);
 - ``global_resume.py``: finished rows across every checkpoint of an asset;
 - ``function_fingerprint.py``: what counts as a change of the user's function;
 - ``settings.py``: run settings and their defaults; ``errors.py``: what can go wrong.

@@ -276,3 +276,21 @@ class BudgetExceededError(CheckpointError):
             f"Raise {limit_name} (or remove it) to go on: running again resumes where this "
             "stopped.",
         )
+
+
+class BatchesPendingError(CheckpointError):
+    """A run that submits and ends (``wait`` off) left rows in provider batches that have not
+    ended yet: they are recorded in the checkpoint, and the shard is not finished."""
+
+    def __init__(self, label: str, rows: int, batches: Sequence[str], done: int) -> None:
+        self.rows = rows
+        self.batches = list(batches)
+        self.done = done
+        super().__init__(
+            f"{label}: {rows:,} row(s) are submitted in {len(self.batches)} provider batch(es) "
+            f"that have not ended yet ({', '.join(self.batches[:5])}"
+            f"{', ...' if len(self.batches) > 5 else ''}); they are recorded in the checkpoint "
+            f"and will not be submitted again; {_ran(done)}. The shard is not finished yet.",
+            "Run it again once they end (it collects their results without submitting them "
+            "again), or run with waiting on to wait for them.",
+        )

@@ -11,6 +11,9 @@ relative to the root (``UNPARTITIONED`` for an unpartitioned asset)::
     <name>.parquet.quarantine/<file>.<UTC time>-<hex>.damaged
                                        damaged files moved aside, never read again, never
                                        deleted (except by ``checkpoint-assets clean``)
+    <name>.parquet.submissions/<tag>.json
+                                       one provider batch submission of the checkpoint's rows
+                                       (``submission_records.py``)
 
 Ordinary (not checkpointed) outputs of the IO manager go to ``<asset path>.parquet``, or
 ``<asset path>/<partition>.parquet`` for a partition; the global resume table of one tag goes to
@@ -44,6 +47,7 @@ PARTS = ".parquet.parts"
 META = ".parquet.meta.json"
 LOCK = ".parquet.lock"
 QUARANTINE = ".parquet.quarantine"
+SUBMISSIONS = ".parquet.submissions"
 _PART = re.compile(r"^part-(\d+)-(\d+)-[0-9a-f]+\.parquet$")
 _SAFE = "-_.=+,@"
 
@@ -104,11 +108,19 @@ class Files:
     meta: str
     lock: str
     quarantine: str
+    submissions: str
 
     @classmethod
     def under(cls, root: str, name: str) -> Files:
         base = posixpath.join(root, name)
-        return cls(base + MERGED, base + PARTS, base + META, base + LOCK, base + QUARANTINE)
+        return cls(
+            base + MERGED,
+            base + PARTS,
+            base + META,
+            base + LOCK,
+            base + QUARANTINE,
+            base + SUBMISSIONS,
+        )
 
     def owns(self, path: str) -> bool:
         """Is ``path`` one of this checkpoint's files (merged, meta, lock, parts)?"""
@@ -120,6 +132,10 @@ class Files:
         stamp = datetime.fromtimestamp(when, UTC).strftime("%Y%m%dT%H%M%SZ")
         name = f"{posixpath.basename(path)}.{stamp}-{uuid.uuid4().hex[:6]}.damaged"
         return posixpath.join(self.quarantine, name)
+
+    def submission(self, tag: str) -> str:
+        """The record of the provider batch submission ``tag``."""
+        return posixpath.join(self.submissions, f"{tag}.json")
 
     def new_part(self, first: int, last: int) -> str:
         return posixpath.join(

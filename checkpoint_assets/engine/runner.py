@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
@@ -50,6 +50,9 @@ from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.sink import Logger, MemorySink, PartWriter, Sink
 from checkpoint_assets.engine.throttle import Throttle
 
+if TYPE_CHECKING:
+    from checkpoint_assets.engine.provider_batches import ProviderJob
+
 
 def prepare(df: pl.DataFrame, settings: Settings) -> pl.DataFrame:
     """Validate ids and return id + input columns with each row's ``_input_hash``."""
@@ -64,7 +67,7 @@ def prepare(df: pl.DataFrame, settings: Settings) -> pl.DataFrame:
 
 
 def run(
-    fn: BatchFn | PerRow,
+    fn: BatchFn | PerRow | ProviderJob,
     inputs: pl.DataFrame,
     checkpoint: Checkpoint | None,
     settings: Settings,
@@ -78,6 +81,7 @@ def run(
     imported: pl.DataFrame | None = None,
     function_fingerprint: Mapping[str, str] | None = None,
     spend: Spend | None = None,
+    loop: type[Run] | None = None,
 ) -> tuple[pl.DataFrame, RunStats]:
     """Run ``fn`` over ``inputs`` (already ``prepare()``d) with resume and checkpointing.
 
@@ -94,8 +98,11 @@ def run(
     finishes, the checkpoint records this one. None: nothing is compared or recorded.
     ``spend``: the tally of ``settings.budget`` this run adds to (shared by the shards of one
     run; default: a new one); no call starts once it reaches a limit (see engine/budget.py).
+    ``loop``: the work loop, ``Run`` by default (``provider_batches.ProviderRun`` sends the rows
+    of a ``ProviderJob`` through a provider's batch API instead of calling ``fn``).
     """
     log = logger or logging.getLogger("checkpoint_assets")
+    work = loop or Run
     if isinstance(fn, PerRow):
         settings = _one_row_per_call(settings, label)
     stats = RunStats(rows_total=inputs.height)
@@ -124,7 +131,7 @@ def run(
             interval=settings.checkpoint_interval,
             flush_seconds=settings.flush_seconds,
         )
-        return Run(fn, inputs, settings, opened, sink, stats, log, label, spend).execute()
+        return work(fn, inputs, settings, opened, sink, stats, log, label, spend).execute()
     if checkpoint is None:
         raise ValueError("A run with checkpointing needs a checkpoint (or checkpointing=False).")
     stats.checkpoint_path = checkpoint.url
@@ -152,7 +159,7 @@ def run(
             else min_flush,
             max_unflushed=settings.max_unflushed_rows,
         )
-        return Run(fn, inputs, settings, opened, sink, stats, log, label, spend).execute()
+        return work(fn, inputs, settings, opened, sink, stats, log, label, spend).execute()
     finally:
         lease.release()
         stats.requests = dict(checkpoint.store.requests)
@@ -174,7 +181,7 @@ class Run:
 
     def __init__(
         self,
-        fn: BatchFn | PerRow,
+        fn: Any,  # BatchFn | PerRow here; what a subclass's work loop takes (ProviderJob)
         inputs: pl.DataFrame,
         settings: Settings,
         opened: Opened,

@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import io
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import dagster as dg
@@ -17,7 +18,11 @@ from pydantic import Field, model_validator
 from checkpoint_assets.engine import function_fingerprint, hashing, runner
 from checkpoint_assets.engine.budget import Budget, Spend
 from checkpoint_assets.engine.checkpoint import Checkpoint
-from checkpoint_assets.engine.errors import CheckpointError, TooManyFailuresError
+from checkpoint_assets.engine.errors import (
+    BatchesPendingError,
+    CheckpointError,
+    TooManyFailuresError,
+)
 from checkpoint_assets.engine.global_resume import JOB, shard_rows
 from checkpoint_assets.engine.layout import DEFAULT_TAG, asset_folder
 from checkpoint_assets.engine.scheme import Scheme, Shard
@@ -29,6 +34,7 @@ from checkpoint_assets.integration.arguments import AssetArguments, SourceSpec, 
 from checkpoint_assets.integration.function import Signature
 from checkpoint_assets.integration.global_resume import global_resume_key, table_path
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
+from checkpoint_assets.integration.pending import end_pending
 from checkpoint_assets.integration.source import ShardRows, as_lazy, user_columns
 from checkpoint_assets.integration.spend import AssetSpend
 
@@ -130,125 +136,152 @@ def checkpointed_asset(
         def ticket_routing(batch: pl.DataFrame, llm: LLMResource) -> pl.DataFrame:
             return batch.select("ticket_id", route=pl.lit("billing"))
     """
-    a = arguments
-    id_column, batch_size, name = a.id_column, a.batch_size, a.name
-    source_key = _source_key(a.source)
 
     def decorator(fn: Callable[..., Any]) -> dg.AssetsDefinition:
-        asset_name = name or fn.__name__
-        signature = Signature.of(fn, batch_size)
-        code = function_fingerprint.of_function(fn)  # resources add theirs at run time
-        base = Settings(
-            id_column=id_column, input_columns=tuple(a.input_columns or ()), **a.settings()
+        signature = Signature.of(fn, arguments.batch_size)
+        calls = Calls(
+            resources=signature.resources,
+            code=function_fingerprint.of_function(fn),  # resources add theirs at run time
+            bind=lambda context, config: signature.bind(fn, context),
         )
-        definition_metadata = {
-            **(a.metadata or {}),
-            md.ID_COLUMN: id_column,
-            md.SOURCE: source_key.to_user_string(),
-            md.RETRY_FAILED: a.retry_failed,
-        }
-
-        def body(
-            context: dg.AssetExecutionContext, config: CheckpointRunConfig, source: Any
-        ) -> pl.DataFrame:
-            io_manager = checkpoint_io_manager(context, a.io_manager_key)
-            keys = (
-                list(context.partition_keys)
-                if context.has_partition_key_range or context.has_partition_key
-                else [None]
-            )
-            table = as_lazy(source)
-            call = signature.bind(fn, context)
-            store = io_manager.store()
-            settings = _settings(base, config, user_columns(table.collect_schema().names()))
-            resources = {r: getattr(context.resources, r) for r in signature.resources}
-            printed = {**code, **function_fingerprint.of_resources(resources)}
-            job = {
-                "format": JOB_FORMAT,
-                "asset": context.asset_key.to_user_string(),
-                "code_version": a.code_version,
-                "id_column": settings.id_column,
-                "input_columns": list(settings.input_columns),
-            }
-            imported = None  # read once for every shard of a ranged run
-            if config.global_resume:
-                tag = config.checkpoint_tag
-                imported = _global_rows(io_manager, store, context, job, keys, tag)
-            shard_rows = ShardRows(table, id_column, keys)  # only these shards' rows, streamed
-            spend = _spend(context, settings, keys)
-            frames: list[pl.DataFrame] = []
-            stats: list[RunStats] = []
-            too_many: list[TooManyFailuresError] = []
-            # On a failure: what the run spent counts, though no shard materializes.
-            with spend.recorded_on_failure() if spend else contextlib.nullcontext():
-                for key in keys:
-                    checkpoint = io_manager.checkpoint(
-                        context.asset_key, config.checkpoint_tag, key, store
-                    )
-                    rows = shard_rows.of(key)
-                    saved = md.saved_on_failure(
-                        context, checkpoint, key, settings.id_column, config.checkpointing
-                    )
-                    try:
-                        with saved:  # on a failure or interrupt: say what the checkpoint holds
-                            frame, one = _run_partition(
-                                context,
-                                config,
-                                call,
-                                settings,
-                                checkpoint,
-                                rows,
-                                key,
-                                job,
-                                imported,
-                                printed,
-                                spend,
-                            )
-                    except TooManyFailuresError as e:
-                        # A ranged run still finishes its other shards, so their retries are free.
-                        too_many.append(e)
-                        continue
-                    except CheckpointError as e:
-                        raise advise(e) from None
-                    frames.append(frame)
-                    stats.append(one)
-                if too_many:
-                    raise advise(TooManyFailuresError.of_several(too_many))
-            result = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
-            context.add_output_metadata(
-                md.materialization(
-                    stats,
-                    config.checkpoint_tag or DEFAULT_TAG,
-                    config.checkpointing,
-                    result,
-                    settings.id_column,
-                )
-            )
-            if spend is not None:
-                for key in keys:
-                    context.add_asset_metadata(spend.metadata(key), partition_key=key)
-            return result
-
-        body.__doc__ = fn.__doc__
-        return dg.asset(
-            name=asset_name,
-            key_prefix=a.key_prefix,
-            # The IO manager gives a source marked with the id column as a lazy scan.
-            ins={"source": dg.AssetIn(key=source_key, metadata={md.ID_COLUMN: id_column})},
-            partitions_def=a.partitions_def,
-            group_name=a.group_name,
-            code_version=a.code_version,
-            pool=a.pool,
-            tags=dict(a.tags) if a.tags else None,
-            description=a.description or inspect.getdoc(fn),
-            metadata=definition_metadata,
-            io_manager_key=a.io_manager_key,
-            required_resource_keys=set(signature.resources) or None,
-            backfill_policy=a.backfill_policy,
-            kinds={"polars", "parquet"},
-        )(body)
+        return define(fn, calls, arguments)
 
     return decorator
+
+
+@dataclass(frozen=True)
+class Calls:
+    """How an asset's rows are computed: the resources it needs (their fingerprints join its
+    code's), what it calls each run (``bind``: the function with its resources, or a
+    ``ProviderJob``), and the engine's work loop for it (None: ``runner.Run``)."""
+
+    resources: tuple[str, ...]
+    code: dict[str, str]
+    bind: Callable[[dg.AssetExecutionContext, Any], Any]
+    loop: type[runner.Run] | None = None
+    config: type[CheckpointRunConfig] = CheckpointRunConfig
+
+
+def define(
+    fn: Callable[..., Any], calls: Calls, a: AssetArguments, kinds: set[str] | None = None
+) -> dg.AssetsDefinition:
+    """The Dagster asset that runs ``calls`` over the shards of ``a.source`` (``fn``: its name
+    and docstring)."""
+    id_column = a.id_column
+    source_key = _source_key(a.source)
+    base = Settings(id_column=id_column, input_columns=tuple(a.input_columns or ()), **a.settings())
+    definition_metadata = {
+        **(a.metadata or {}),
+        md.ID_COLUMN: id_column,
+        md.SOURCE: source_key.to_user_string(),
+        md.RETRY_FAILED: a.retry_failed,
+    }
+
+    def body(context: dg.AssetExecutionContext, config: Any, source: Any) -> pl.DataFrame:
+        io_manager = checkpoint_io_manager(context, a.io_manager_key)
+        keys = (
+            list(context.partition_keys)
+            if context.has_partition_key_range or context.has_partition_key
+            else [None]
+        )
+        table = as_lazy(source)
+        call = calls.bind(context, config)
+        store = io_manager.store()
+        settings = _settings(base, config, user_columns(table.collect_schema().names()))
+        resources = {r: getattr(context.resources, r) for r in calls.resources}
+        printed = {**calls.code, **function_fingerprint.of_resources(resources)}
+        job = {
+            "format": JOB_FORMAT,
+            "asset": context.asset_key.to_user_string(),
+            "code_version": a.code_version,
+            "id_column": settings.id_column,
+            "input_columns": list(settings.input_columns),
+        }
+        imported = None  # read once for every shard of a ranged run
+        if config.global_resume:
+            tag = config.checkpoint_tag
+            imported = _global_rows(io_manager, store, context, job, keys, tag)
+        shard_rows = ShardRows(table, id_column, keys)  # only these shards' rows, streamed
+        spend = _spend(context, settings, keys)
+        frames: list[pl.DataFrame] = []
+        stats: list[RunStats] = []
+        too_many: list[TooManyFailuresError] = []
+        pending: dict[str | None, BatchesPendingError] = {}
+        # On a failure: what the run spent counts, though no shard materializes.
+        with spend.recorded_on_failure() if spend else contextlib.nullcontext():
+            for key in keys:
+                checkpoint = io_manager.checkpoint(
+                    context.asset_key, config.checkpoint_tag, key, store
+                )
+                rows = shard_rows.of(key)
+                saved = md.saved_on_failure(
+                    context, checkpoint, key, settings.id_column, config.checkpointing
+                )
+                try:
+                    with saved:  # on a failure or interrupt: say what the checkpoint holds
+                        frame, one = _run_partition(
+                            context,
+                            config,
+                            call,
+                            settings,
+                            checkpoint,
+                            rows,
+                            key,
+                            job,
+                            imported,
+                            printed,
+                            spend,
+                            calls.loop,
+                        )
+                except TooManyFailuresError as e:
+                    # A ranged run still finishes its other shards, so their retries are free.
+                    too_many.append(e)
+                    continue
+                except BatchesPendingError as e:
+                    pending[key] = e  # its other shards are submitted too
+                    continue
+                except CheckpointError as e:
+                    raise advise(e) from None
+                frames.append(frame)
+                stats.append(one)
+            if pending:
+                raise end_pending(context, pending)
+            if too_many:
+                raise advise(TooManyFailuresError.of_several(too_many))
+        result = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
+        context.add_output_metadata(
+            md.materialization(
+                stats,
+                config.checkpoint_tag or DEFAULT_TAG,
+                config.checkpointing,
+                result,
+                settings.id_column,
+            )
+        )
+        if spend is not None:
+            for key in keys:
+                context.add_asset_metadata(spend.metadata(key), partition_key=key)
+        return result
+
+    body.__annotations__["config"] = calls.config  # Dagster reads the run config's class here
+    body.__doc__ = fn.__doc__
+    return dg.asset(
+        name=a.name or fn.__name__,
+        key_prefix=a.key_prefix,
+        # The IO manager gives a source marked with the id column as a lazy scan.
+        ins={"source": dg.AssetIn(key=source_key, metadata={md.ID_COLUMN: id_column})},
+        partitions_def=a.partitions_def,
+        group_name=a.group_name,
+        code_version=a.code_version,
+        pool=a.pool,
+        tags=dict(a.tags) if a.tags else None,
+        description=a.description or inspect.getdoc(fn),
+        metadata=definition_metadata,
+        io_manager_key=a.io_manager_key,
+        required_resource_keys=set(calls.resources) or None,
+        backfill_policy=a.backfill_policy,
+        kinds=kinds or {"polars", "parquet"},
+    )(body)
 
 
 def _settings(base: Settings, config: CheckpointRunConfig, columns: Sequence[str]) -> Settings:
@@ -310,6 +343,7 @@ def _run_partition(
     imported: pl.DataFrame | None,
     printed: dict[str, str],
     spend: AssetSpend | None,
+    loop: type[runner.Run] | None = None,
 ) -> tuple[pl.DataFrame, RunStats]:
     """Run one partition's checkpoint over its input rows; returns its result and stats."""
     if config.limit is not None:
@@ -339,6 +373,7 @@ def _run_partition(
             imported=imported,
             function_fingerprint=printed,
             spend=None if spend is None else spend.spend,
+            loop=loop,
         )
     finally:
         if spend is not None:

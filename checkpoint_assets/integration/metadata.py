@@ -51,6 +51,10 @@ TOP_ERRORS = "top_errors"
 ROWS_CHECKPOINTED = "rows_checkpointed"
 FUNCTION_CHANGED = "function_changed"  # the function changed, its code version did not
 FUNCTION_CHANGES = "function_changes"  # what changed, in words (only when it did)
+# An observation of a partition whose rows wait in provider batches (submit-and-end), which
+# ``provider_batches_sensor`` follows: the batch ids (JSON list) and the rows.
+BATCHES_PENDING = "batches_pending"
+ROWS_PENDING = "rows_pending"
 # Dagster's standard keys (shown in the UI's asset overview and columns tab).
 ROW_COUNT = "dagster/row_count"
 COLUMN_SCHEMA = "dagster/column_schema"

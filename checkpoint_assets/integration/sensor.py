@@ -35,6 +35,7 @@ import dagster as dg
 
 from checkpoint_assets.engine.layout import UNPARTITIONED
 from checkpoint_assets.integration import metadata as md
+from checkpoint_assets.integration.pending import PENDING_TAG
 from checkpoint_assets.integration.spend import STOPPED_BY_TAG
 
 PARTITION_TAG = "dagster/partition"
@@ -314,7 +315,9 @@ def _failed_runs_of(
     partition status is computed with (every event log storage implements it).
 
     A run that Dagster's own run retries will re-execute (``dagster/will_retry``, retry not yet
-    launched) is left to them: retrying it here too would run the shard twice.
+    launched) is left to them: retrying it here too would run the shard twice. A run that
+    submitted provider batches and ended (``pending.PENDING_TAG``) did not fail: its partition
+    is ``provider_batches_sensor``'s.
     """
     runs: dict[str, str] = {}
     if UNPARTITIONED in partitions:
@@ -339,14 +342,15 @@ def _failed_runs_of(
 
 
 def _ended(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> dict[str, tuple[float, bool]]:
-    """When each run ended, and whether Dagster's run retries will re-execute it."""
+    """When each run ended, and whether it is not this sensor's to retry: Dagster's run retries
+    will re-execute it, or it submitted provider batches and ended."""
     ids = sorted(run_ids)
     out: dict[str, tuple[float, bool]] = {}
     for start in range(0, len(ids), 100):
         for record in instance.get_run_records(dg.RunsFilter(run_ids=ids[start : start + 100])):
             run = record.dagster_run
             ended = record.end_time or record.update_timestamp.timestamp()
-            out[run.run_id] = (ended, run.is_complete_and_waiting_to_retry)
+            out[run.run_id] = (ended, _not_ours(run))
     return out
 
 
@@ -401,8 +405,8 @@ def _failed_range_runs(
             state.ranged.discard(run_id)  # deleted
             continue
         run = record.dagster_run
-        if not run.is_finished or run.is_complete_and_waiting_to_retry:
-            continue  # in progress, or Dagster's run retries will re-execute it
+        if not run.is_finished or _not_ours(run):
+            continue  # in progress, Dagster's run retries will re-execute it, or batches wait
         # One partition planned as a subset of one carries only ``dagster/partition``.
         one = run.tags.get(PARTITION_TAG, "")
         first, last = run.tags.get(RANGE_START_TAG, one), run.tags.get(RANGE_END_TAG, one)
@@ -457,6 +461,12 @@ def _stopped_by_budget(instance: dg.DagsterInstance, failures: Mapping[str, Fail
         )
         stopped.update(r.dagster_run.run_id for r in instance.get_run_records(chunk))
     return {p for p, f in failures.items() if f.run_id in stopped}
+
+
+def _not_ours(run: dg.DagsterRun) -> bool:
+    """Dagster's run retries will re-execute ``run``, or it submitted provider batches and
+    ended (``provider_batches_sensor`` requests the run that collects them)."""
+    return run.is_complete_and_waiting_to_retry or PENDING_TAG in run.tags
 
 
 # -- what to do about them ---------------------------------------------------------------------

@@ -16,6 +16,12 @@ from checkpoint_assets.resources.endpoint import EndpointResource
 if TYPE_CHECKING:
     import anthropic
 
+    from checkpoint_assets.resources.anthropic_batches import AnthropicBatches
+
+# Retries of the batch API's own requests (create, list, poll, download): none of them is paid
+# per token, and each is safe to repeat but create, which the engine finds by its tag first.
+_BATCH_API_RETRIES = 5
+
 __all__ = ["AnthropicResource"]
 
 
@@ -71,3 +77,18 @@ class AnthropicResource(EndpointResource):
         """The ``anthropic.Anthropic`` client of this process, for a plain ``def`` function:
         made once, then shared by every thread."""
         return cast("anthropic.Anthropic", self._process_client())
+
+    def batch_provider(self, endpoint: str | None = None) -> AnthropicBatches:
+        """Anthropic's Message Batches on this resource's endpoint, for provider batches: every
+        request's ``params`` get ``request_defaults()`` (``model``, ``max_tokens``) where the
+        body leaves them out. ``endpoint`` may only be ``/v1/messages`` (or None), the one API
+        message batches run."""
+        from checkpoint_assets.resources.anthropic_batches import ENDPOINT, AnthropicBatches
+
+        if endpoint not in (None, ENDPOINT):
+            raise ValueError(
+                f"Anthropic's message batches run {ENDPOINT} only, not {endpoint!r}: leave the "
+                "endpoint unset, or use OpenAIResource for OpenAI's endpoints."
+            )
+        client = self.sync_client().with_options(max_retries=_BATCH_API_RETRIES)
+        return AnthropicBatches(client, self.request_defaults())

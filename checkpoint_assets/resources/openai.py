@@ -18,6 +18,12 @@ from checkpoint_assets.resources.endpoint import EndpointResource
 if TYPE_CHECKING:
     import openai
 
+    from checkpoint_assets.resources.openai_batches import OpenAIBatches
+
+# Retries of the batch API's own requests (upload, create, poll, download): none of them is paid
+# per token, and each is safe to repeat (create is found by its tag before it is sent again).
+_BATCH_API_RETRIES = 5
+
 __all__ = ["OpenAIResource"]
 
 
@@ -79,3 +85,12 @@ class OpenAIResource(EndpointResource):
         """The ``openai.OpenAI`` client of this process, for a plain ``def`` function: made once,
         then shared by every thread."""
         return cast("openai.OpenAI", self._process_client())
+
+    def batch_provider(self, endpoint: str | None = None) -> OpenAIBatches:
+        """OpenAI's Batch API on this resource's endpoint, for ``provider_batch_asset``: every
+        request body goes to ``endpoint`` (default ``/v1/chat/completions``) with
+        ``request_defaults()`` added where the body leaves them out."""
+        from checkpoint_assets.resources.openai_batches import DEFAULT_ENDPOINT, OpenAIBatches
+
+        client = self.sync_client().with_options(max_retries=_BATCH_API_RETRIES)
+        return OpenAIBatches(client, endpoint or DEFAULT_ENDPOINT, self.request_defaults())

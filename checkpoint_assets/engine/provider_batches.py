@@ -1,0 +1,304 @@
+"""Running a shard through a provider's batch API: submit its rows, wait or end, collect.
+
+The user's per-row logic is two functions: ``request(row) -> dict`` (the request body) and
+``parse(body) -> dict`` (output columns, usage columns among them). :class:`ProviderRun` replaces
+only the work loop of :class:`~checkpoint_assets.engine.runner.Run`: the lock, the plan (what is
+done, ``retry_failed``, dedupe), the sink's parts, finalize, usage and the stop rules are the same
+as for computed rows. Its steps::
+
+    re-attach    the open submission records of the checkpoint (submission_records.py): poll
+                 those with a batch id, find the others on the provider by their tag
+    submit       the rows to do that no open submission holds, split within the provider's
+                 limits; each submission recorded (intent) before its upload, its file and batch
+                 ids recorded as they come
+    collect      poll with backoff (``poll_seconds`` doubling up to ``max_poll_seconds``); a
+                 submission that ended is downloaded, parsed and stored as one part, then marked
+                 collected; rows an expiry or a cancel left without a result are submitted again;
+                 per-request errors become failed rows (computed again by the next run while
+                 ``retry_failed`` is on)
+    end          with ``wait`` off, as soon as every submission is created and what had ended is
+                 collected: the run ends with :class:`BatchesPendingError`, the shard unfinished
+
+Loss bound. A hard kill loses no paid request: every submission is recorded before anything is
+sent, and its results stay on the provider (OpenAI: 30 days; Anthropic: 29) until a run stores
+them. What a kill costs is the work of the step that was under way: one upload again (a kill
+between the upload and its record), or one download again (a kill before a collected part is
+durable, or before its submission is marked collected: then only the rows not stored yet are
+stored).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import polars as pl
+
+from checkpoint_assets.engine.batches import Broken, Check, RowResult
+from checkpoint_assets.engine.errors import BatchesPendingError, CheckpointError, FunctionError
+from checkpoint_assets.engine.rows import ATTEMPTS, BOOKKEEPING, ERROR, INPUT_HASH
+from checkpoint_assets.engine.runner import Run
+from checkpoint_assets.engine.sink import PartWriter
+from checkpoint_assets.engine.submission_records import Records, Submission, new_tag
+from checkpoint_assets.engine.submissions import (
+    BatchProvider,
+    Request,
+    Result,
+    State,
+    Status,
+    custom_id,
+    index_of,
+)
+
+_ROWS_PER_CHUNK = 4096  # input rows turned into dicts at a time
+_FIND_MARGIN_SECONDS = 600.0  # clocks differ: look for batches created a little before the intent
+
+
+@dataclass(frozen=True)
+class ProviderJob:
+    """What a shard sends through a provider's batch API, and how it waits.
+
+    ``request(row)`` gets the id and input columns of one row as a dict and returns its request
+    body; ``parse(body)`` gets the provider's response body of that row and returns a dict of
+    output columns (the same keys for every row). ``wait`` False ends the run once its rows are
+    submitted (see the module docstring).
+    """
+
+    provider: BatchProvider
+    request: Callable[[dict[str, Any]], dict[str, Any]]
+    parse: Callable[[dict[str, Any]], Mapping[str, Any]]
+    wait: bool = True
+    poll_seconds: float = 10.0
+    max_poll_seconds: float = 300.0
+
+
+class ProviderRun(Run):
+    """A run whose rows go through a provider's batch API (see the module docstring)."""
+
+    job: ProviderJob
+
+    def work(self, todo: pl.DataFrame) -> CheckpointError | None:
+        if not isinstance(self.fn, ProviderJob) or not isinstance(self.sink, PartWriter):
+            raise CheckpointError(
+                f"{self.label}: provider batches need a checkpoint to record their submissions.",
+                "Run with checkpointing on.",
+            )
+        self.job = self.fn
+        self.provider = self.job.provider
+        self.records = Records(self.sink.checkpoint.store, self.sink.checkpoint.files)
+        self.check = Check(self.id)
+        self.todo = todo
+        # The rows to do that no collected result covers yet, with their calls so far.
+        self.attempts: dict[Any, int] = dict(
+            zip(
+                todo.get_column(self.id).to_list(), todo.get_column(ATTEMPTS).to_list(), strict=True
+            )
+        )
+        waiting = [s for s in self.records.load() if s.open and self._attach(s)]
+        sent = {i for s in waiting for i in s.ids}
+        fresh = todo.filter(~pl.col(self.id).is_in(list(sent))) if sent else todo
+        waiting += self._submit(fresh)
+        return self._collect_all(waiting)
+
+    # -- submitting ----------------------------------------------------------------------
+    def _attach(self, s: Submission) -> bool:
+        """Make sure the open submission ``s`` has its batch; False when it never reached the
+        provider (its rows are then submitted again)."""
+        if s.batch_id is None:
+            found = self.provider.find(s.tag, s.created_at - _FIND_MARGIN_SECONDS)
+            if found is None and s.file_id is not None:
+                found = self.provider.create([], s.file_id, s.tag)
+            if found is None:
+                note = "the run that submitted it stopped before anything reached the provider"
+                self.records.advance(s, "dropped", note=note)
+                return False
+            self.records.advance(s, "created", batch_id=found)
+        self.log.info(
+            "%s: re-attached to provider batch %s (%d rows): nothing is submitted again.",
+            self.label,
+            s.batch_id,
+            len(s.ids),
+        )
+        return True
+
+    def _submit(self, rows: pl.DataFrame) -> list[Submission]:
+        """Submit ``rows`` in as many submissions as the provider's limits take."""
+        made = []
+        for tag, requests, ids, hashes in self._split(rows):
+            made.append(self._send(tag, requests, ids, hashes))
+        return made
+
+    def _split(
+        self, rows: pl.DataFrame
+    ) -> Iterator[tuple[str, list[Request], list[Any], list[int]]]:
+        limits = self.provider.limits
+        tag, size = new_tag(), 0
+        requests: list[Request] = []
+        ids: list[Any] = []
+        hashes: list[int] = []
+        for row, input_hash in self._requests_of(rows):
+            request = Request(custom_id(tag, len(requests)), self._body(row))
+            grown = size + self.provider.size(request)
+            if requests and (len(requests) >= limits.max_requests or grown > limits.max_bytes):
+                yield tag, requests, ids, hashes
+                tag, requests, ids, hashes = new_tag(), [], [], []
+                request = Request(custom_id(tag, 0), request.body)
+                grown = self.provider.size(request)
+            requests.append(request)
+            ids.append(row[self.id])
+            hashes.append(input_hash)
+            size = grown
+        if requests:
+            yield tag, requests, ids, hashes
+
+    def _requests_of(self, rows: pl.DataFrame) -> Iterator[tuple[dict[str, Any], int]]:
+        visible = rows.select([c for c in rows.columns if c not in BOOKKEEPING])
+        for start in range(0, rows.height, _ROWS_PER_CHUNK):
+            dicts = visible.slice(start, _ROWS_PER_CHUNK).to_dicts()
+            hashes = rows.get_column(INPUT_HASH).slice(start, _ROWS_PER_CHUNK).to_list()
+            yield from zip(dicts, hashes, strict=True)
+
+    def _body(self, row: dict[str, Any]) -> dict[str, Any]:
+        try:
+            body = self.job.request(row)
+        except Exception as e:
+            problem = f"request() raised {type(e).__name__}: {e} for the row {row[self.id]!r}"
+            raise FunctionError(self.label, problem, self.done_rows) from e
+        if not isinstance(body, dict):
+            problem = f"request() returned {type(body).__name__}; it must return a dict (the body)"
+            raise FunctionError(self.label, problem, self.done_rows)
+        return body
+
+    def _send(
+        self, tag: str, requests: Sequence[Request], ids: list[Any], hashes: list[int]
+    ) -> Submission:
+        s = Submission(tag, self.provider.name, ids, hashes)
+        # A spend budget's check goes here: nothing of this submission is recorded or sent yet.
+        self.records.record_intent(s)
+        file_id = self.provider.upload(requests, tag)
+        if file_id is not None:
+            self.records.advance(s, "uploaded", file_id=file_id)
+        batch_id = self.provider.create(requests, file_id, tag)
+        self.records.advance(s, "created", batch_id=batch_id)
+        self.stats.calls += len(requests)
+        self.log.info(
+            "%s: submitted %d rows to %s as batch %s (submission %s).",
+            self.label,
+            len(requests),
+            self.provider.name,
+            batch_id,
+            tag,
+        )
+        return s
+
+    # -- collecting ----------------------------------------------------------------------
+    def _collect_all(self, waiting: list[Submission]) -> CheckpointError | None:
+        delay = self.job.poll_seconds
+        while True:
+            left: list[Submission] = []
+            for s in waiting:
+                assert s.batch_id is not None
+                status = self.provider.poll(s.batch_id)
+                left += [s] if status.state is State.RUNNING else self._collect(s, status)
+            waiting = left
+            if not waiting:
+                return None
+            rows = sum(len(s.ids) for s in waiting)
+            if not self.job.wait:
+                batches = [s.batch_id or s.tag for s in waiting]
+                return BatchesPendingError(self.label, rows, batches, self.done_rows)
+            self.log.info(
+                "%s: %d row(s) wait in %d provider batch(es); next poll in %.0f s. %s",
+                self.label,
+                rows,
+                len(waiting),
+                delay,
+                self.progress_line(time.monotonic()),
+            )
+            time.sleep(delay)
+            delay = min(delay * 2, self.job.max_poll_seconds)
+
+    def _collect(self, s: Submission, status: Status) -> list[Submission]:
+        """Store the results of the ended submission ``s`` as one part, then mark it; returns
+        the submissions of its rows that got no result (expired, cancelled)."""
+        assert s.batch_id is not None
+        seen = [False] * len(s.ids)
+        failed: list[tuple[Any, int, str, int]] = []
+        if status.state is not State.FAILED:
+            for result in self.provider.results(s.batch_id):
+                index = index_of(result.custom_id, s.tag)
+                if index is not None and index < len(s.ids):  # else not this submission's
+                    seen[index] = True
+                    self._take(result, s.ids[index], s.hashes[index], failed)
+        unrun = [i for i, got in enumerate(seen) if not got]
+        if status.state in (State.ENDED, State.FAILED):
+            why = (
+                f"the provider refused the batch {s.batch_id}: {status.detail or 'no detail'}"
+                if status.state is State.FAILED
+                else f"the provider's batch {s.batch_id} ended without a result for this request"
+            )
+            for i in unrun:
+                self._fail(s.ids[i], s.hashes[i], why, failed)
+            unrun = []
+        self.pending_failed.append(self._failures(failed))
+        self._commit()
+        self.sink.flush()
+        assert isinstance(self.sink, PartWriter)
+        self.sink.wait_for_writes()  # durable before the record says collected
+        if not unrun:
+            self.records.advance(s, "collected")
+            return []
+        note = f"{len(unrun)} request(s) got no result: the batch {status.state.value}"
+        self.records.advance(s, "returned", note=note)
+        self.log.warning(
+            "%s: provider batch %s %s with %d request(s) unrun; submitting them again.",
+            self.label,
+            s.batch_id,
+            status.state.value,
+            len(unrun),
+        )
+        back = [s.ids[i] for i in unrun if s.ids[i] in self.attempts]
+        return self._submit(self.todo.filter(pl.col(self.id).is_in(back)))
+
+    def _take(
+        self, result: Result, row_id: Any, input_hash: int, failed: list[tuple[Any, int, str, int]]
+    ) -> None:
+        """One request's result as a stored row (or a failed one); rows already stored (by a
+        run that died before marking the submission collected) are skipped."""
+        if result.error is not None or result.body is None:
+            self._fail(row_id, input_hash, result.error or "no response body", failed)
+            return
+        if row_id not in self.attempts:
+            return
+        try:
+            out = self.job.parse(result.body)
+        except Exception as e:
+            self._fail(row_id, input_hash, f"parse() raised {type(e).__name__}: {e}", failed)
+            return
+        try:
+            checked = self.check.row(out, row_id)
+        except Broken as e:
+            raise FunctionError(self.label, f"parse(): {e}", self.done_rows) from None
+        attempts = self.attempts.pop(row_id)
+        self.pending.append(RowResult(checked, row_id, input_hash, attempts + 1))
+        self.pending_rows += 1
+
+    def _fail(
+        self, row_id: Any, input_hash: int, why: str, failed: list[tuple[Any, int, str, int]]
+    ) -> None:
+        attempts = self.attempts.pop(row_id, None)
+        if attempts is not None:  # else stored already
+            failed.append((row_id, input_hash, why, attempts + 1))
+
+    def _failures(self, failed: list[tuple[Any, int, str, int]]) -> pl.DataFrame:
+        ids, hashes, errors, attempts = zip(*failed, strict=True) if failed else ((),) * 4
+        return pl.DataFrame(
+            {
+                self.id: pl.Series(list(ids), dtype=self.inputs.schema[self.id]),
+                INPUT_HASH: pl.Series(list(hashes), dtype=pl.UInt64),
+                ERROR: pl.Series(list(errors), dtype=pl.String),
+                ATTEMPTS: pl.Series(list(attempts), dtype=pl.Int32),
+            }
+        )

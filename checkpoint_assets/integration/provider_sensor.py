@@ -1,0 +1,206 @@
+"""``provider_batches_sensor``: request the run that collects a shard's provider batches once
+they have ended, so no run holds a slot while the provider works.
+
+Each tick, in order::
+
+    _follow()     new observations of the asset that name pending batches (``batches_pending``,
+                  recorded by a run that submitted and ended, see ``pending.py``): the latest per
+                  partition is remembered in the cursor, with the run that submitted them
+    _settled()    partitions materialized since their observation are forgotten
+    _ready()      for each remembered partition not requested yet and not in progress: poll its
+                  batches (one request each, stopping at the first still running); when none
+                  is running any more, request the partition's run, once per submitting run
+
+The collecting run re-attaches to the batches through the checkpoint's submission records,
+downloads their results and finishes in seconds; it submits nothing that was submitted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import dagster as dg
+
+from checkpoint_assets.engine.layout import UNPARTITIONED
+from checkpoint_assets.engine.submissions import BatchProvider, State
+from checkpoint_assets.integration import metadata as md
+
+COLLECTS_TAG = "checkpoint_assets/collects"  # the run that submitted what this run collects
+_PAGE = 1000
+_CURSOR_VERSION = 1
+
+
+@dataclass
+class Pending:
+    """The batches a partition waits for: the run that submitted them and its observation."""
+
+    run_id: str
+    batches: list[str]
+    storage_id: int
+    requested: bool = False
+
+
+@dataclass
+class PendingState:
+    """What the sensor remembers between ticks (its JSON cursor)."""
+
+    after: int = 0  # last observation read (storage id)
+    pending: dict[str, Pending] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        pending = {
+            k: [p.run_id, p.batches, p.storage_id, p.requested]
+            for k, p in sorted(self.pending.items())
+        }
+        return json.dumps({"v": _CURSOR_VERSION, "after": self.after, "pending": pending})
+
+    @classmethod
+    def from_json(cls, text: str | None) -> PendingState:
+        data = json.loads(text) if text else {}
+        if data.get("v") != _CURSOR_VERSION:
+            return cls()
+        pending = {
+            k: Pending(str(run), list(batches), int(at), bool(requested))
+            for k, (run, batches, at, requested) in data["pending"].items()
+        }
+        return cls(int(data["after"]), pending)
+
+
+def provider_batches_sensor(
+    asset: dg.AssetsDefinition,
+    provider: str = "openai",
+    endpoint: str | None = None,
+    minimum_interval_seconds: int = 60,
+    name: str | None = None,
+    default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
+) -> dg.SensorDefinition:
+    """A sensor that requests a partition's run of ``asset`` (a :func:`provider_batch_asset`
+    that submits and ends) once the provider batches it waits for have ended.
+
+    Each tick polls only the batches of partitions that wait (one request per batch, stopping
+    at a partition's first batch still running): a few requests a minute, however many rows.
+    ``provider`` and ``endpoint``: the resource key and endpoint the asset submits through.
+
+    Example::
+
+        defs = dg.Definitions(
+            assets=[tickets, ticket_routing],
+            sensors=[provider_batches_sensor(ticket_routing, provider="openai")],
+            resources={"openai": OpenAIResource(...), "io_manager": CheckpointIOManager(...)},
+        )
+    """
+    key = asset.key
+    label = key.to_user_string()
+
+    @dg.sensor(
+        name=name or f"{key.to_python_identifier()}_provider_batches",
+        target=asset,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=default_status,
+        required_resource_keys={provider},
+        description=f"Requests the runs of {label} that collect its provider batches once they "
+        "have ended.",
+    )
+    def sensor(context: dg.SensorEvaluationContext, **resources: Any) -> dg.SensorResult:
+        # Dagster passes the resource by its key when the sensor is called directly.
+        resource = resources.get(provider) or getattr(context.resources, provider)
+        state = PendingState.from_json(context.cursor)
+        instance = context.instance
+        _follow(instance, key, state)
+        _settled(instance, key, state)
+        api = resource.batch_provider(endpoint)
+        requests = []
+        for partition in _ready(instance, key, asset.partitions_def, api, state):
+            waited = state.pending[partition]
+            context.log.info(
+                f"The provider batches of {label} {partition} have ended: requesting the run "
+                f"that collects them (submitted by run {waited.run_id})."
+            )
+            requests.append(
+                dg.RunRequest(
+                    partition_key=None if partition == UNPARTITIONED else partition,
+                    run_key=f"{partition}:{waited.run_id}",
+                    tags={COLLECTS_TAG: waited.run_id},
+                )
+            )
+        if requests:
+            return dg.SensorResult(run_requests=requests, cursor=state.to_json())
+        waiting = [p for p, w in state.pending.items() if not w.requested]
+        reason = (
+            f"{len(waiting)} partition(s) of {label} wait for provider batches still running."
+            if waiting
+            else f"No partition of {label} waits for provider batches."
+        )
+        return dg.SensorResult(skip_reason=reason, cursor=state.to_json())
+
+    return sensor
+
+
+def _follow(instance: dg.DagsterInstance, key: dg.AssetKey, state: PendingState) -> None:
+    """Remember the latest pending batches of each partition from new observations."""
+    cursor: str | None = None
+    while True:
+        result = instance.fetch_observations(
+            dg.AssetRecordsFilter(asset_key=key, after_storage_id=state.after or None),
+            limit=_PAGE,
+            cursor=cursor,
+            ascending=True,
+        )
+        for record in result.records:
+            state.after = max(state.after, record.storage_id)
+            observation = record.asset_observation
+            found = observation.metadata.get(md.BATCHES_PENDING) if observation else None
+            if observation is None or found is None:
+                continue
+            batches = json.loads(str(md.plain(found)))
+            partition = observation.partition or UNPARTITIONED
+            state.pending[partition] = Pending(record.run_id, batches, record.storage_id)
+        if not result.has_more:
+            return
+        cursor = result.cursor
+
+
+def _settled(instance: dg.DagsterInstance, key: dg.AssetKey, state: PendingState) -> None:
+    """Forget partitions materialized since their batches were recorded."""
+    if not state.pending:
+        return
+    latest: Mapping[str, int]
+    if set(state.pending) == {UNPARTITIONED}:
+        records = instance.fetch_materializations(key, limit=1).records
+        latest = {UNPARTITIONED: records[0].storage_id} if records else {}
+    else:
+        latest = instance.get_latest_storage_id_by_partition(
+            key, dg.DagsterEventType.ASSET_MATERIALIZATION, set(state.pending)
+        )
+    for partition, waited in list(state.pending.items()):
+        if latest.get(partition, 0) > waited.storage_id:
+            del state.pending[partition]
+
+
+def _ready(
+    instance: dg.DagsterInstance,
+    key: dg.AssetKey,
+    partitions_def: dg.PartitionsDefinition | None,
+    api: BatchProvider,
+    state: PendingState,
+) -> list[str]:
+    """Partitions whose batches have all ended, marked requested."""
+    waiting = [p for p, w in sorted(state.pending.items()) if not w.requested]
+    if not waiting:
+        return []
+    busy: set[str] = set()
+    if partitions_def is not None:
+        statuses = instance.get_status_by_partition(key, waiting, partitions_def) or {}
+        busy = {p for p, s in statuses.items() if s == dg.AssetPartitionStatus.IN_PROGRESS}
+    ready = []
+    for partition in waiting:
+        waited = state.pending[partition]
+        if partition in busy:
+            continue
+        if all(api.poll(b).state is not State.RUNNING for b in waited.batches):
+            waited.requested = True
+            ready.append(partition)
+    return ready

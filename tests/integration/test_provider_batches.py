@@ -1,0 +1,220 @@
+"""Provider batches through real Dagster materializations against the local batch provider
+(``examples/llm_batch/provider.py``; the real ``openai`` client over HTTP): a shard's rows
+submitted once, results stored like computed rows, per-request errors retried on the next run,
+expired and cancelled batches, and the submit-and-end path with ``provider_batches_sensor``
+requesting the collecting run."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import dagster as dg
+import polars as pl
+import pytest
+from helpers.jobs import ASSET, stats
+
+from checkpoint_assets import (
+    CheckpointIOManager,
+    OpenAIResource,
+    failed_partitions_sensor,
+    provider_batch_asset,
+    provider_batches_sensor,
+    shard_partitions,
+)
+from checkpoint_assets.engine import Checkpoint, open_store
+from checkpoint_assets.integration.pending import PENDING_TAG
+from examples.llm_batch.jobs import ManualClock, Settings
+from examples.llm_batch.provider import serve
+from examples.llm_batch.provider import stats as provider_stats
+
+ID = "ticket_id"
+SHARD = "0-of-1"
+
+
+def request(row: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": row["body"]}]}
+
+
+def parse(body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "answer": body["choices"][0]["message"]["content"],
+        "prompt_tokens": body["usage"]["prompt_tokens"],
+    }
+
+
+def tickets(n: int) -> pl.DataFrame:
+    return pl.DataFrame({ID: list(range(n)), "body": [f"ticket {i}" for i in range(n)]})
+
+
+def asset(**kw: Any) -> dg.AssetsDefinition:
+    options: dict[str, Any] = {
+        "source": "tickets",
+        "id_column": ID,
+        "parse": parse,
+        "input_columns": ["body"],
+        "partitions_def": shard_partitions(1),
+        "usage_columns": ["prompt_tokens"],
+        "poll_seconds": 0.05,
+        "max_poll_seconds": 0.2,
+    }
+
+    @provider_batch_asset(name=ASSET, **(options | kw))
+    def routed(row: dict[str, Any]) -> dict[str, Any]:
+        return request(row)
+
+    return routed
+
+
+class Setup:
+    def __init__(self, base_dir: str, url: str, rows: int, clock: ManualClock) -> None:
+        self.base_dir, self.url, self.clock = base_dir, url, clock
+        self.df = tickets(rows)
+        self.instance = dg.DagsterInstance.ephemeral()
+
+    def resources(self) -> dict[str, Any]:
+        return {
+            "io_manager": CheckpointIOManager(base_dir=self.base_dir),
+            "source_io": dg.InMemoryIOManager(),  # type: ignore[no-untyped-call]
+            "openai": OpenAIResource(base_url=self.url, api_key="local", model="m"),
+        }
+
+    def source(self) -> dg.AssetsDefinition:
+        @dg.asset(name="tickets", io_manager_key="source_io")
+        def tickets_asset() -> pl.DataFrame:
+            return self.df
+
+        return tickets_asset
+
+    def materialize(self, a: dg.AssetsDefinition, **kw: Any) -> dg.ExecuteInProcessResult:
+        return dg.materialize(
+            [self.source(), a],
+            instance=self.instance,
+            resources=self.resources(),
+            partition_key=SHARD,
+            **kw,
+        )
+
+    def provider(self) -> dict[str, int]:
+        """What the provider counted: calls by kind, requests processed (paid)."""
+        return provider_stats(self.url)
+
+    def stored(self) -> pl.DataFrame:
+        checkpoint = Checkpoint(open_store(self.base_dir), f"{ASSET}/default/{SHARD}")
+        return checkpoint.load(ID).rows
+
+    def parts(self) -> pl.DataFrame:
+        """Every row of every part and merged file, unresolved: a row stored twice shows."""
+        files = Checkpoint(open_store(self.base_dir), f"{ASSET}/default/{SHARD}").data_files()
+        return pl.concat([pl.read_parquet(f).select(ID, "_error") for f in files])
+
+
+@pytest.fixture
+def setup(tmp_path: Any, request: pytest.FixtureRequest) -> Iterator[Setup]:
+    marker = request.node.get_closest_marker("provider")
+    options = dict(marker.kwargs) if marker else {}
+    rows = options.pop("rows", 2_000)
+    manual = options.pop("manual_clock", False)  # the provider's time moves only when told
+    clock = ManualClock()
+    with serve(Settings(**options), clock=clock if manual else time.time) as url:
+        yield Setup(str(tmp_path / "checkpoints"), url, rows, clock)
+
+
+@pytest.mark.provider(rows=20_000, processing_delay=0.3)
+def test_a_shard_of_20000_rows_is_submitted_once_and_stored_once(setup: Setup) -> None:
+    result = setup.materialize(asset())
+    assert result.success
+    assert setup.provider()["processed"] == 20_000
+    assert setup.provider()["creates"] == 1
+    parts = setup.parts()
+    assert parts.height == 20_000 and parts.get_column(ID).n_unique() == 20_000
+    stored = setup.stored().sort(ID)
+    assert stored.get_column("answer").to_list()[:2] == ["other", "other"]  # the provider's rule
+    meta = stats(result)
+    assert meta["rows_computed"] == 20_000
+    assert meta["usage/prompt_tokens"] > 0  # from the responses, like computed rows
+    again = setup.materialize(asset())
+    assert again.success and setup.provider()["processed"] == 20_000  # nothing left to do
+
+
+@pytest.mark.provider(error_rate=0.05, processing_delay=0.1)
+def test_per_request_errors_are_failed_rows_retried_on_the_next_run(setup: Setup) -> None:
+    first = setup.materialize(asset(max_failed_fraction=0.2))
+    failed = stats(first)["rows_failed"]
+    assert 40 < failed < 180  # about 5 % of 2,000
+    errors = setup.stored().filter(pl.col("_error").is_not_null())
+    assert errors.get_column("_error").str.starts_with("HTTP 500").all()
+    second = setup.materialize(asset(max_failed_fraction=0.2))
+    assert stats(second)["rows_computed"] == failed  # only the failed rows are submitted again
+    assert setup.provider()["processed"] == 2_000 + failed
+    assert stats(second)["rows_failed"] < failed
+
+
+@pytest.mark.provider(expire_rate=0.5, expire_after=0.2, seed=0)  # the 1st of 2 expires
+def test_rows_of_an_expired_batch_are_submitted_again_and_nothing_twice(setup: Setup) -> None:
+    result = setup.materialize(asset())
+    assert result.success
+    assert setup.provider()["creates"] == 2  # the expired batch, then its unrun half
+    assert setup.provider()["processed"] == 2_000
+    parts = setup.parts()
+    assert parts.height == 2_000 and parts.get_column(ID).n_unique() == 2_000
+
+
+@pytest.mark.provider(processing_delay=600, manual_clock=True)
+def test_submit_and_end_then_the_sensor_requests_the_collecting_run(setup: Setup) -> None:
+    routed = asset(wait=False)
+    first = setup.materialize(routed, raise_on_error=False)
+    assert not first.success
+    failure = next(e for e in first.all_events if e.is_step_failure)
+    assert "Submitted, not materialized yet" in str(failure.step_failure_data.error)
+    run = setup.instance.get_run_by_id(first.run_id)
+    assert run is not None and run.tags[PENDING_TAG] == "2000"
+    assert setup.provider()["creates"] == 1 and setup.provider()["submitted"] == 2_000
+
+    retry = failed_partitions_sensor(routed, backoff_seconds=0)
+    collect = provider_batches_sensor(routed, provider="openai")
+    with dg.build_sensor_context(
+        instance=setup.instance, resources={"openai": setup.resources()["openai"]}
+    ) as context:
+        retried = retry(context)
+        assert not retried.run_requests  # submitted, not failed: not the retry sensor's
+        early = collect(context)
+        assert not early.run_requests and "wait" in str(early.skip_reason)
+        context.update_cursor(early.cursor)
+        setup.clock.advance(601)  # the provider's batches end
+        ready = collect(context)
+        assert [r.partition_key for r in ready.run_requests] == [SHARD]
+        context.update_cursor(ready.cursor)
+        assert not collect(context).run_requests  # requested once
+
+        second = setup.materialize(routed, tags=ready.run_requests[0].tags)
+        assert second.success
+        assert stats(second)["rows_computed"] == 2_000
+        assert setup.provider()["creates"] == 1  # collected, not submitted again
+        assert setup.provider()["processed"] == 2_000
+        after = collect(context)
+        assert "No partition" in str(after.skip_reason)
+
+
+@pytest.mark.provider(processing_delay=600, manual_clock=True)
+def test_a_cancelled_batch_gives_back_its_unrun_rows(setup: Setup) -> None:
+    routed = asset(wait=False)
+    assert not setup.materialize(routed, raise_on_error=False).success
+    api = setup.resources()["openai"].batch_provider()
+    observation = setup.instance.fetch_observations(dg.AssetKey(ASSET), limit=1).records[0]
+    assert observation.asset_observation is not None
+    pending = observation.asset_observation.metadata["batches_pending"].value
+    setup.clock.advance(300)  # half of its requests done
+    api.cancel(json.loads(str(pending))[0])
+    setup.clock.advance(1)  # cancelling, then cancelled
+    # Collects the half that ran, submits the rest and ends; then collects that.
+    second = setup.materialize(routed, raise_on_error=False)
+    assert not second.success
+    assert 900 <= setup.provider()["cancelled"] <= 1_100
+    setup.clock.advance(601)
+    assert setup.materialize(routed).success
+    assert setup.provider()["creates"] == 2
+    assert setup.provider()["processed"] == 2_000
+    assert setup.parts().get_column(ID).n_unique() == setup.parts().height == 2_000

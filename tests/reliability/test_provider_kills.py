@@ -1,0 +1,54 @@
+"""A run through a provider's batch API (OpenAI's, Anthropic's) SIGKILLed at each point between
+recording a submission and storing its results pays for no request twice and stores every row
+once.
+
+Each test kills one real process (``helpers/provider_kill_child.py``) of a 20,000-row shard at
+one point, then runs the shard again to the end (in the test's process), against the local batch
+provider (``examples/llm_batch/provider.py``), which counts what it was asked: requests processed
+equal the rows (none submitted again), and the rows stored by the killed run plus those the next
+run stored are the rows, each once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import provider_kill_child
+
+from checkpoint_assets.engine import Checkpoint, open_store
+from examples.llm_batch.jobs import Settings
+from examples.llm_batch.provider import serve, stats
+
+CHILD = Path(provider_kill_child.__file__)
+ROWS = 20_000
+
+
+def child(url: str, base_dir: str, point: str, provider: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, str(CHILD), url, base_dir, str(ROWS), point, provider]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+@pytest.mark.parametrize("point", provider_kill_child.POINTS)
+def test_a_kill_at_each_point_pays_nothing_twice_and_stores_each_row_once(
+    point: str, provider: str, tmp_path: Any
+) -> None:
+    base_dir = str(tmp_path / "checkpoints")
+    with serve(Settings(processing_delay=0.2)) as url:
+        killed = child(url, base_dir, point, provider)
+        assert killed.returncode == -9, killed.stderr[-2000:]
+        checkpoint = Checkpoint(open_store(base_dir), provider_kill_child.NAME)
+        before = checkpoint.load("id").rows.height if checkpoint.read_meta() else 0
+        run = provider_kill_child.run_shard(url, base_dir, ROWS, provider=provider)
+        counted = stats(url)
+        assert counted["processed"] == ROWS  # no request submitted twice
+        assert counted["creates"] == 1
+        assert before + run.rows_computed == ROWS  # nothing stored twice
+        stored = checkpoint.load("id").rows
+        assert stored.height == ROWS and stored.get_column("_error").null_count() == ROWS
