@@ -234,8 +234,8 @@ def main() -> None:
             results[way]["provider"] = {
                 k: v for k, v in stats(url).items() if v and k not in ("succeeded", "tokens")
             }
-        print(f"{way}: {json.dumps(results[way])}")
-        print(f"  load average now {os.getloadavg()[0]:.1f}")
+            print(f"{way}: {json.dumps(results[way])}", flush=True)
+            print(f"  load average now {os.getloadavg()[0]:.1f}", flush=True)
     if "wait" in results and "submit" in results:
         w, s = results["wait"], results["submit"]
         print(
