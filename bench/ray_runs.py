@@ -179,7 +179,7 @@ def measure(n: int, port: int, dev_pid: int, ray_pid: int, pg: dict[str, str]) -
     # The background of each (Ray's dashboard and agents, the daemon's loops), to subtract.
     idle_rss = sum(p.memory_info().rss for p in tree(ray_pid))
     sampler = Sampler(pg, ray_pid)
-    before, sessions, idle_started = [*cpu(), sampler.sessions()], time.monotonic()
+    before, idle_started = [*cpu(), sampler.sessions()], time.monotonic()
     time.sleep(IDLE_SECONDS)
     now = [*cpu(), sampler.sessions()]
     idle = [(a - b) / (time.monotonic() - idle_started) for a, b in zip(now, before, strict=True)]
