@@ -225,8 +225,8 @@ def test_backfill_runs_each_shard_as_a_ray_job_and_a_stopped_job_resumes_on_retr
         # Each launch was checked against the cluster: sized to it, no run was warned; a run
         # of 2 CPUs would be (the cluster holds one at once).
         for run in runs:
-            events = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ENGINE_EVENT)
-            assert not [e for e in events if "max_concurrent_runs" in (e.message or "")]
+            engine = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ENGINE_EVENT)
+            assert not [e for e in engine if "max_concurrent_runs" in (e.message or "")]
         assert warning and "runs at most 1 at once" in warning, warning
         assert "Set concurrency.runs.max_concurrent_runs to 1" in warning, warning
 
