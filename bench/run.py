@@ -110,6 +110,7 @@ def sizes_from(args: argparse.Namespace) -> Sizes:
         global_rows=tuple(int(float(r)) for r in global_rows.split(",") if r.strip()),
         global_checkpoints=int(pick(None, 256, 16)),
         overhead_rounds=int(pick(None, 5, 1)),
+        overhead_warmup=int(pick(None, 1, 0)),
     )
 
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="checkpoint-assets-bench-")
     os.makedirs(workdir, exist_ok=True)
     runs: dict[str, Callable[[], list[Result]]] = {
-        "overhead": lambda: [scenarios.overhead(sizes, workdir)],
+        "overhead": lambda: [scenarios.overhead(sizes, workdir, args.ray or not args.smoke)],
         "per_call": lambda: [scenarios.per_call(sizes, workdir)],
         "resume": lambda: list(scenarios.resume(sizes, workdir)),
         "compaction": lambda: [scenarios.compaction(sizes, workdir)],

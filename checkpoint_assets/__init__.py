@@ -8,7 +8,9 @@
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from checkpoint_assets.engine.budget import Budget, Price
 from checkpoint_assets.engine.errors import (
+    BudgetExceededError,
     CheckpointError,
     CorruptCheckpointError,
     FunctionError,
@@ -68,6 +70,8 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AnthropicResource",
+    "Budget",
+    "BudgetExceededError",
     "CheckpointError",
     "CheckpointIOManager",
     "CheckpointRunConfig",
@@ -83,6 +87,7 @@ __all__ = [
     "OnInputChange",
     "OpenAIResource",
     "OutageError",
+    "Price",
     "QuotaExhaustedError",
     "RetryAfter",
     "StorageError",

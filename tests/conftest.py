@@ -4,7 +4,10 @@ The S3 side talks real HTTP to moto's server mode on 127.0.0.1 (started once per
 never an in-process mock of boto. The server counts the requests it serves per bucket
 (``s3_requests``), so tests can hold the engine's own request counters to what really happened.
 GCS and Azure Blob run against their emulators (``helpers/clouds.py``), started once per session
-by the tests that ask for them.
+(once per xdist worker) by the tests that ask for them.
+
+The suite runs on two pytest-xdist workers (``scripts/test``: ``-n 2 --dist loadgroup``); the
+groups below keep some tests on one worker (``XDIST_GROUPS``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,45 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# Tests that one xdist worker runs, one group at a time (``GroupScheduling``):
+# - "timing": outcomes that depend on real time or on a share of the CPU (throttling against real
+#   threads and endpoints, kills against the documented loss bound, the benchmark smoke and its
+#   endpoint scenarios). Never two of them at once, so each meets at most one other test's load.
+# - a file whose module-scoped fixture is expensive (a `dagster dev` with its daemon, a built
+#   checkpoint world, a moto server with IAM) starts it once, not once per worker.
+# Keys: a file under tests/, or a file and a test name (all its parameters).
+XDIST_GROUPS = {
+    "engine/test_throttle.py": "timing",
+    "reliability/test_kills.py": "timing",
+    "e2e/test_bench_smoke.py": "timing",
+    "e2e/test_llm_openai.py::test_a_shard_killed_mid_run_resumes_without_duplicates": "timing",
+    "e2e/test_daemon_path.py": "daemon_path",
+    "e2e/test_cli.py": "cli",
+    "integration/test_s3.py": "s3",
+}
+
+
+def xdist_group(nodeid: str) -> str | None:
+    """The group of XDIST_GROUPS that a test (by its node id) belongs to, if any."""
+    where, _, name = nodeid.removeprefix("tests/").partition("::")
+    return XDIST_GROUPS.get(f"{where}::{name.split('[')[0]}") or XDIST_GROUPS.get(where)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup` by XDIST_GROUPS: each group goes to one worker as one unit of work, the
+    other tests one by one (the largest groups first). pytest-xdist's own loadgroup reads
+    ``xdist_group`` marks, which pytest 9.2's node ids no longer carry to its scheduler."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class GroupScheduling(LoadGroupScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid) or str(super()._split_scope(nodeid))
+
+    return GroupScheduling(config, log)
 
 
 class CountingMotoServer:

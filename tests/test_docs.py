@@ -123,6 +123,7 @@ def test_every_argument_of_checkpointed_asset_is_documented() -> None:
             lambda: keyword_parameters(checkpoint_assets.failed_partitions_sensor),
         ),
         ("checkpoint_checks", lambda: keyword_parameters(checkpoint_assets.checkpoint_checks)),
+        ("Budget", lambda: keyword_parameters(checkpoint_assets.Budget)),
         ("global_resume_asset", lambda: keyword_parameters(checkpoint_assets.global_resume_asset)),
         ("CheckpointIOManager", lambda: set(checkpoint_assets.CheckpointIOManager.model_fields)),
         ("OpenAIResource", lambda: set(checkpoint_assets.OpenAIResource.model_fields)),

@@ -266,8 +266,7 @@ def _build_frames(records: Sequence[FrameResult]) -> pl.DataFrame:
     # Plain Series, not expressions: the expression engine costs a millisecond a call.
     outs = pl.concat([r.out for r in records], how="vertical", rechunk=True)
     book = pl.concat([r.book for r in records], how="vertical", rechunk=True)
-    used = [r.used for r in records for _ in range(r.out.height)]
-    attempts = book.get_column(ATTEMPTS) + pl.Series(used, dtype=pl.Int32)
+    attempts = book.get_column(ATTEMPTS) + _each_row(records)
     return outs.hstack(
         [book.get_column(INPUT_HASH), attempts.cast(pl.Int32), _no_errors(outs.height)]
     )
@@ -286,8 +285,19 @@ def _build_rows(
     return pl.DataFrame(columns)
 
 
+def _each_row(records: Sequence[FrameResult]) -> int | pl.Series:
+    """The attempts each record's call used, for each of its rows: one number when every call
+    used the same (the usual case; no list of a value per row, which costs 0.1 s per 1M rows)."""
+    used = {r.used for r in records}
+    if len(used) == 1:
+        return used.pop()
+    counts = pl.Series([r.out.height for r in records], dtype=pl.UInt32)
+    each = pl.Series([r.used for r in records], dtype=pl.Int32)
+    return pl.select(pl.lit(each).repeat_by(counts).explode()).to_series()
+
+
 def _no_errors(rows: int) -> pl.Series:
-    return pl.Series(ERROR, [None] * rows, dtype=pl.String)
+    return pl.repeat(None, rows, dtype=pl.String, eager=True).alias(ERROR)
 
 
 def _one(record: Record, id_column: str, id_dtype: pl.DataType) -> pl.DataFrame:

@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import polars as pl
 
 from checkpoint_assets.engine.batches import Batch, Broken, Check, PerRow, Record, batches
+from checkpoint_assets.engine.budget import Spend
 from checkpoint_assets.engine.throttle import Throttle, throttled
 
 BatchFn = Callable[[pl.DataFrame], Any]
@@ -84,6 +85,7 @@ class Caller:
         retry_delay_seconds: float = 1.0,
         outage_after: int | None = None,
         throttle: Throttle | None = None,
+        spend: Spend | None = None,
     ) -> None:
         self.per_row = isinstance(fn, PerRow)
         self.fn: Callable[[Any], Any] = fn.fn if isinstance(fn, PerRow) else fn
@@ -93,6 +95,7 @@ class Caller:
         self.retry_delay_seconds = retry_delay_seconds
         self.outage_after = outage_after  # consecutive failed calls that mean an outage
         self.throttle = throttle or Throttle(1, max_seconds=math.inf)
+        self.spend = spend  # a budget's tally: no call starts once it is spent
         self.outage = False  # declared once; every batch in flight then stops
         self.broken: str | None = None  # what is wrong with the function, once seen
         self.last_error = ""  # of the latest failed call, for messages
@@ -108,8 +111,9 @@ class Caller:
 
     @property
     def stopping(self) -> bool:
-        """The shard stops: an outage, a broken function, or the quota looks spent."""
-        return self.outage or self.broken is not None or self.throttle.spent is not None
+        """The shard stops: an outage, a broken function, the quota looks spent, or the budget."""
+        spent = self.spend is not None and self.spend.stopped
+        return self.outage or self.broken is not None or self.throttle.spent is not None or spent
 
     def batches(self, todo: pl.DataFrame, size: int) -> Iterator[Batch]:
         """The batches of ``todo`` as this function takes them (see batches.py)."""
@@ -246,10 +250,20 @@ class Caller:
                 self.last_error = _describe(e)
                 fresh = batch.fresh  # a row never tried before
                 return self.last_error if self._finish(False, number, fresh) else None
+            self._pay(got[0])  # before its slot is free: no call starts on a stale spend
             self.throttle.release(True)
             outcome.calls += 1
             self._finish(True, number)  # a result paid for is kept, outage or not
             return got
+
+    def _pay(self, record: Record) -> None:
+        """Count a result's cost; once the budget is spent, wake the calls waiting to start:
+        each sees ``stopping`` and starts nothing (the ones in flight finish and are kept)."""
+        if self.spend is None:
+            return
+        self.spend.add_record(record)
+        if self.spend.stopped:
+            self.throttle.stop()
 
     def _broke(self, problem: str) -> None:
         self.throttle.release(False)

@@ -28,7 +28,7 @@ from checkpoint_assets.engine.errors import CorruptCheckpointError
 from checkpoint_assets.engine.gaps import Flushes, PartListing
 from checkpoint_assets.engine.layout import Files
 from checkpoint_assets.engine.meta import Meta
-from checkpoint_assets.engine.rows import CURRENT, ERROR, SEQ
+from checkpoint_assets.engine.rows import CURRENT, ERROR, INPUT_HASH, SEQ
 from checkpoint_assets.engine.storage import FileInfo, Store
 
 
@@ -306,7 +306,8 @@ class Checkpoint:
         else:
             frame = frame.with_columns(pl.lit(True).alias(CURRENT))
         if changed:
-            data = parquet.encode(frame, {parquet.WATERMARK_KEY: str(watermark)})
+            watermarked = {parquet.WATERMARK_KEY: str(watermark)}
+            data = parquet.encode(frame, watermarked, distinct=[id_column, INPUT_HASH])
             self.store.put(self.files.merged, data)
         # Everything this load saw is now merged: delete it without listing again.
         self._delete([*stored.parts, *stored.leftover])

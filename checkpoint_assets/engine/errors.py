@@ -257,3 +257,22 @@ class FunctionError(CheckpointError):
             f"once; {_ran(done)}.",
             "Fix the function and run again: the run resumes.",
         )
+
+
+class BudgetExceededError(CheckpointError):
+    """A spend limit (``max_run_cost`` or ``max_asset_cost``) was reached: no new call started,
+    what was done is checkpointed."""
+
+    def __init__(self, label: str, limit_name: str, limit: float, spent: float, done: int) -> None:
+        self.limit_name = limit_name
+        self.limit = limit
+        self.spent = spent
+        self.done = done
+        spender = "this run" if limit_name == "max_run_cost" else "the asset (every shard and run)"
+        super().__init__(
+            f"{label}: stopped at the spend limit: {limit_name} is {limit:.4f} USD and "
+            f"{spender} has spent {spent:.4f} USD. No new call was started (calls already in "
+            f"flight were paid and kept); {_ran(done)}.",
+            f"Raise {limit_name} (or remove it) to go on: running again resumes where this "
+            "stopped.",
+        )

@@ -21,7 +21,7 @@ from checkpoint_assets.engine.meta import Meta
 from checkpoint_assets.engine.resume import Copies, Plan, dedupe, plan
 from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH, SEQ
 from checkpoint_assets.engine.scheme import Scheme, rule_changed
-from checkpoint_assets.engine.settings import Settings
+from checkpoint_assets.engine.settings import OnInputChange, Settings
 
 Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
 
@@ -96,7 +96,7 @@ def open_run(
         settings.id_column,
         resume=settings.resume,
         retry_failed=settings.retry_failed,
-        on_input_change=settings.on_input_change,
+        on_input_change=OnInputChange(settings.on_input_change),
         rehash_columns=[settings.id_column, *settings.input_columns] if earlier_hashes else None,
     )
     _log_plan(found, log, label)

@@ -14,6 +14,7 @@ always notice), so it is treated as damaged rather than as done. Files written w
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 
 import polars as pl
 import pyarrow as pa
@@ -28,20 +29,30 @@ CONSTANT_MIN_ROWS = 1 << 16
 
 
 def encode(
-    rows: pl.DataFrame, metadata: dict[str, str] | None = None, *, part: bool = False
+    rows: pl.DataFrame,
+    metadata: dict[str, str] | None = None,
+    *,
+    part: bool = False,
+    distinct: Sequence[str] = (),
 ) -> bytes:
     """Parquet bytes of ``rows``: a part (``part=True``) or a merged file.
 
     Strings are stored as Arrow string views (polars' own layout), which read back into polars
     without a copy; where pyarrow cannot write views (some nested columns), as plain strings.
+    ``distinct``: columns of a merged file whose values are (nearly) all different, the ids and
+    the input hashes, written without a dictionary, which pyarrow would build and then drop
+    (a sixth of the merged file's encoding time, and a larger file).
     """
     try:
-        return _encode(rows.to_arrow(compat_level=pl.CompatLevel.newest()), metadata, part)
+        table = rows.to_arrow(compat_level=pl.CompatLevel.newest())
+        return _encode(table, metadata, part, distinct)
     except pa.ArrowNotImplementedError:
-        return _encode(rows.to_arrow(), metadata, part)
+        return _encode(rows.to_arrow(), metadata, part, distinct)
 
 
-def _encode(table: pa.Table, metadata: dict[str, str] | None, part: bool) -> bytes:
+def _encode(
+    table: pa.Table, metadata: dict[str, str] | None, part: bool, distinct: Sequence[str]
+) -> bytes:
     buffer = io.BytesIO()
     if part:
         pq.write_table(
@@ -56,7 +67,12 @@ def _encode(table: pa.Table, metadata: dict[str, str] | None, part: bool) -> byt
         if metadata:
             table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
         pq.write_table(
-            table, buffer, compression="zstd", compression_level=1, write_page_checksum=True
+            table,
+            buffer,
+            compression="zstd",
+            compression_level=1,
+            use_dictionary=[c for c in table.column_names if c not in distinct],
+            write_page_checksum=True,
         )
     return buffer.getvalue()
 

@@ -29,9 +29,11 @@ import polars as pl
 
 from checkpoint_assets.engine import hashing, workers
 from checkpoint_assets.engine.batches import Batch, PerRow, Record, build, height
+from checkpoint_assets.engine.budget import Spend
 from checkpoint_assets.engine.calls import BatchFn, Caller, Outcome, outage_threshold
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
+    BudgetExceededError,
     CheckpointError,
     FunctionError,
     MissingColumnsError,
@@ -75,6 +77,7 @@ def run(
     label: str = "",
     imported: pl.DataFrame | None = None,
     function_fingerprint: Mapping[str, str] | None = None,
+    spend: Spend | None = None,
 ) -> tuple[pl.DataFrame, RunStats]:
     """Run ``fn`` over ``inputs`` (already ``prepare()``d) with resume and checkpointing.
 
@@ -89,6 +92,8 @@ def run(
     merged with ``of_resources``). When the checkpoint recorded another one under the same job,
     the run warns (once its stored results are reused) and reports it in ``stats``; when it
     finishes, the checkpoint records this one. None: nothing is compared or recorded.
+    ``spend``: the tally of ``settings.budget`` this run adds to (shared by the shards of one
+    run; default: a new one); no call starts once it reaches a limit (see engine/budget.py).
     """
     log = logger or logging.getLogger("checkpoint_assets")
     if isinstance(fn, PerRow):
@@ -96,6 +101,8 @@ def run(
     stats = RunStats(rows_total=inputs.height)
     stats.input_fingerprint = hashing.fingerprint(inputs.get_column(INPUT_HASH).to_numpy())
     label = label or "checkpoint"
+    if spend is None and settings.budget is not None:
+        spend = Spend(settings.budget, label=label)
 
     def start(at: Checkpoint | None) -> Opened:
         found = imported if at is not None else None
@@ -117,7 +124,7 @@ def run(
             interval=settings.checkpoint_interval,
             flush_seconds=settings.flush_seconds,
         )
-        return Run(fn, inputs, settings, opened, sink, stats, log, label).execute()
+        return Run(fn, inputs, settings, opened, sink, stats, log, label, spend).execute()
     if checkpoint is None:
         raise ValueError("A run with checkpointing needs a checkpoint (or checkpointing=False).")
     stats.checkpoint_path = checkpoint.url
@@ -145,7 +152,7 @@ def run(
             else min_flush,
             max_unflushed=settings.max_unflushed_rows,
         )
-        return Run(fn, inputs, settings, opened, sink, stats, log, label).execute()
+        return Run(fn, inputs, settings, opened, sink, stats, log, label, spend).execute()
     finally:
         lease.release()
         stats.requests = dict(checkpoint.store.requests)
@@ -175,6 +182,7 @@ class Run:
         stats: RunStats,
         log: Logger,
         label: str,
+        spend: Spend | None = None,
     ) -> None:
         self.fn = fn
         self.inputs = inputs
@@ -208,6 +216,8 @@ class Run:
             adaptive=settings.adaptive_concurrency,
         )
         self.usage = dict.fromkeys(settings.usage_columns, 0.0)
+        self.spend = spend
+        self.spent_before = (spend.spent, dict(spend.by_model)) if spend else (0.0, {})
         self.started = time.monotonic()
         self.last_progress = self.started
 
@@ -229,6 +239,19 @@ class Run:
             self.stats.throttled_seconds = round(self.throttle.throttled_seconds, 3)
             self.stats.concurrency_final = self.throttle.limit
             self.stats.usage = self.usage
+            self._count_cost()
+
+    def _count_cost(self) -> None:
+        """This shard's part of the spend (a ranged run's shards share one tally)."""
+        if self.spend is None:
+            return
+        spent, by_model = self.spent_before
+        self.stats.cost_usd = self.spend.spent - spent
+        self.stats.cost_by_model = {
+            m: usd - by_model.get(m, 0.0)
+            for m, usd in self.spend.by_model.items()
+            if usd != by_model.get(m, 0.0)
+        }
 
     # -- the work loop -------------------------------------------------------------------
     def work(self, todo: pl.DataFrame) -> CheckpointError | None:
@@ -240,6 +263,7 @@ class Run:
             retry_delay_seconds=self.s.retry_delay_seconds,
             outage_after=self.outage_at,
             throttle=self.throttle,
+            spend=self.spend,
         )
         try:
             for outcomes in self._outcomes(caller, todo):
@@ -264,7 +288,18 @@ class Run:
         spent = self.throttle.quota_spent
         if spent is not None:
             return QuotaExhaustedError(self.label, spent, self.done_rows)
-        return None
+        return self._over_budget()
+
+    def _over_budget(self) -> CheckpointError | None:
+        """Why the budget stopped the shard, once its rows done are handed to the sink."""
+        if self.spend is None:
+            return None
+        if self.spend.problem is not None:
+            return self.spend.problem
+        over = self.spend.reached()
+        if over is None or self.done_rows >= self.todo_rows:
+            return None  # the last call reached the limit: nothing was left undone
+        return BudgetExceededError(self.label, over.name, over.limit, over.spent, self.done_rows)
 
     def _outcomes(self, caller: Caller, todo: pl.DataFrame) -> Iterator[list[Outcome]]:
         """The outcomes of the batches, as many at a time as are ready."""
@@ -404,6 +439,8 @@ class Run:
         self.sink.add(done)
 
     def _maybe_progress(self) -> None:
+        if self.spend is not None:
+            self.spend.maybe_refresh()  # what other shards spent meanwhile
         now = time.monotonic()
         if now - self.last_progress >= self.s.progress_seconds:
             self.last_progress = now

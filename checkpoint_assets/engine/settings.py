@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, TypeVar
 
+from checkpoint_assets.engine.budget import Budget
 from checkpoint_assets.engine.compaction import COMPACT_AT, COMPACT_FANOUT
 
 DEFAULT_LEASE_SECONDS = 300.0
+# The key of a setting's meaning in its field's metadata.
+DOC = "doc"
+T = TypeVar("T")
 
 
 class OnInputChange(enum.StrEnum):
@@ -23,40 +28,85 @@ class OnInputChange(enum.StrEnum):
     recompute = "recompute"
 
 
-@dataclass(frozen=True)
-class Settings:
-    """How one run behaves.
+def setting(default: T, doc: str) -> T:
+    """A field of ``AssetSettings``: its default and what it means, in one place.
 
-    ``checkpoint_interval`` rows make a flush; ``batch_size`` rows make a call (None: one
-    interval). ``min_flush_seconds=None`` takes the store's own minimum (0 on local disk, a few
-    seconds on object stores, where each flush costs requests).
+    Typed as its default, as ``dataclasses.field`` is, so that mypy checks the default.
+    """
+    return field(default=default, metadata={DOC: doc})
+
+
+@dataclass(frozen=True, kw_only=True)
+class AssetSettings:
+    """What an asset declares about how its runs behave: the one declaration of each setting.
+
+    ``checkpointed_asset`` takes these fields as keyword arguments, ``CheckpointedAssetComponent``
+    as attributes, both derived from the fields here (type, default, ``DOC``): a new setting is
+    one field here (and its row in docs/reference.md, which tests/test_docs.py asks for). Values
+    out of range are refused by name, never replaced.
     """
 
-    id_column: str
-    input_columns: tuple[str, ...] = ()
-    checkpoint_interval: int = 16
-    batch_size: int | None = None
-    flush_seconds: float = 30.0
-    min_flush_seconds: float | None = None
-    resume: bool = True
-    checkpointing: bool = True
-    retry_failed: bool = True
-    on_input_change: OnInputChange = OnInputChange.fail
-    dedupe: bool = False
-    max_failed_fraction: float = 0.0
-    max_concurrency: int = 1
-    min_concurrency: int = 1
-    adaptive_concurrency: bool = True
-    max_attempts: int = 3
-    retry_delay_seconds: float = 1.0
-    max_throttle_seconds: float = 600.0
-    usage_columns: tuple[str, ...] = ()
-    progress_seconds: float = 10.0
-    lease_seconds: float = DEFAULT_LEASE_SECONDS
+    checkpoint_interval: int = setting(
+        16, "Rows per flush (parts are written every this many rows)."
+    )
+    batch_size: int | None = setting(
+        None,
+        "Rows per call (default: checkpoint_interval). One-row calls to a remote model want 1, "
+        "with a larger checkpoint_interval.",
+    )
+    flush_seconds: float = setting(30.0, "Flush at least this often while rows are done.")
+    min_flush_seconds: float | None = setting(
+        None,
+        "Never flush more often than this (default 0 locally, 5 on object stores, where each "
+        "flush costs requests).",
+    )
+    retry_failed: bool = setting(True, "Compute rows stored as failed again on the next run.")
+    on_input_change: OnInputChange | Literal["fail", "recompute"] = setting(
+        "fail", "fail, or recompute finished rows whose input changed."
+    )
+    dedupe: bool = setting(False, "Call the function once per distinct input; copies share it.")
+    max_failed_fraction: float = setting(
+        0.0, "Above this fraction of failed rows the run fails (after checkpointing the rest)."
+    )
+    max_concurrency: int = setting(
+        1, "Batches in flight at once (threads, or asyncio tasks for an async function)."
+    )
+    min_concurrency: int = setting(
+        1, "The fewest batches in flight that rate limits may bring it down to."
+    )
+    adaptive_concurrency: bool = setting(
+        True,
+        "Follow what the endpoint sustains between the two (false: keep max_concurrency, for an "
+        "endpoint whose limit is known).",
+    )
+    max_attempts: int = setting(
+        3, "Calls of a failing batch before it is split to isolate poison rows."
+    )
+    retry_delay_seconds: float = setting(
+        1.0,
+        "First delay between attempts, doubled each time (also the first back-off of a rate "
+        "limit that does not say how long to wait).",
+    )
+    max_throttle_seconds: float = setting(
+        600.0, "Stop after being rate limited this long without a single successful call."
+    )
+    usage_columns: Sequence[str] = setting(
+        (),
+        "Numeric output columns (tokens, cost) summed into the metadata as usage/<col> (this "
+        "run) and usage_total/<col> (every stored row).",
+    )
+    budget: Budget | None = setting(
+        None,
+        "A Budget: prices per model read against two of the usage_columns, so each "
+        "materialization records its cost, and the spend limits max_run_cost and max_asset_cost "
+        "(every shard and run) that stop new calls with BudgetExceededError when reached.",
+    )
 
     def __post_init__(self) -> None:
-        # Accept the plain strings "fail" / "recompute" as well as the enum.
+        # Accept the plain strings "fail" / "recompute" as well as the enum, and any sequence of
+        # usage columns (kept as a tuple: settings are frozen).
         object.__setattr__(self, "on_input_change", OnInputChange(self.on_input_change))
+        object.__setattr__(self, "usage_columns", tuple(self.usage_columns))
         if self.checkpoint_interval < 1:
             raise ValueError(
                 f"checkpoint_interval must be at least 1, got {self.checkpoint_interval}"
@@ -77,13 +127,48 @@ class Settings:
         # Refused by name rather than replaced: 0 attempts would call nothing, a negative delay
         # or fraction means nothing.
         _at_least(self, 1, "max_attempts")
-        _at_least(self, 0, "flush_seconds", "retry_delay_seconds", "progress_seconds")
+        _at_least(self, 0, "flush_seconds", "retry_delay_seconds")
         if self.min_flush_seconds is not None:
             _at_least(self, 0, "min_flush_seconds")
         if not 0.0 <= self.max_failed_fraction <= 1.0:
             raise ValueError(
                 f"max_failed_fraction must be between 0 and 1, got {self.max_failed_fraction}"
             )
+        unpriced = (
+            [c for c in self.budget.columns if c not in self.usage_columns] if self.budget else []
+        )
+        if unpriced:
+            raise ValueError(
+                f"the budget prices the token columns {unpriced}, which are not among "
+                f"usage_columns {list(self.usage_columns)}: add them to usage_columns (or name "
+                "the budget's input_tokens / output_tokens after the usage columns you have)"
+            )
+
+    def settings(self) -> dict[str, Any]:
+        """The values of these fields (only these, in a subclass too), by name."""
+        return {f.name: getattr(self, f.name) for f in fields(AssetSettings)}
+
+
+@dataclass(frozen=True)
+class Settings(AssetSettings):
+    """How one run behaves: the asset's settings, and what the run (its config, the engine)
+    adds to them.
+
+    ``checkpoint_interval`` rows make a flush; ``batch_size`` rows make a call (None: one
+    interval). ``min_flush_seconds=None`` takes the store's own minimum (0 on local disk, a few
+    seconds on object stores, where each flush costs requests).
+    """
+
+    id_column: str
+    input_columns: tuple[str, ...] = ()
+    resume: bool = True
+    checkpointing: bool = True
+    progress_seconds: float = 10.0
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _at_least(self, 0, "progress_seconds")
         if self.lease_seconds <= 0:
             raise ValueError(f"lease_seconds must be positive, got {self.lease_seconds}")
 
@@ -180,7 +265,7 @@ class LossBound:
         return buffered + self.held // self.batch_rows
 
 
-def _at_least(settings: Settings, least: int, *names: str) -> None:
+def _at_least(settings: AssetSettings, least: int, *names: str) -> None:
     for name in names:
         value = getattr(settings, name)
         if value < least:
@@ -217,6 +302,9 @@ class RunStats:
     # Sums of the ``usage_columns``: over the rows this run computed, and over every stored row.
     usage: dict[str, float] = field(default_factory=dict)
     usage_total: dict[str, float] = field(default_factory=dict)
+    # What this run's calls cost (USD, with a budget's prices; see engine/budget.py).
+    cost_usd: float | None = None
+    cost_by_model: dict[str, float] = field(default_factory=dict)
     # What differs from the function that computed the stored results it reused (same job).
     function_changed: list[str] = field(default_factory=list)
 

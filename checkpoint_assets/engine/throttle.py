@@ -19,13 +19,20 @@ so a single refusal decides nothing:
   for this endpoint (its background share) by more than chance explains, the shard halves the
   calls it allows in flight for one round, a trial. If the endpoint then answers at least three
   quarters as many calls per second, the extra calls bought only refusals: the shard is over a
-  limit and stays there. If the answers fell with the calls, the refusals are the endpoint's
-  background: concurrency goes back up, the background share is learned so that it does not
-  trigger again, and the shard holds that level for a few rounds. Eight refusals in a row (fewer
-  when fewer calls are allowed) halve at once. Clean rounds grow concurrency by a quarter, or by
-  one while a level refused for concurrency less than 30 s ago is remembered, up to
-  ``max_concurrency``; the background follows clean rounds down. Limits that move back up are
-  found again within seconds of calls.
+  limit and stays there. If the answers fell and the refusals went with them, the limit lies
+  between the two levels, where the answers say (as many calls as were answered per second
+  before, times the time a call takes now). If the answers fell and the refusals stayed, they
+  are the endpoint's background: concurrency goes back up, the background share is learned so
+  that it does not trigger again, and the next such rounds are taken as background for longer
+  each time a trial says so again. Eight refusals in a row (fewer when fewer calls are allowed)
+  halve at once.
+- **Growth probes, and steps back only as far as needed.** Clean rounds grow concurrency by a
+  quarter, up to ``max_concurrency``; while a level refused for concurrency less than 30 s ago
+  is remembered, only up to just below it, then one more per round. Calls refused past a limit
+  wait holding their slots, so a shard a few calls over it sees few refusals and loses little:
+  a round with more refusals than usual above the last level that had none steps back to that
+  level (no trial), and tries again after twice as many rounds each time, within 2 s at most.
+  Limits that move back up are found again within seconds.
 - **The whole shard pauses only when it is over the limit as a whole**: when at least half the
   calls of a round (or of a streak) were refused, no call starts before the latest
   ``Retry-After``.
@@ -60,6 +67,7 @@ _PAUSE_STREAK = 8  # refusals in a row that pause the whole shard
 _HOLD_ROUNDS = 8  # clean rounds without growth after the refusals proved to be the endpoint's
 _FIRST_PROBE_WAIT = 2  # rounds before a refused level is tried again, doubled per refusal
 _MAX_PROBE_WAIT = 64
+_MAX_PROBE_SECONDS = 2.0  # however short the rounds, a refused level is tried again this often
 
 
 class RetryAfter(Exception):
@@ -186,11 +194,14 @@ class Throttle:
         self._round_began = clock()
         self._settling = False  # lowered: the round starts once the calls in flight fit
         self._hold = 0  # clean rounds to wait before growing again
-        self._good: int | None = None  # the level of the last clean round
+        self._good: int | None = None  # the last level refused no more than usual
         self._probe_wait = _FIRST_PROBE_WAIT  # rounds before probing a refused level again
+        self._probe_by = math.inf  # and at the latest then (clock time)
         # Before a trial: the level, answers per second, share refused.
         self._trial: tuple[int, float, float] | None = None
         self._ceiling: tuple[int, float] | None = None  # (level refused for concurrency, when)
+        self._calm = 0  # rounds a background verdict holds off the next trial (doubling)
+        self._calm_left = 0
         self._streak = 0  # refusals in a row
         self._last_delay = 0.0  # what the latest refusal asked for
         self._silent_since: float | None = None  # first refusal since the last success
@@ -345,36 +356,52 @@ class Throttle:
         if self._trial is not None:
             level, before, before_share = self._trial
             self._trial = None
+            # Refusals gone with half the calls: the endpoint admitted about as many calls
+            # before as the answers per second then, times the time one takes now (Little).
+            gone = share <= before_share / 4
+            admitted = round(self.limit * before / rate) if gone and rate > 0 else level
             if rate >= _KEPT * before:
                 # As many answers with half the calls: a limit, below that level. Stay.
                 self._ceiling, self._good, self._hold = (level, now), None, 0
-            elif share == 0 and before_share * answered >= _EXPECTED_REFUSALS:
-                # Fewer answers, and no refusal where the background would have shown several:
-                # a limit between the two levels.
-                self._ceiling, self._good, self._hold = (level, now), None, 0
-                self._set_limit((self.limit + level) // 2)
+                self._calm = 0
+            elif admitted < level:
+                # Fewer answers, hardly refused: a limit between the two levels, where the
+                # answers say. (The background, had it been one, would cost the few calls
+                # between that estimate and the level: the probes go back up to it.)
+                self._ceiling, self._good, self._hold = (level, now), admitted, 0
+                self._calm = 0
+                self._set_limit(admitted)
                 return
             else:
                 # Fewer answers and as many refusals: the calls were useful, the refusals
                 # are the endpoint's background. Back up, learn the background from this
                 # round (the round that started the trial was picked for its refusals, a
-                # biased sample), and stay at that level for a few rounds.
+                # biased sample), and stay at that level for a few rounds, taking the
+                # refusals as the background's for longer each time a trial says so again.
                 self._learned = max(self._learned, share)
                 self._background = max(self._background, share)
                 self._set_limit(level)
-                self._good, self._hold = level, _HOLD_ROUNDS
+                self._good, self._hold, self._probe_by = level, _HOLD_ROUNDS, math.inf
+                self._calm = min(2 * self._calm or _HOLD_ROUNDS, _MAX_PROBE_WAIT)
+                self._calm_left = self._calm
                 return
         if over:  # a streak of refusals: over a limit, no doubt
             self._ceiling, self._good = (self.limit, now), None
             self._lower(self.limit // 2)
             return
         spread = math.sqrt(max(self._background, 0.01) * (1 - self._background) / answered)
-        if share > self._background + max(_MIN_MARGIN, _SIGMAS * spread):
+        excess = share > self._background + max(_MIN_MARGIN, _SIGMAS * spread)
+        if self._calm_left:
+            self._calm_left -= 1
+            if excess:
+                return  # a trial just said such refusals are the endpoint's: hold
+        if excess:
             if self._good is not None and self.limit > self._good:
                 # Refused just past the last clean level: back to it, and probe again later
                 # (each failed probe of this limit waits twice as many rounds).
                 self._ceiling = (self.limit, now)
                 self._hold = self._probe_wait
+                self._probe_by = now + _MAX_PROBE_SECONDS
                 self._probe_wait = min(2 * self._probe_wait, _MAX_PROBE_WAIT)
                 self._lower(self._good)
             else:
@@ -388,12 +415,22 @@ class Throttle:
         # a shard creeping past a limit are not the endpoint's own).
         self._background = min(self._learned, self._background + (share - self._background) / 4)
         self._learned -= max(0.0, self._learned - share) / 16  # forgotten as refusals stop
-        self._good = self.limit
-        if self._hold:
+        if share <= self._background + spread:
+            # A level is good when refusals there were no more than usual. Calls refused past a
+            # limit wait their Retry-After holding their slots, so a shard just over the limit
+            # sees few refusals: those rounds go on without being taken for good.
+            self._good = self.limit
+            if self._ceiling is not None and self.limit >= self._ceiling[0]:
+                self._ceiling = None  # a level once refused now passes: the limit moved up
+        if self._hold and now < self._probe_by:
             self._hold -= 1
             return
-        # Near a level refused for concurrency, one more per round; else a quarter more.
-        self._set_limit(self.limit + (1 if self._ceiling else max(1, self.limit // 4)))
+        self._hold = 0
+        # A quarter more per round; near a level refused for concurrency, one more.
+        grown = self.limit + max(1, self.limit // 4)
+        if self._ceiling is not None:
+            grown = max(self.limit + 1, min(grown, self._ceiling[0] - 1))
+        self._set_limit(grown)
 
     def _lower(self, limit: int) -> bool:
         lowered = max(self.min, limit)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from checkpoint_assets.engine.errors import (
     SHARED_CHECKPOINT,
+    BudgetExceededError,
     CheckpointError,
     CorruptCheckpointError,
     FunctionError,
@@ -59,6 +60,12 @@ def advise(error: CheckpointError) -> CheckpointError:
         error.advise(
             "Check the endpoint's quota or plan, or raise the asset's `max_throttle_seconds`; "
             f"then {_RERUN[0].lower()}{_RERUN[1:]}"
+        )
+    elif isinstance(error, BudgetExceededError):
+        error.advise(
+            f"To go on, raise the limit for a run in run config, `budget: {{{error.limit_name}: "
+            "<USD>}` (or in the asset's `budget=`), and materialize the partition again: it "
+            "resumes where this stopped. failed_partitions_sensor does not retry it."
         )
     elif isinstance(error, FunctionError):
         error.advise(f"Fix the function, then: {_RERUN}")

@@ -3,17 +3,19 @@
 No ``from __future__ import annotations`` here: Dagster reads the body's annotations at runtime.
 """
 
+import contextlib
 import dataclasses
 import inspect
 import io
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import dagster as dg
 import polars as pl
 from pydantic import Field, model_validator
 
 from checkpoint_assets.engine import function_fingerprint, hashing, runner
+from checkpoint_assets.engine.budget import Budget, Spend
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError, TooManyFailuresError
 from checkpoint_assets.engine.global_resume import JOB, shard_rows
@@ -23,14 +25,28 @@ from checkpoint_assets.engine.settings import OnInputChange, RunStats, Settings
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.advice import advise
+from checkpoint_assets.integration.arguments import AssetArguments, SourceSpec, keyword_arguments_of
 from checkpoint_assets.integration.function import Signature
 from checkpoint_assets.integration.global_resume import global_resume_key, table_path
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
 from checkpoint_assets.integration.source import ShardRows, as_lazy, user_columns
+from checkpoint_assets.integration.spend import AssetSpend
 
-SourceSpec = str | dg.AssetKey | dg.AssetsDefinition | Sequence[str]
 T = TypeVar("T")
 JOB_FORMAT = 1
+
+
+class BudgetLimits(dg.Config):
+    """The spend limits of one run, replacing the asset's budget's (``budget`` in run config)."""
+
+    max_run_cost: float | None = Field(
+        default=None, ge=0, description="USD this run may spend (default: the asset's)."
+    )
+    max_asset_cost: float | None = Field(
+        default=None,
+        ge=0,
+        description="USD the asset may have spent, every shard and run (default: the asset's).",
+    )
 
 
 class CheckpointRunConfig(dg.Config):
@@ -70,6 +86,11 @@ class CheckpointRunConfig(dg.Config):
         default=None,
         description="fail or recompute finished rows whose input changed (default: the asset's).",
     )
+    budget: BudgetLimits | None = Field(
+        default=None,
+        description="{max_run_cost, max_asset_cost}: spend limits in USD replacing the asset's "
+        "budget's (raise them to go on after BudgetExceededError).",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "CheckpointRunConfig":
@@ -83,37 +104,9 @@ class CheckpointRunConfig(dg.Config):
         return self
 
 
+@keyword_arguments_of(AssetArguments)
 def checkpointed_asset(
-    *,
-    source: SourceSpec,
-    id_column: str,
-    input_columns: Sequence[str] | None = None,
-    partitions_def: dg.PartitionsDefinition | None = None,
-    checkpoint_interval: int = Settings.checkpoint_interval,
-    batch_size: int | None = Settings.batch_size,
-    flush_seconds: float = Settings.flush_seconds,
-    min_flush_seconds: float | None = Settings.min_flush_seconds,
-    retry_failed: bool = Settings.retry_failed,
-    dedupe: bool = Settings.dedupe,
-    max_failed_fraction: float = Settings.max_failed_fraction,
-    on_input_change: OnInputChange | Literal["fail", "recompute"] = Settings.on_input_change,
-    max_concurrency: int = Settings.max_concurrency,
-    min_concurrency: int = Settings.min_concurrency,
-    adaptive_concurrency: bool = Settings.adaptive_concurrency,
-    max_attempts: int = Settings.max_attempts,
-    retry_delay_seconds: float = Settings.retry_delay_seconds,
-    max_throttle_seconds: float = Settings.max_throttle_seconds,
-    usage_columns: Sequence[str] = (),
-    name: str | None = None,
-    key_prefix: str | Sequence[str] | None = None,
-    group_name: str | None = None,
-    code_version: str | None = None,
-    pool: str | None = None,
-    tags: Mapping[str, str] | None = None,
-    description: str | None = None,
-    metadata: Mapping[str, Any] | None = None,
-    io_manager_key: str = "io_manager",
-    backfill_policy: dg.BackfillPolicy | None = None,
+    arguments: AssetArguments,
 ) -> Callable[[Callable[..., Any]], dg.AssetsDefinition]:
     """Turn ``fn(batch: pl.DataFrame) -> pl.DataFrame`` into a checkpointed Dagster asset.
 
@@ -128,78 +121,37 @@ def checkpointed_asset(
     ``anthropic`` through) when the endpoint rate limits: that call waits and is sent again, and
     the shard's concurrency follows what the endpoint sustains.
 
+    Every argument is keyword-only; they are the fields of ``AssetArguments`` (listed below).
+
     Example::
 
         @checkpointed_asset(source="tickets", id_column="ticket_id",
                             partitions_def=shard_partitions(4))
         def ticket_routing(batch: pl.DataFrame, llm: LLMResource) -> pl.DataFrame:
             return batch.select("ticket_id", route=pl.lit("billing"))
-
-    Args:
-        source: the upstream asset with the rows.
-        id_column: unique integer or string id of each row.
-        input_columns: the columns ``fn`` reads and that fingerprint a row (default: all).
-        checkpoint_interval: rows per flush (parts are written every this many rows).
-        batch_size: rows per call (default: ``checkpoint_interval``). One-row calls to a remote
-            model want ``batch_size=1`` with a larger ``checkpoint_interval``.
-        flush_seconds: flush at least this often while rows are done.
-        min_flush_seconds: never flush more often than this (default 0 locally, 5 s on object
-            stores, where each flush costs requests).
-        retry_failed: compute rows stored as failed again on the next run.
-        dedupe: call ``fn`` once per distinct input; copies share its result.
-        max_failed_fraction: above this fraction of failed rows the run fails (after
-            checkpointing everything else).
-        on_input_change: "fail" or "recompute" finished rows whose input changed.
-        max_concurrency: batches in flight at once (threads, or asyncio for ``async def``).
-        min_concurrency: the fewest batches in flight that rate limits may bring it down to.
-        adaptive_concurrency: follow what the endpoint sustains between the two (False: keep
-            ``max_concurrency``, for an endpoint whose limit is known).
-        max_attempts: calls of a failing batch before it is split to isolate poison rows.
-        retry_delay_seconds: first delay between attempts, doubled each time (also the first
-            back-off of a rate limit that does not say how long to wait).
-        max_throttle_seconds: stop with :class:`QuotaExhaustedError` after being rate limited
-            this long without a single successful call.
-        usage_columns: numeric output columns (tokens, cost) summed into the metadata as
-            ``usage/<col>`` (this run) and ``usage_total/<col>`` (every stored row).
-        name, key_prefix, group_name, code_version, pool, tags, description, metadata,
-        io_manager_key, backfill_policy: passed on to ``dagster.asset``.
     """
-    source_key = _source_key(source)
+    a = arguments
+    id_column, batch_size, name = a.id_column, a.batch_size, a.name
+    source_key = _source_key(a.source)
 
     def decorator(fn: Callable[..., Any]) -> dg.AssetsDefinition:
         asset_name = name or fn.__name__
         signature = Signature.of(fn, batch_size)
         code = function_fingerprint.of_function(fn)  # resources add theirs at run time
         base = Settings(
-            id_column=id_column,
-            input_columns=tuple(input_columns or ()),
-            checkpoint_interval=checkpoint_interval,
-            batch_size=batch_size,
-            max_throttle_seconds=max_throttle_seconds,
-            usage_columns=tuple(usage_columns),
-            flush_seconds=flush_seconds,
-            min_flush_seconds=min_flush_seconds,
-            retry_failed=retry_failed,
-            on_input_change=OnInputChange(on_input_change),
-            dedupe=dedupe,
-            max_failed_fraction=max_failed_fraction,
-            max_concurrency=max_concurrency,
-            min_concurrency=min_concurrency,
-            adaptive_concurrency=adaptive_concurrency,
-            max_attempts=max_attempts,
-            retry_delay_seconds=retry_delay_seconds,
+            id_column=id_column, input_columns=tuple(a.input_columns or ()), **a.settings()
         )
         definition_metadata = {
-            **(metadata or {}),
+            **(a.metadata or {}),
             md.ID_COLUMN: id_column,
             md.SOURCE: source_key.to_user_string(),
-            md.RETRY_FAILED: retry_failed,
+            md.RETRY_FAILED: a.retry_failed,
         }
 
         def body(
             context: dg.AssetExecutionContext, config: CheckpointRunConfig, source: Any
         ) -> pl.DataFrame:
-            io_manager = checkpoint_io_manager(context, io_manager_key)
+            io_manager = checkpoint_io_manager(context, a.io_manager_key)
             keys = (
                 list(context.partition_keys)
                 if context.has_partition_key_range or context.has_partition_key
@@ -214,7 +166,7 @@ def checkpointed_asset(
             job = {
                 "format": JOB_FORMAT,
                 "asset": context.asset_key.to_user_string(),
-                "code_version": code_version,
+                "code_version": a.code_version,
                 "id_column": settings.id_column,
                 "input_columns": list(settings.input_columns),
             }
@@ -223,41 +175,45 @@ def checkpointed_asset(
                 tag = config.checkpoint_tag
                 imported = _global_rows(io_manager, store, context, job, keys, tag)
             shard_rows = ShardRows(table, id_column, keys)  # only these shards' rows, streamed
+            spend = _spend(context, settings, keys)
             frames: list[pl.DataFrame] = []
             stats: list[RunStats] = []
             too_many: list[TooManyFailuresError] = []
-            for key in keys:
-                checkpoint = io_manager.checkpoint(
-                    context.asset_key, config.checkpoint_tag, key, store
-                )
-                rows = shard_rows.of(key)
-                saved = md.saved_on_failure(
-                    context, checkpoint, key, settings.id_column, config.checkpointing
-                )
-                try:
-                    with saved:  # on a failure or interrupt: say what the checkpoint holds
-                        frame, one = _run_partition(
-                            context,
-                            config,
-                            call,
-                            settings,
-                            checkpoint,
-                            rows,
-                            key,
-                            job,
-                            imported,
-                            printed,
-                        )
-                except TooManyFailuresError as e:
-                    # A ranged run still finishes its other shards, so their retries are free.
-                    too_many.append(e)
-                    continue
-                except CheckpointError as e:
-                    raise advise(e) from None
-                frames.append(frame)
-                stats.append(one)
-            if too_many:
-                raise advise(TooManyFailuresError.of_several(too_many))
+            # On a failure: what the run spent counts, though no shard materializes.
+            with spend.recorded_on_failure() if spend else contextlib.nullcontext():
+                for key in keys:
+                    checkpoint = io_manager.checkpoint(
+                        context.asset_key, config.checkpoint_tag, key, store
+                    )
+                    rows = shard_rows.of(key)
+                    saved = md.saved_on_failure(
+                        context, checkpoint, key, settings.id_column, config.checkpointing
+                    )
+                    try:
+                        with saved:  # on a failure or interrupt: say what the checkpoint holds
+                            frame, one = _run_partition(
+                                context,
+                                config,
+                                call,
+                                settings,
+                                checkpoint,
+                                rows,
+                                key,
+                                job,
+                                imported,
+                                printed,
+                                spend,
+                            )
+                    except TooManyFailuresError as e:
+                        # A ranged run still finishes its other shards, so their retries are free.
+                        too_many.append(e)
+                        continue
+                    except CheckpointError as e:
+                        raise advise(e) from None
+                    frames.append(frame)
+                    stats.append(one)
+                if too_many:
+                    raise advise(TooManyFailuresError.of_several(too_many))
             result = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
             context.add_output_metadata(
                 md.materialization(
@@ -268,24 +224,27 @@ def checkpointed_asset(
                     settings.id_column,
                 )
             )
+            if spend is not None:
+                for key in keys:
+                    context.add_asset_metadata(spend.metadata(key), partition_key=key)
             return result
 
         body.__doc__ = fn.__doc__
         return dg.asset(
             name=asset_name,
-            key_prefix=key_prefix,
+            key_prefix=a.key_prefix,
             # The IO manager gives a source marked with the id column as a lazy scan.
             ins={"source": dg.AssetIn(key=source_key, metadata={md.ID_COLUMN: id_column})},
-            partitions_def=partitions_def,
-            group_name=group_name,
-            code_version=code_version,
-            pool=pool,
-            tags=dict(tags) if tags else None,
-            description=description or inspect.getdoc(fn),
+            partitions_def=a.partitions_def,
+            group_name=a.group_name,
+            code_version=a.code_version,
+            pool=a.pool,
+            tags=dict(a.tags) if a.tags else None,
+            description=a.description or inspect.getdoc(fn),
             metadata=definition_metadata,
-            io_manager_key=io_manager_key,
+            io_manager_key=a.io_manager_key,
             required_resource_keys=set(signature.resources) or None,
-            backfill_policy=backfill_policy,
+            backfill_policy=a.backfill_policy,
             kinds={"polars", "parquet"},
         )(body)
 
@@ -303,6 +262,34 @@ def _settings(base: Settings, config: CheckpointRunConfig, columns: Sequence[str
         checkpointing=config.checkpointing,
         retry_failed=_given(config.retry_failed, base.retry_failed),
         on_input_change=_given(config.on_input_change, base.on_input_change),
+        budget=_budget(base.budget, config.budget),
+    )
+
+
+def _spend(
+    context: dg.AssetExecutionContext, settings: Settings, keys: Sequence[str | None]
+) -> AssetSpend | None:
+    """The run's spend tally, with what the asset spent before, when the asset has a budget."""
+    if settings.budget is None:
+        return None
+    label = context.asset_key.to_user_string()
+    return AssetSpend(context, Spend(settings.budget, label=label), keys)
+
+
+def _budget(base: Budget | None, limits: BudgetLimits | None) -> Budget | None:
+    """The asset's budget with the run config's limits."""
+    if limits is None:
+        return base
+    if base is None:
+        raise CheckpointError(
+            "Run config sets `budget` limits, but the asset has no budget: without prices, "
+            "what calls cost is unknown.",
+            "Give the asset `budget=Budget(prices=...)`, or drop `budget` from run config.",
+        )
+    return dataclasses.replace(
+        base,
+        max_run_cost=_given(limits.max_run_cost, base.max_run_cost),
+        max_asset_cost=_given(limits.max_asset_cost, base.max_asset_cost),
     )
 
 
@@ -322,6 +309,7 @@ def _run_partition(
     job: dict[str, Any],
     imported: pl.DataFrame | None,
     printed: dict[str, str],
+    spend: AssetSpend | None,
 ) -> tuple[pl.DataFrame, RunStats]:
     """Run one partition's checkpoint over its input rows; returns its result and stats."""
     if config.limit is not None:
@@ -334,20 +322,27 @@ def _run_partition(
         return record is not None and record.is_finished
 
     label = context.asset_key.to_user_string() + (f" {partition}" if partition else "")
-    return runner.run(
-        fn,
-        inputs,
-        checkpoint,
-        settings,
-        job=job,
-        scheme=Scheme.of(partition),
-        run_id=context.run.run_id,
-        is_run_finished=is_run_finished,
-        logger=context.log,  # type: ignore[arg-type]
-        label=label,
-        imported=imported,
-        function_fingerprint=printed,
-    )
+    if spend is not None:
+        spend.start(partition)
+    try:
+        return runner.run(
+            fn,
+            inputs,
+            checkpoint,
+            settings,
+            job=job,
+            scheme=Scheme.of(partition),
+            run_id=context.run.run_id,
+            is_run_finished=is_run_finished,
+            logger=context.log,  # type: ignore[arg-type]
+            label=label,
+            imported=imported,
+            function_fingerprint=printed,
+            spend=None if spend is None else spend.spend,
+        )
+    finally:
+        if spend is not None:
+            spend.finish(partition)
 
 
 def _global_rows(

@@ -2,13 +2,15 @@
 
 ``build_defs`` calls the public API (``checkpointed_asset``, ``shard_partitions``,
 ``checkpoint_checks``, ``failed_partitions_sensor``, ``global_resume_asset``), so an asset
-declared in YAML behaves exactly like one declared in Python. Defaults are read from those
-functions' signatures, so they live in one place.
+declared in YAML behaves exactly like one declared in Python. The attributes named like an
+argument of ``checkpointed_asset`` are made from ``AssetArguments``' fields (type, default,
+meaning), and the sensor's defaults are read from its signature: each is declared once.
 
 No ``from __future__ import annotations`` here: Dagster derives the YAML schema from the
 annotations at runtime.
 """
 
+import dataclasses
 import enum
 import importlib
 import inspect
@@ -16,12 +18,15 @@ import json
 import re
 import textwrap
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_type_hints
 
 import dagster as dg
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
+from checkpoint_assets.engine.budget import Budget, Price
 from checkpoint_assets.engine.errors import CheckpointError
+from checkpoint_assets.engine.settings import DOC
+from checkpoint_assets.integration.arguments import AssetArguments
 from checkpoint_assets.integration.asset import checkpointed_asset
 from checkpoint_assets.integration.checks import checkpoint_checks
 from checkpoint_assets.integration.global_resume import global_resume_asset
@@ -44,10 +49,30 @@ def _doc(description: str) -> dg.Resolver:
     return resolver
 
 
-_ASSET = _defaults(checkpointed_asset)
 _SENSOR = _defaults(failed_partitions_sensor)
-# Attributes named like a parameter of checkpointed_asset are passed on to it.
-_ASSET_PARAMETERS = inspect.signature(checkpointed_asset).parameters
+# Arguments of checkpointed_asset that the YAML says its own way: source as a key string,
+# partitions_def as a shard count (``shards``), backfill_policy and budget as mappings.
+_OWN_FORM = {"source", "partitions_def", "backfill_policy", "budget"}
+_PASSED_ON = [f for f in dataclasses.fields(AssetArguments) if f.name not in _OWN_FORM]
+
+
+def _attributes() -> type[dg.Model]:
+    """The attributes that are arguments of ``checkpointed_asset``, from ``AssetArguments``."""
+    types = get_type_hints(AssetArguments)
+    attributes: dict[str, Any] = {
+        f.name: (
+            Annotated[types[f.name], _doc(f.metadata[DOC])],
+            ... if f.default is dataclasses.MISSING else f.default,
+        )
+        for f in _PASSED_ON
+    }
+    return create_model("AssetAttributes", __base__=dg.Model, **attributes)
+
+
+if TYPE_CHECKING:
+    AssetAttributes = dg.Model
+else:
+    AssetAttributes = _attributes()
 
 
 def _import_function(context: dg.ResolutionContext, reference: str) -> Callable[..., Any]:
@@ -138,6 +163,58 @@ BackfillPolicy = Annotated[
             "{type: multi_run, max_partitions_per_run: N} (Dagster's default: one per shard)."
         ),
         examples=[{"type": "single_run"}, {"type": "multi_run", "max_partitions_per_run": 4}],
+    ),
+]
+
+
+class PriceSpec(dg.Model):
+    """One model's price (``Price``)."""
+
+    input: float = Field(description="USD per million input tokens.")
+    output: float = Field(description="USD per million output tokens.")
+    batch_discount: float = Field(
+        default=Price.batch_discount, description="Fraction off through the batch API."
+    )
+
+
+class BudgetSpec(dg.Model):
+    """Prices and spend limits (``Budget``)."""
+
+    prices: dict[str, PriceSpec] = Field(description="Price per model name.")
+    input_tokens: str = Field(default=Budget.input_tokens, description="Input tokens column.")
+    output_tokens: str = Field(default=Budget.output_tokens, description="Output tokens column.")
+    model_column: str | None = Field(default=None, description="Output column naming the model.")
+    max_run_cost: float | None = Field(default=None, description="USD one run may spend.")
+    max_asset_cost: float | None = Field(
+        default=None, description="USD the asset may spend, every shard and run."
+    )
+
+
+def _budget(context: dg.ResolutionContext, value: Any) -> Budget | None:
+    if value is None:
+        return None
+    data = value.model_dump() if isinstance(value, BaseModel) else dict(value)
+    return Budget(**data)
+
+
+BudgetArgument = Annotated[
+    Budget | None,
+    dg.Resolver(
+        _budget,
+        model_field_type=BudgetSpec | None,
+        description=(
+            "Prices per model read against two usage_columns, and the spend limits: {prices: "
+            "{model: {input, output, batch_discount}}, input_tokens, output_tokens, "
+            "model_column, max_run_cost, max_asset_cost}."
+        ),
+        examples=[
+            {
+                "prices": {"gpt-4o-mini": {"input": 0.15, "output": 0.6}},
+                "input_tokens": "prompt_tokens",
+                "output_tokens": "completion_tokens",
+                "max_run_cost": 50,
+            }
+        ],
     ),
 ]
 
@@ -237,7 +314,7 @@ def _yaml_value(value: Any) -> str:
 
 
 @dg.scaffold_with(CheckpointedAssetScaffolder)
-class CheckpointedAssetComponent(dg.Component, dg.Resolvable, dg.Model):
+class CheckpointedAssetComponent(dg.Component, dg.Resolvable, AssetAttributes):
     """A resumable, sharded, row-wise batch job as a checkpointed Dagster asset.
 
     Results are flushed to Parquet as they are computed and an interrupted run resumes by row id;
@@ -257,77 +334,15 @@ class CheckpointedAssetComponent(dg.Component, dg.Resolvable, dg.Model):
     """
 
     fn: BatchFunction
-    source: Annotated[str, _doc("The upstream asset with the rows (its key; a/b for a prefix).")]
-    id_column: Annotated[str, _doc("Unique integer or string id of each row.")]
-    name: Annotated[str | None, _doc("Asset name (default: the function's name).")] = None
-    input_columns: Annotated[
-        list[str] | None,
-        _doc("Columns fn reads and that fingerprint a row (default: all but the id)."),
-    ] = None
+    source: Annotated[
+        str, _doc("The upstream asset with the rows (its key; a/b for a prefixed key).")
+    ]
     shards: Annotated[
         int | None,
         _doc("Split the rows into this many shards, one partition each (default: one checkpoint)."),
     ] = None
-    checkpoint_interval: Annotated[int, _doc("Rows per flush.")] = _ASSET["checkpoint_interval"]
-    batch_size: Annotated[
-        int | None, _doc("Rows per call (default: checkpoint_interval; 1 for one-row prompts).")
-    ] = None
-    flush_seconds: Annotated[float, _doc("Flush at least this often while rows are done.")] = (
-        _ASSET["flush_seconds"]
-    )
-    min_flush_seconds: Annotated[
-        float | None,
-        _doc("Never flush more often than this (default 0 locally, 5 on object stores)."),
-    ] = _ASSET["min_flush_seconds"]
-    retry_failed: Annotated[bool, _doc("Compute rows stored as failed again on the next run.")] = (
-        _ASSET["retry_failed"]
-    )
-    dedupe: Annotated[bool, _doc("Call fn once per distinct input; copies share the result.")] = (
-        _ASSET["dedupe"]
-    )
-    max_failed_fraction: Annotated[
-        float, _doc("Above this fraction of failed rows the run fails (after checkpointing).")
-    ] = _ASSET["max_failed_fraction"]
-    on_input_change: Annotated[
-        Literal["fail", "recompute"], _doc("fail, or recompute finished rows whose input changed.")
-    ] = _ASSET["on_input_change"]
-    max_concurrency: Annotated[int, _doc("Batches in flight at once.")] = _ASSET["max_concurrency"]
-    min_concurrency: Annotated[
-        int, _doc("The fewest batches in flight that rate limits may bring it down to.")
-    ] = _ASSET["min_concurrency"]
-    adaptive_concurrency: Annotated[
-        bool, _doc("Follow what the endpoint sustains (false: keep max_concurrency).")
-    ] = _ASSET["adaptive_concurrency"]
-    max_attempts: Annotated[
-        int, _doc("Calls of a failing batch before it is split to isolate poison rows.")
-    ] = _ASSET["max_attempts"]
-    retry_delay_seconds: Annotated[
-        float, _doc("First delay between attempts, doubled each time.")
-    ] = _ASSET["retry_delay_seconds"]
-    max_throttle_seconds: Annotated[
-        float, _doc("Stop after being rate limited this long without a successful call.")
-    ] = _ASSET["max_throttle_seconds"]
-    usage_columns: Annotated[
-        list[str] | None,
-        _doc("Numeric output columns (tokens, cost) summed into usage/<col> metadata."),
-    ] = None
-    key_prefix: Annotated[str | list[str] | None, _doc("Asset key prefix.")] = None
-    group_name: Annotated[str | None, _doc("Asset group.")] = None
-    code_version: Annotated[
-        str | None, _doc("Change it when results would change: stored results are then refused.")
-    ] = None
-    pool: Annotated[str | None, _doc("Dagster concurrency pool that limits calls.")] = None
-    tags: Annotated[dict[str, str] | None, _doc("Asset tags.")] = None
-    description: Annotated[
-        str | None, _doc("Asset description (default: the function's docstring).")
-    ] = None
-    metadata: Annotated[dict[str, Any] | None, _doc("Extra definition metadata of the asset.")] = (
-        None
-    )
     backfill_policy: BackfillPolicy = None
-    io_manager_key: Annotated[
-        str, _doc("Resource key of the CheckpointIOManager that stores the checkpoints.")
-    ] = _ASSET["io_manager_key"]
+    budget: BudgetArgument = None
     base_dir: Annotated[
         str | None,
         _doc(
@@ -350,10 +365,12 @@ class CheckpointedAssetComponent(dg.Component, dg.Resolvable, dg.Model):
     ] = False
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
-        asset = checkpointed_asset(**self._asset_arguments())(self.fn)
+        arguments = self._asset_arguments()
+        io_manager_key: str = arguments["io_manager_key"]
+        asset = checkpointed_asset(**arguments)(self.fn)
         assets = [asset]
         if self.global_resume_asset:
-            assets.append(global_resume_asset(asset, io_manager_key=self.io_manager_key))
+            assets.append(global_resume_asset(asset, io_manager_key=io_manager_key))
         sensors = []
         if self.failed_partitions_sensor:
             sensor = self.failed_partitions_sensor
@@ -362,7 +379,7 @@ class CheckpointedAssetComponent(dg.Component, dg.Resolvable, dg.Model):
             sensors.append(failed_partitions_sensor(asset, **sensor.model_dump()))
         resources = {}
         if self.base_dir is not None:
-            resources[self.io_manager_key] = CheckpointIOManager(base_dir=self.base_dir)
+            resources[io_manager_key] = CheckpointIOManager(base_dir=self.base_dir)
         return dg.Definitions(
             assets=assets,
             asset_checks=checkpoint_checks(asset) if self.checkpoint_checks else None,
@@ -371,12 +388,10 @@ class CheckpointedAssetComponent(dg.Component, dg.Resolvable, dg.Model):
         )
 
     def _asset_arguments(self) -> dict[str, Any]:
-        arguments = {
-            key: getattr(self, key)
-            for key in type(self).model_fields
-            if key in _ASSET_PARAMETERS and key != "usage_columns"
-        }
-        arguments["usage_columns"] = tuple(self.usage_columns or ())
+        arguments = {f.name: getattr(self, f.name) for f in _PASSED_ON}
+        arguments["source"] = self.source
+        arguments["backfill_policy"] = self.backfill_policy
+        arguments["budget"] = self.budget
         if self.shards is not None:
             arguments["partitions_def"] = shard_partitions(self.shards)
         return arguments

@@ -13,6 +13,7 @@ import polars as pl
 
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
+    BudgetExceededError,
     CheckpointError,
     FunctionError,
     OutageError,
@@ -38,6 +39,10 @@ THROTTLED_SECONDS = "throttled_seconds"
 CONCURRENCY_FINAL = "concurrency_final"
 USAGE = "usage/"  # + a usage column: its sum over the rows this run computed
 USAGE_TOTAL = "usage_total/"  # + a usage column: its sum over every stored row
+COST_USD = "cost_usd"  # what this run's calls on the shard cost (a budget's prices)
+COST_BY_MODEL = "cost_by_model"  # the same, by model
+COST_SHARD_TOTAL_USD = "cost_shard_total_usd"  # what the shard cost over every run
+COST_ASSET_TOTAL_USD = "cost_asset_total_usd"  # what the asset cost over every shard and run
 ROWS_PER_SECOND = "rows_per_second"
 CHECKPOINT_PATH = "checkpoint_path"
 STORAGE_REQUESTS = "storage_requests/"  # + put, get, list, delete: requests the run made
@@ -182,7 +187,13 @@ def top_errors(result: pl.DataFrame, id_column: str) -> dg.TableMetadataValue:
 # Failures after which the checkpoint holds this run's work: say what it saved. Errors raised
 # before the run starts writing (ids, columns, another job's checkpoint, a held lock) are not
 # among them: rerunning alone does not resume past those.
-_STOPPED = (TooManyFailuresError, OutageError, QuotaExhaustedError, FunctionError)
+_STOPPED = (
+    TooManyFailuresError,
+    OutageError,
+    QuotaExhaustedError,
+    FunctionError,
+    BudgetExceededError,
+)
 
 
 @contextmanager

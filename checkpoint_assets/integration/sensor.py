@@ -14,6 +14,7 @@ Each tick, in order::
                          failures would push them out of view;
                        - while the asset's ``retry_failed`` is on: its latest materialization
                          reports ``rows_failed > 0`` (tolerated by ``max_failed_fraction``).
+    _stopped_by_budget()  failures whose run the spend budget stopped are left alone.
     _decide()        per partition, against the budget in the cursor: request a retry once the
                      backoff since the failure has passed, wait, or give up; a partition that
                      succeeded since gets its budget back.
@@ -34,6 +35,7 @@ import dagster as dg
 
 from checkpoint_assets.engine.layout import UNPARTITIONED
 from checkpoint_assets.integration import metadata as md
+from checkpoint_assets.integration.spend import STOPPED_BY_TAG
 
 PARTITION_TAG = "dagster/partition"
 RANGE_START_TAG = "dagster/asset_partition_range_start"
@@ -135,7 +137,10 @@ def failed_partitions_sensor(
     runs carry partition-range tags instead of ``dagster/partition``), or, while the asset's
     ``retry_failed`` is on, when it materialized with ``rows_failed > 0``, so the failed rows get
     computed again. Retry ``n`` is requested at least ``backoff_seconds * 2**(n-1)`` after the
-    failure (``backoff_seconds=0``: at the next tick). The budget lives in the sensor's cursor;
+    failure (``backoff_seconds=0``: at the next tick). A partition whose run its spend budget
+    stopped (:class:`BudgetExceededError`; the run is tagged ``checkpoint_assets/stopped_by``)
+    is not retried, since it would stop again: the skip reason names it until a person raises
+    the limit and materializes it. The retry budget lives in the sensor's cursor;
     a partition that succeeds gets it back. When a partition has used it up the sensor stops
     asking for it and names it in its skip reason and log: fix the cause, then materialize it by
     hand (or reset the sensor's cursor).
@@ -177,8 +182,12 @@ def failed_partitions_sensor(
             state.partial.clear()
         failures = _failures(instance, key, partitions_def, statuses, state)
         busy = {p for p, s in statuses.items() if s == dg.AssetPartitionStatus.IN_PROGRESS}
+        # A shard its spend budget stopped would stop again: a person raises the limit.
+        held = _stopped_by_budget(instance, failures)
+        failures = {p: f for p, f in failures.items() if p not in held}
         now = time.time()
-        decision = _decide(state, failures, busy, now, max_retries, backoff_seconds)
+        decision = _decide(state, failures, busy | set(held), now, max_retries, backoff_seconds)
+        decision.held = sorted(held)
         for partition in decision.reset:
             context.log.info(f"{label} {_show(partition)} succeeded: its retry budget is reset.")
         for partition in decision.newly_gave_up:
@@ -438,6 +447,18 @@ def _latest_materializations(
     return out
 
 
+def _stopped_by_budget(instance: dg.DagsterInstance, failures: Mapping[str, Failure]) -> set[str]:
+    """The failed partitions whose failed run its spend budget stopped (a run tag)."""
+    ids = sorted({f.run_id for f in failures.values()})
+    stopped: set[str] = set()
+    for start in range(0, len(ids), _RUNS_PER_QUERY):
+        chunk = dg.RunsFilter(
+            run_ids=ids[start : start + _RUNS_PER_QUERY], tags={STOPPED_BY_TAG: "budget"}
+        )
+        stopped.update(r.dagster_run.run_id for r in instance.get_run_records(chunk))
+    return {p for p, f in failures.items() if f.run_id in stopped}
+
+
 # -- what to do about them ---------------------------------------------------------------------
 @dataclass
 class Decision:
@@ -448,6 +469,7 @@ class Decision:
     gave_up: list[str] = field(default_factory=list)
     newly_gave_up: list[str] = field(default_factory=list)
     reset: list[str] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)  # stopped by their spend budget
 
 
 def _decide(
@@ -490,6 +512,12 @@ def _skip_reason(label: str, decision: Decision, max_retries: int, now: float) -
             f"Gave up on {len(decision.gave_up)} partition(s) of {label} after {max_retries} "
             f"retries each: {', '.join(_show(p) for p in decision.gave_up)}. Fix the cause and "
             "materialize them by hand; a success resets their budget."
+        )
+    if decision.held:
+        parts.append(
+            f"{len(decision.held)} partition(s) of {label} stopped at their spend budget are not "
+            f"retried: {', '.join(_show(p) for p in decision.held)}. Raise the limit in run "
+            "config (budget: {max_run_cost / max_asset_cost}) and materialize them."
         )
     if decision.waiting:
         soonest = min(decision.waiting.values())

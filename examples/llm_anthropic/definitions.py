@@ -1,12 +1,12 @@
 """The support tickets of ``examples.llm_openai``, classified through Anthropic's Messages API.
 
-The same tickets, prompt, shards and settings, through the ``anthropic`` package: the client
-comes from ``checkpoint_assets.AnthropicResource`` (one ``AsyncAnthropic`` per event loop,
-``max_retries=0``), so a ``429`` (``RateLimitError``) or a ``529`` (``OverloadedError``) pauses
-the shard instead of failing rows, and the tokens of every answer are summed into the
-materialization's metadata. The endpoint comes from ``ANTHROPIC_BASE_URL`` (unset: Anthropic's
-API), the key from ``ANTHROPIC_API_KEY``; the local server of ``examples.llm_openai`` speaks
-this API too::
+The same tickets, prompt, shards and settings (``ticket_department_asset``), through the
+``anthropic`` package: the client comes from ``checkpoint_assets.AnthropicResource`` (one
+``AsyncAnthropic`` per event loop, ``max_retries=0``), so a ``429`` (``RateLimitError``) or a
+``529`` (``OverloadedError``) pauses the shard instead of failing rows, and the tokens of every
+answer are summed into the materialization's metadata. The endpoint comes from
+``ANTHROPIC_BASE_URL`` (unset: Anthropic's API), the key from ``ANTHROPIC_API_KEY``; the local
+server of ``examples.llm_openai`` speaks this API too::
 
     python -m examples.llm_openai.server --port 8010 &
     export ANTHROPIC_BASE_URL=http://127.0.0.1:8010 ANTHROPIC_API_KEY=local   # no /v1
@@ -30,25 +30,13 @@ import polars as pl
 from checkpoint_assets import (
     AnthropicResource,
     CheckpointIOManager,
-    checkpointed_asset,
     failed_partitions_sensor,
 )
-from examples.llm_openai.definitions import SHARDS, SYSTEM, tickets
+from examples.llm_openai.definitions import SYSTEM, ticket_department_asset, tickets
 
 
-@checkpointed_asset(
-    source=tickets,
-    id_column="ticket_id",
-    input_columns=["subject", "body"],
-    partitions_def=SHARDS,
-    batch_size=1,
-    checkpoint_interval=64,
-    max_concurrency=int(os.environ.get("LLM_MAX_CONCURRENCY", "32")),
-    retry_delay_seconds=0.5,  # the first back-off of a 529, which says no Retry-After
-    usage_columns=["input_tokens", "output_tokens"],
-    code_version="department-v1",
-    pool="llm",
-    group_name="llm_anthropic",
+@ticket_department_asset(
+    usage_columns=["input_tokens", "output_tokens"], group_name="llm_anthropic"
 )
 async def ticket_department_anthropic(
     batch: pl.DataFrame, claude: AnthropicResource

@@ -24,6 +24,7 @@ Tunable through the environment: ``LLM_TICKETS`` (rows, default 2000), ``OPENAI_
 
 from __future__ import annotations
 
+import functools
 import os
 
 import dagster as dg
@@ -52,7 +53,11 @@ def tickets() -> pl.DataFrame:
     return generate_tickets(int(os.environ.get("LLM_TICKETS", "2000")))
 
 
-@checkpointed_asset(
+# The asset's arguments that this example and ``examples.llm_anthropic`` share: the tickets'
+# department, one prompt per call, 32 in flight, a flush every 64 answers. Each adds its own
+# token columns and group.
+ticket_department_asset = functools.partial(
+    checkpointed_asset,
     source=tickets,
     id_column="ticket_id",
     input_columns=["subject", "body"],
@@ -60,11 +65,14 @@ def tickets() -> pl.DataFrame:
     batch_size=1,
     checkpoint_interval=64,
     max_concurrency=int(os.environ.get("LLM_MAX_CONCURRENCY", "32")),
-    retry_delay_seconds=0.5,
-    usage_columns=["prompt_tokens", "completion_tokens"],
+    retry_delay_seconds=0.5,  # also the first back-off of a 429/529 that says no Retry-After
     code_version="department-v1",
     pool="llm",
-    group_name="llm_openai",
+)
+
+
+@ticket_department_asset(
+    usage_columns=["prompt_tokens", "completion_tokens"], group_name="llm_openai"
 )
 async def ticket_department(batch: pl.DataFrame, openai_chat: OpenAIResource) -> pl.DataFrame:
     """The department of each ticket, as the chat model answers it, with the tokens it used."""

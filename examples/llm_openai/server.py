@@ -29,6 +29,9 @@ concurrent requests arrive in, and a retried prompt eventually gets through.
 number of requests in flight, the token counts and the server process's CPU time.
 ``GET /v1/models`` lists the one model.
 
+Each API is a route of its own (``openai_api.py``, ``anthropic_api.py``) on one contract
+(``answers.Api``); the behaviour and its options are in ``options.py``.
+
 Start it from a shell (the first line printed is the OpenAI base URL; the Anthropic client takes
 it without ``/v1``)::
 
@@ -44,13 +47,11 @@ or in-process, on a free port, for tests::
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import json
 import logging
 import math
-import re
 import signal
 import socket
 import subprocess
@@ -61,10 +62,9 @@ import urllib.request
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import uvicorn
 from starlette.requests import Request
@@ -72,7 +72,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 from starlette.types import Receive, Scope, Send
 
-from examples.ticket_routing.model import DEPARTMENT_RULES
+from examples.llm_openai.answers import DEFAULT_MODEL, Api, classify, count_tokens
+from examples.llm_openai.anthropic_api import AnthropicMessages
+from examples.llm_openai.openai_api import OpenAIChat
+from examples.llm_openai.options import Settings, parse, settings_of
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -85,7 +88,6 @@ __all__ = [
     "stats",
 ]
 
-DEFAULT_MODEL: Final = "ticket-router-1"
 #: The outcomes ``/stats`` counts: answered; refused by ``rate_429``; refused because
 #: ``max_in_flight`` requests were in flight; failed by ``rate_500``; dropped by ``rate_drop``;
 #: refused as malformed; refused as overloaded by ``rate_529``.
@@ -99,110 +101,6 @@ OUTCOMES: Final = (
     "overloaded",
 )
 
-_RULES: Final = [
-    (name, re.compile(strong, re.ASCII), re.compile(weak, re.ASCII))
-    for name, (strong, weak) in DEPARTMENT_RULES.items()
-]
-
-
-def classify(text: str) -> str:
-    """The department the demo's keyword rules pick for ``text``.
-
-    Two points per strong keyword, one per weak one; the highest score wins, ties go to the
-    department listed first, and text with no keyword goes to ``other``: the same rules as the
-    demo's ``FakeRouter``.
-
-    >>> classify("I was charged twice, please refund me")
-    'billing'
-    """
-    lowered = text.lower()
-    best, top = "other", 0
-    for name, strong, weak in _RULES:
-        score = 2 * len(strong.findall(lowered)) + len(weak.findall(lowered))
-        if score > top:
-            best, top = name, score
-    return best
-
-
-@dataclass(frozen=True)
-class Settings:
-    """How the server behaves; see the module docstring.
-
-    Attributes:
-        latency_ms: milliseconds every answered request waits before its answer.
-        rate_429: share of requests refused with ``429`` and a retry delay.
-        rate_500: share of requests failing with ``500``.
-        rate_drop: share of requests whose connection is closed without an answer.
-        rate_529: share of requests refused with ``529`` overloaded (Anthropic's
-            ``overloaded_error``; the OpenAI route sends the same status).
-        retry_after_seconds: the delay a ``429`` asks for.
-        max_in_flight: answer ``429`` at once to a request arriving while this many are in
-            flight; ``None`` admits every request.
-        limit_schedule: ``(seconds, limit)`` steps, in time order: from ``seconds`` after the
-            first chat request on, ``limit`` replaces ``max_in_flight``.
-        seed: changes which requests fail, not how many.
-    """
-
-    latency_ms: float = 0.0
-    rate_429: float = 0.0
-    rate_500: float = 0.0
-    rate_drop: float = 0.0
-    rate_529: float = 0.0
-    retry_after_seconds: float = 1.0
-    max_in_flight: int | None = None
-    limit_schedule: tuple[tuple[float, int], ...] = ()
-    seed: int = 0
-
-    def argv(self) -> list[str]:
-        """These settings as options of ``python -m examples.llm_openai.server``."""
-        argv = [
-            *("--latency-ms", str(self.latency_ms)),
-            *("--rate-429", str(self.rate_429)),
-            *("--rate-500", str(self.rate_500)),
-            *("--rate-drop", str(self.rate_drop)),
-            *("--rate-529", str(self.rate_529)),
-            *("--retry-after", str(self.retry_after_seconds)),
-            *("--seed", str(self.seed)),
-        ]
-        if self.max_in_flight is not None:
-            argv += ["--max-in-flight", str(self.max_in_flight)]
-        if self.limit_schedule:
-            steps = ",".join(f"{at:g}:{limit}" for at, limit in self.limit_schedule)
-            argv += ["--limit-schedule", steps]
-        return argv
-
-    def __post_init__(self) -> None:
-        rates = {
-            "rate_429": self.rate_429,
-            "rate_500": self.rate_500,
-            "rate_drop": self.rate_drop,
-            "rate_529": self.rate_529,
-        }
-        for name, rate in rates.items():
-            if not 0.0 <= rate <= 1.0:
-                raise ValueError(f"{name} must be between 0 and 1, got {rate}")
-        if sum(rates.values()) > 1.0:
-            raise ValueError(f"{' + '.join(rates)} must be at most 1, got {sum(rates.values())}")
-        if self.latency_ms < 0:
-            raise ValueError(f"latency_ms must be >= 0, got {self.latency_ms}")
-        if self.retry_after_seconds < 0:
-            raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds}")
-        if self.max_in_flight is not None and self.max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1 or None, got {self.max_in_flight}")
-        times = [at for at, _ in self.limit_schedule]
-        if times != sorted(times) or any(at < 0 for at in times):
-            raise ValueError(f"limit_schedule must be in time order from 0 on, got {times}")
-        if any(limit < 1 for _, limit in self.limit_schedule):
-            raise ValueError(f"limit_schedule limits must be >= 1, got {self.limit_schedule}")
-
-    def limit_at(self, seconds: float) -> int | None:
-        """The admission limit ``seconds`` after the first chat request."""
-        limit = self.max_in_flight
-        for at, step in self.limit_schedule:
-            if seconds >= at:
-                limit = step
-        return limit
-
 
 _DEFAULTS: Final = Settings()
 #: The folder holding the ``examples`` package, where ``python -m examples...`` starts.
@@ -211,157 +109,6 @@ _REPO: Final = str(Path(__file__).resolve().parents[2])
 
 class _Drop(Exception):
     """Raised by the handler to have the connection closed without an answer."""
-
-
-def _tokens(text: str) -> int:
-    return len(text.split())
-
-
-@dataclass(frozen=True)
-class _Asked:
-    """A request, read the same way whichever API it came through."""
-
-    model: str
-    texts: list[str]  # every message's text, the system prompt included
-    question: str  # the text classified: the last user message
-    conversation: bytes  # what decides the request's fate (see ``ChatServer._draw``)
-
-
-class _Api(Protocol):
-    """How one API reads a request and writes its answers and errors."""
-
-    bad_request: str
-
-    def read(self, body: Any) -> _Asked:
-        """The request, or ValueError / KeyError / TypeError when it is malformed."""
-
-    def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-        """An error response in the API's shape, which its client turns into an exception."""
-
-    def answer(self, asked: _Asked, answer: str, tokens: tuple[int, int], number: int) -> Response:
-        """The answer, with ``tokens`` = (prompt, completion) as the API's usage."""
-
-
-class _OpenAIChat:
-    """``POST /v1/chat/completions`` of the OpenAI API."""
-
-    bad_request = (
-        "expected a JSON body with 'model' and a non-empty list of 'messages', "
-        "each with a string 'content'"
-    )
-    _KINDS: Final = {
-        400: ("invalid_request_error", None),
-        429: ("requests", "rate_limit_exceeded"),
-        500: ("server_error", None),
-        529: ("server_error", "overloaded"),
-    }
-
-    def read(self, body: Any) -> _Asked:
-        model = body["model"]
-        messages = body["messages"]
-        texts = [m["content"] for m in messages]
-        if not (isinstance(model, str) and texts and all(isinstance(t, str) for t in texts)):
-            raise TypeError
-        user = [m["content"] for m in messages if m.get("role") == "user"]
-        conversation = json.dumps(messages, sort_keys=True).encode()
-        return _Asked(model, texts, user[-1] if user else texts[-1], conversation)
-
-    def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-        kind, code = self._KINDS[status]
-        body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-        return JSONResponse(body, status_code=status, headers=headers)
-
-    def answer(self, asked: _Asked, answer: str, tokens: tuple[int, int], number: int) -> Response:
-        prompt_tokens, completion_tokens = tokens
-        return JSONResponse(
-            {
-                "id": f"chatcmpl-{number}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": asked.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": answer},
-                        "finish_reason": "stop",
-                        "logprobs": None,
-                    }
-                ],
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens,
-                },
-            }
-        )
-
-
-# -- Anthropic's Messages API (POST /v1/messages) ----------------------------------------------
-class _AnthropicMessages:
-    """``POST /v1/messages`` of Anthropic's API, in the shapes the ``anthropic`` client parses.
-
-    ``system`` and each message's ``content`` may be a string or a list of text blocks. Errors
-    carry Anthropic's types: ``rate_limit_error`` (429), ``api_error`` (500) and
-    ``overloaded_error`` (529), which the client raises as ``RateLimitError``,
-    ``InternalServerError`` and ``OverloadedError``.
-    """
-
-    bad_request = (
-        "expected a JSON body with 'model', a positive integer 'max_tokens' and a non-empty "
-        "list of 'messages', each with a 'role' (user or assistant) and a 'content' that is a "
-        "string or a list of text blocks"
-    )
-    _KINDS: Final = {
-        400: "invalid_request_error",
-        429: "rate_limit_error",
-        500: "api_error",
-        529: "overloaded_error",
-    }
-
-    def read(self, body: Any) -> _Asked:
-        model, messages, max_tokens = body["model"], body["messages"], body["max_tokens"]
-        if not (isinstance(model, str) and isinstance(max_tokens, int) and max_tokens > 0):
-            raise TypeError
-        if not messages or any(m["role"] not in ("user", "assistant") for m in messages):
-            raise ValueError
-        texts = [_block_text(m["content"]) for m in messages]
-        user = [t for m, t in zip(messages, texts, strict=True) if m["role"] == "user"]
-        system = body.get("system")
-        if system is not None:
-            texts.insert(0, _block_text(system))
-        conversation = json.dumps({"system": system, "messages": messages}, sort_keys=True)
-        return _Asked(model, texts, user[-1] if user else texts[-1], conversation.encode())
-
-    def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-        body = {"type": "error", "error": {"type": self._KINDS[status], "message": message}}
-        return JSONResponse(body, status_code=status, headers=headers)
-
-    def answer(self, asked: _Asked, answer: str, tokens: tuple[int, int], number: int) -> Response:
-        input_tokens, output_tokens = tokens
-        return JSONResponse(
-            {
-                "id": f"msg_{number:024d}",
-                "type": "message",
-                "role": "assistant",
-                "model": asked.model,
-                "content": [{"type": "text", "text": answer}],
-                "stop_reason": "end_turn",
-                "stop_sequence": None,
-                "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
-            }
-        )
-
-
-def _block_text(content: Any) -> str:
-    """The text of a string or of a list of Anthropic content blocks (text blocks only)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
-        for b in content
-    ):
-        return "\n".join(b["text"] for b in content)
-    raise TypeError
 
 
 # -- the server ---------------------------------------------------------------------------------
@@ -383,7 +130,7 @@ class ChatServer:
         self._attempts: dict[bytes, int] = {}
         self._created = 0
         self._first: float | None = None  # when the first chat request arrived (monotonic)
-        openai_chat, anthropic_messages = _OpenAIChat(), _AnthropicMessages()
+        openai_chat, anthropic_messages = OpenAIChat(), AnthropicMessages()
         self._router = Router(
             routes=[
                 Route("/v1/chat/completions", self._route(openai_chat), methods=["POST"]),
@@ -423,13 +170,13 @@ class ChatServer:
         model = {"id": self.model, "object": "model", "created": 0, "owned_by": "local"}
         return JSONResponse({"object": "list", "data": [model]})
 
-    def _route(self, api: _Api) -> Callable[[Request], Awaitable[Response]]:
+    def _route(self, api: Api) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             return await self._admit(request, api)
 
         return endpoint
 
-    async def _admit(self, request: Request, api: _Api) -> Response:
+    async def _admit(self, request: Request, api: Api) -> Response:
         now = time.monotonic()
         if self._first is None:
             self._first = now
@@ -444,7 +191,7 @@ class ChatServer:
         finally:
             self.in_flight -= 1
 
-    async def _answer(self, request: Request, api: _Api) -> Response:
+    async def _answer(self, request: Request, api: Api) -> Response:
         try:
             asked = api.read(json.loads(await request.body()))
         except (ValueError, KeyError, TypeError):
@@ -467,7 +214,7 @@ class ChatServer:
             self.counts["overloaded"] += 1
             return api.error(529, "Overloaded")
         answer = classify(asked.question)
-        tokens = sum(_tokens(t) for t in asked.texts), _tokens(answer)
+        tokens = sum(count_tokens(t) for t in asked.texts), count_tokens(answer)
         self.counts["ok"] += 1
         self.prompt_tokens += tokens[0]
         self.completion_tokens += tokens[1]
@@ -484,7 +231,7 @@ class ChatServer:
         ).digest()
         return int.from_bytes(digest, "big") / 2**64
 
-    def _rate_limited(self, api: _Api, why: str) -> Response:
+    def _rate_limited(self, api: Api, why: str) -> Response:
         delay = self.settings.retry_after_seconds
         headers = {
             "retry-after": str(math.ceil(delay)),
@@ -618,63 +365,14 @@ def stats(base_url: str) -> dict[str, int]:
     return result
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m examples.llm_openai.server",
-        description="A deterministic chat server on 127.0.0.1 speaking the OpenAI "
-        "(/v1/chat/completions) and Anthropic (/v1/messages) APIs. "
-        "The first line printed is its base URL.",
-    )
-    p.add_argument("--port", type=int, default=0, help="port; 0 picks a free one (default)")
-    p.add_argument("--latency-ms", type=float, default=0.0, help="wait before each answer")
-    p.add_argument("--rate-429", type=float, default=0.0, help="share of requests refused")
-    p.add_argument("--retry-after", type=float, default=1.0, help="seconds a 429 asks to wait")
-    p.add_argument("--rate-500", type=float, default=0.0, help="share of requests failing")
-    p.add_argument("--rate-drop", type=float, default=0.0, help="share of connections dropped")
-    p.add_argument("--rate-529", type=float, default=0.0, help="share refused as overloaded")
-    p.add_argument("--max-in-flight", type=int, help="refuse requests beyond this many in flight")
-    p.add_argument(
-        "--limit-schedule",
-        type=_schedule,
-        default=(),
-        help="change --max-in-flight over time: SECONDS:LIMIT,... after the first chat request",
-    )
-    p.add_argument("--seed", type=int, default=0, help="which requests fail (default 0)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name (default {DEFAULT_MODEL})")
-    p.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
-    return p.parse_args(argv)
-
-
-def _schedule(text: str) -> tuple[tuple[float, int], ...]:
-    """``"4:8,10:32"`` as ``((4.0, 8), (10.0, 32))``."""
-    try:
-        return tuple(
-            (float(at), int(limit)) for at, limit in (s.split(":") for s in text.split(","))
-        )
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected SECONDS:LIMIT pairs separated by commas, like 4:8,10:32; got {text!r}"
-        ) from None
-
-
 def _stop(signum: int, frame: FrameType | None) -> Any:
     raise SystemExit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
+    args = parse(argv)
     try:
-        settings = Settings(
-            latency_ms=args.latency_ms,
-            rate_429=args.rate_429,
-            rate_500=args.rate_500,
-            rate_drop=args.rate_drop,
-            rate_529=args.rate_529,
-            retry_after_seconds=args.retry_after,
-            max_in_flight=args.max_in_flight,
-            limit_schedule=args.limit_schedule,
-            seed=args.seed,
-        )
+        settings = settings_of(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

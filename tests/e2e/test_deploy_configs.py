@@ -1,7 +1,7 @@
 """The configurations in deploy/ load with the schemas of the Dagster packages they name.
 
 What can be checked without a cluster: each instance config (deploy/ray/dagster.yaml, the
-dagster.yaml of deploy/ecs.md, and the one Dagster's Helm chart renders from
+deploy/ecs/dagster.yaml, and the one Dagster's Helm chart renders from
 deploy/kubernetes/values.yaml) passes Dagster's own instance validation, every configurable
 class in it (run launcher, run coordinator, storage) accepts its config with that class's own
 schema, and SQLAlchemy loads the Postgres driver the storage URL names. Helm itself is not
@@ -107,17 +107,17 @@ def test_ray_instance_config_runs_every_run_as_a_ray_job_with_postgres_storage(
     assert _postgres_url_loads_its_driver(config["storage"]).startswith("postgresql+psycopg2://")
 
 
-def test_ecs_page_config_is_a_valid_ecs_run_launcher_instance(
+def test_ecs_instance_config_is_a_valid_ecs_run_launcher_instance(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _require("dagster_postgres", "postgres")
-    page = (DEPLOY / "ecs.md").read_text()
-    blocks = re.findall(r"```yaml\n(.*?)```", page, flags=re.DOTALL)
-    assert len(blocks) == 1, "deploy/ecs.md should hold exactly one dagster.yaml block"
-    monkeypatch.setenv("CHECKPOINT_BASE_DIR", "s3://bucket/checkpoints")
-    config = _load_instance(blocks[0], tmp_path / "home", monkeypatch)
+    text = (DEPLOY / "ecs" / "dagster.yaml").read_text()
+    config = _load_instance(text, tmp_path / "home", monkeypatch)
 
     assert config["run_launcher"]["class"] == "EcsRunLauncher"
+    # The run task definition is set: the launcher never has to determine an image itself.
+    assert config["run_launcher"]["config"]["task_definition"]
+    assert config["compute_logs"]["class"] == "S3ComputeLogManager"
     assert config["run_monitoring"]["enabled"] and config["run_retries"]["enabled"]
     assert _postgres_url_loads_its_driver(config["storage"]).startswith("postgresql+psycopg2://")
 
@@ -130,6 +130,7 @@ def _chart_instance_yaml(values: dict[str, Any]) -> str:
     daemon = values["dagsterDaemon"]
     monitoring, retries = daemon["runMonitoring"], daemon["runRetries"]
     concurrency = values["concurrency"]
+    s3_logs = values["computeLogManager"]["config"]["s3ComputeLogManager"]
     instance = {
         "run_launcher": {
             "module": "dagster_k8s",
@@ -177,6 +178,15 @@ def _chart_instance_yaml(values: dict[str, Any]) -> str:
                 }
             }
         },
+        "compute_logs": {
+            "module": "dagster_aws.s3.compute_log_manager",
+            "class": "S3ComputeLogManager",
+            "config": {
+                "bucket": s3_logs["bucket"],
+                "prefix": s3_logs["prefix"],
+                "region": s3_logs["region"],
+            },
+        },
         "telemetry": {"enabled": values["telemetry"]["enabled"]},
     }
     return yaml.safe_dump(instance)
@@ -193,6 +203,7 @@ def test_kubernetes_values_give_a_valid_k8s_run_launcher_instance_and_pod_resour
     values = yaml.safe_load((DEPLOY / "kubernetes" / "values.yaml").read_text())
     config = _load_instance(_chart_instance_yaml(values), tmp_path / "home", monkeypatch)
     assert config["run_launcher"]["class"] == "K8sRunLauncher"
+    assert config["compute_logs"]["class"] == "S3ComputeLogManager"
     assert _postgres_url_loads_its_driver(config["storage"]).startswith("postgresql+psycopg2://")
 
     # The run pod's container config is a valid Kubernetes container (keys and quantities).
@@ -201,6 +212,7 @@ def test_kubernetes_values_give_a_valid_k8s_run_launcher_instance_and_pod_resour
         kubernetes.client.V1Container, {"name": "run", **container["containerConfig"]}
     )
     assert model.resources.requests["cpu"] == "500m"
+    assert model.security_context.run_as_non_root
 
     # The code location's module exists, and the env it sets is what the definitions read.
     (deployment,) = values["dagster-user-deployments"]["deployments"]
@@ -211,4 +223,4 @@ def test_kubernetes_values_give_a_valid_k8s_run_launcher_instance_and_pod_resour
     assert "CHECKPOINT_BASE_DIR" in (ROOT / Path(*module.split("."))).with_suffix(".py").read_text()
     # The image installs what run pods need to load the instance and the launcher.
     dockerfile = (DEPLOY / "kubernetes" / "Dockerfile").read_text()
-    assert re.search(r'pip install .*"\.\[[^\]]*k8s[^\]]*postgres[^\]]*\]"', dockerfile)
+    assert re.search(r'pip install .*"[^"]*\[[^\]]*k8s[^\]]*postgres[^\]]*\]"', dockerfile)

@@ -159,6 +159,45 @@ def build_job(
     )
 
 
+class Labeller(dg.ConfigurableResource):  # type: ignore[misc]
+    """A stand-in for a model client: configured in Definitions, used by the function."""
+
+    prefix: str
+
+
+def materialize_asset(
+    storage: Storage,
+    asset: dg.AssetsDefinition,
+    df: pl.DataFrame,
+    *,
+    instance: dg.DagsterInstance | None = None,
+    partition_key: str | None = None,
+    resources: dict[str, Any] | None = None,
+    raise_on_error: bool = True,
+    config: dict[str, Any] | None = None,
+) -> dg.ExecuteInProcessResult:
+    """Materialize ``asset`` (any checkpointed asset reading ``tickets``) with ``df`` as its
+    source, beside ``resources``; ``config`` is its run config."""
+
+    @dg.asset(name="tickets", io_manager_key="source_io")
+    def source() -> pl.DataFrame:
+        return df
+
+    base_dir, options = storage
+    return dg.materialize(
+        [source, asset],
+        instance=instance or dg.DagsterInstance.ephemeral(),
+        resources={
+            "io_manager": CheckpointIOManager(base_dir=base_dir, storage_options=options),
+            "source_io": dg.InMemoryIOManager(),  # type: ignore[no-untyped-call]
+            **(resources or {}),
+        },
+        partition_key=partition_key,
+        run_config={"ops": {asset.key.path[-1]: {"config": config}}} if config else None,
+        raise_on_error=raise_on_error,
+    )
+
+
 def stats(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
     """The checkpointed asset's materialization metadata as plain values."""
     materializations = result.asset_materializations_for_node(ASSET)

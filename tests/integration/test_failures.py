@@ -173,6 +173,24 @@ def test_transient_errors_succeed_on_retry(storage: Storage) -> None:
     assert stored(job).get_column("_attempts").unique().to_list() == [2]
 
 
+def test_each_row_keeps_the_attempts_of_its_own_batch_within_one_flush(storage: Storage) -> None:
+    seen: set[int] = set()
+
+    def flaky_evens(batch: pl.DataFrame) -> pl.DataFrame:
+        first = batch.get_column("ticket_id")[0]
+        if first % 32 == 0 and first not in seen:  # every other batch of 16 fails once
+            seen.add(first)
+            raise TimeoutError("read timed out")
+        return batch.select("ticket_id", route=pl.col("body"))
+
+    job = build_job(storage, tickets(64), fn=flaky_evens, checkpoint_interval=64, batch_size=16)
+
+    assert job.materialize().success
+    rows = stored(job).sort("ticket_id")
+    expected = [2 if i // 16 % 2 == 0 else 1 for i in range(64)]
+    assert rows.get_column("_attempts").to_list() == expected
+
+
 @pytest.mark.parametrize("over", [True, False], ids=["above", "at"])
 def test_max_failed_fraction_fails_the_partition_above_it_and_reports_rows_failed_at_it(
     storage: Storage, over: bool

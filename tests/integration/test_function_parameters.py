@@ -12,7 +12,16 @@ from typing import Any
 import dagster as dg
 import polars as pl
 import pytest
-from helpers.jobs import ASSET, Storage, build_job, route, stats, tickets
+from helpers.jobs import (
+    ASSET,
+    Labeller,
+    Storage,
+    build_job,
+    materialize_asset,
+    route,
+    stats,
+    tickets,
+)
 
 from checkpoint_assets import (
     CheckpointError,
@@ -23,41 +32,6 @@ from checkpoint_assets import (
 )
 
 ID = "ticket_id"
-
-
-class Labeller(dg.ConfigurableResource):  # type: ignore[misc]
-    """A stand-in for a model client: configured in Definitions, used by the function."""
-
-    prefix: str
-
-
-def _materialize(
-    storage: Storage,
-    asset: dg.AssetsDefinition,
-    df: pl.DataFrame,
-    *,
-    partition_key: str | None = None,
-    resources: dict[str, Any] | None = None,
-    raise_on_error: bool = True,
-    config: dict[str, Any] | None = None,
-) -> dg.ExecuteInProcessResult:
-    @dg.asset(name="tickets", io_manager_key="source_io")
-    def source() -> pl.DataFrame:
-        return df
-
-    base_dir, options = storage
-    return dg.materialize(
-        [source, asset],
-        instance=dg.DagsterInstance.ephemeral(),
-        resources={
-            "io_manager": CheckpointIOManager(base_dir=base_dir, storage_options=options),
-            "source_io": dg.InMemoryIOManager(),  # type: ignore[no-untyped-call]
-            **(resources or {}),
-        },
-        partition_key=partition_key,
-        run_config={"ops": {asset.key.path[-1]: {"config": config}}} if config else None,
-        raise_on_error=raise_on_error,
-    )
 
 
 def test_resources_and_the_context_reach_the_function(tmp_path: Any) -> None:
@@ -73,7 +47,7 @@ def test_resources_and_the_context_reach_the_function(tmp_path: Any) -> None:
         return batch.select(ID, label=pl.lit(labeller.prefix) + pl.col("body"))
 
     assert labelled.required_resource_keys >= {"labeller", "plain"}
-    result = _materialize(
+    result = materialize_asset(
         (str(tmp_path), {}),
         labelled,
         tickets(20),

@@ -11,11 +11,18 @@ from typing import Any
 import dagster as dg
 import polars as pl
 import pytest
-from helpers.jobs import ASSET, Storage, ids_in_shard, stats, tickets
+from helpers.jobs import (
+    ASSET,
+    Labeller,
+    Storage,
+    ids_in_shard,
+    materialize_asset,
+    stats,
+    tickets,
+)
 
 from checkpoint_assets import (
     CheckpointError,
-    CheckpointIOManager,
     RetryAfter,
     checkpointed_asset,
     shard_partitions,
@@ -24,10 +31,7 @@ from checkpoint_assets import (
 ID = "ticket_id"
 
 
-class Labeller(dg.ConfigurableResource):  # type: ignore[misc]
-    """A stand-in for a model client: configured in Definitions, used by the function."""
-
-    prefix: str
+LABELLER = {"labeller": Labeller(prefix="L:")}
 
 
 class Rows:
@@ -36,13 +40,6 @@ class Rows:
     def __init__(self, df: pl.DataFrame) -> None:
         self.df = df
         self.seen: list[dict[str, Any]] = []
-
-    def source(self) -> dg.AssetsDefinition:
-        @dg.asset(name="tickets", io_manager_key="source_io")
-        def tickets_asset() -> pl.DataFrame:
-            return self.df
-
-        return tickets_asset
 
     def materialize(
         self,
@@ -53,16 +50,13 @@ class Rows:
         partition_key: str | None = None,
         raise_on_error: bool = True,
     ) -> dg.ExecuteInProcessResult:
-        base_dir, options = storage
-        return dg.materialize(
-            [self.source(), asset],
+        return materialize_asset(
+            storage,
+            asset,
+            self.df,
             instance=instance,
-            resources={
-                "io_manager": CheckpointIOManager(base_dir=base_dir, storage_options=options),
-                "source_io": dg.InMemoryIOManager(),  # type: ignore[no-untyped-call]
-                "labeller": Labeller(prefix="L:"),
-            },
             partition_key=partition_key,
+            resources=LABELLER,
             raise_on_error=raise_on_error,
         )
 

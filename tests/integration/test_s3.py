@@ -1,21 +1,18 @@
 """Checkpoints on S3, over real HTTP to moto's server mode on 127.0.0.1.
 
-Crash and resume, finalize and lock contention with real processes; credentials from
-storage_options, ``{"env": ...}`` references, the AWS environment chain and a dagster-aws
-S3Resource; errors that say which problem it is (missing bucket, denied access, rejected
-credentials, unreachable endpoint) and leave stored work intact; and request counts held to what
-the server really served.
+Finalize; credentials from storage_options, ``{"env": ...}`` references, the AWS environment
+chain and a dagster-aws S3Resource; errors that say which problem it is (missing bucket, denied
+access, rejected credentials, unreachable endpoint) and leave stored work intact; and request
+counts held to what the server really served. Crash and resume and the lock's race with real
+processes run on S3, GCS and Azure alike: test_clouds.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -35,8 +32,6 @@ from checkpoint_assets.cli import main as cli
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare
 from checkpoint_assets.engine import run as run_engine
 
-HERE = Path(__file__).parent
-TESTS = Path(__file__).parents[1]
 NewStorage = Callable[[], Storage]
 
 
@@ -44,63 +39,7 @@ def _bucket(storage: Storage) -> str:
     return storage[0].removeprefix("s3://").split("/")[0]
 
 
-def _child(function: str, *args: str) -> subprocess.Popen[str]:
-    """A Python process running ``test_s3.<function>(*args)``."""
-    return subprocess.Popen(
-        [sys.executable, "-c", f"import sys, test_s3; test_s3.{function}(*sys.argv[1:])", *args],
-        cwd=HERE,
-        env={**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{TESTS}"},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _slow_route(batch: pl.DataFrame) -> pl.DataFrame:
-    time.sleep(0.02)
-    return route(batch)
-
-
-def _slow_child(base_dir: str, options: str, rows: str, wait_for_go: str = "") -> None:
-    """(child process) Materialize a slow job on S3 with one part per flush of 4 rows."""
-    job = build_job(
-        (base_dir, json.loads(options)), tickets(int(rows)), fn=_slow_route, min_flush_seconds=0
-    )
-    if wait_for_go:
-        print("ready", flush=True)
-        sys.stdin.readline()
-    job.materialize()
-
-
-# -- crash, finalize, lock ------------------------------------------------------------------
-def test_a_sigkilled_run_resumes_on_s3_from_what_it_flushed(new_s3_storage: NewStorage) -> None:
-    storage = new_s3_storage()
-    job = build_job(storage, tickets(4000))
-    checkpoint = job.checkpoint()
-    child = _child("_slow_child", storage[0], json.dumps(storage[1]), "4000")
-    deadline = time.monotonic() + 120
-    while len(checkpoint.list_parts()[0]) < 3:
-        assert child.poll() is None, f"the child ended before it was killed: {child.stderr}"
-        assert time.monotonic() < deadline, "the child flushed no parts within 120 s"
-        time.sleep(0.05)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
-    stored = checkpoint.load("ticket_id").rows.get_column("ticket_id")
-    assert 0 < stored.len() < 4000
-    assert checkpoint.store.get_or_none(checkpoint.files.lock) is not None  # the dead run's lock
-
-    again = stats(job.materialize())
-
-    assert again["rows_resumed"] == stored.len()
-    assert again["rows_computed"] == 4000 - stored.len()
-    assert not set(job.computed_ids()) & set(stored.to_list())
-    result = checkpoint.read_result("ticket_id", ["route"])
-    assert result.sort("ticket_id").equals(
-        route(tickets(4000)).with_columns(pl.lit(None, pl.String).alias("_error"))
-    )
-
-
+# -- finalize (crash and resume, and the lock's race, on every store: test_clouds.py) ----------
 def test_finalize_on_s3_leaves_the_merged_file_and_meta_only(new_s3_storage: NewStorage) -> None:
     storage = new_s3_storage()
     job = build_job(storage, tickets(100), min_flush_seconds=0)  # 24 parts, then finalize
@@ -114,29 +53,6 @@ def test_finalize_on_s3_leaves_the_merged_file_and_meta_only(new_s3_storage: New
     assert meta is not None and meta.finalized_at is not None
     assert meta.rows == {"total": 100, "ok": 100, "failed": 0}
     assert checkpoint.read_result("ticket_id", ["route"]).height == 100
-
-
-def test_two_runs_started_together_on_s3_one_writes_the_other_is_refused(
-    new_s3_storage: NewStorage,
-) -> None:
-    base_dir, options = new_s3_storage()
-    # 600 rows take the winner ~3 s: the loser tries while the winner is surely still running.
-    runs = [_child("_slow_child", base_dir, json.dumps(options), "600", "wait") for _ in range(2)]
-    for run in runs:
-        assert run.stdout is not None and run.stdout.readline().strip() == "ready"
-    for run in runs:  # both race for the lock's conditional create
-        assert run.stdin is not None
-        run.stdin.write("go\n")
-        run.stdin.flush()
-    outcomes = [run.communicate(timeout=120) for run in runs]
-
-    codes = sorted(run.returncode for run in runs)
-    assert codes[0] == 0 and codes[1] != 0, outcomes
-    refused = next(err for run, (_, err) in zip(runs, outcomes, strict=True) if run.returncode)
-    assert "is being written by another writer" in refused
-    assert "LockHeldError" in refused
-    result = build_job((base_dir, options), tickets(600)).checkpoint()
-    assert result.read_result("ticket_id", ["route"]).height == 600
 
 
 # -- request budget ----------------------------------------------------------------------------

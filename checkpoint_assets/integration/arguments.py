@@ -1,0 +1,98 @@
+"""The arguments of ``checkpointed_asset``, declared once as ``AssetArguments``.
+
+``AssetArguments`` is ``AssetSettings`` (how runs behave, with the engine's defaults) plus what
+goes to Dagster (source, partitions, name, ...). The decorator takes its fields as keyword
+arguments (``keyword_arguments_of`` gives it their signature, so mypy and IDEs know them), its
+docstring lists them from their ``DOC``, and ``CheckpointedAssetComponent`` derives its YAML
+attributes from them. A new argument is one field here, or in ``AssetSettings`` for a setting.
+
+No ``from __future__ import annotations`` here: the Component reads the fields' types at runtime.
+"""
+
+import functools
+import inspect
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, ParamSpec, TypeVar
+
+import dagster as dg
+
+from checkpoint_assets.engine.settings import DOC, AssetSettings, setting
+
+SourceSpec = str | dg.AssetKey | dg.AssetsDefinition | Sequence[str]
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Rows:
+    """Where the rows come from and how they split (first in the signature)."""
+
+    source: SourceSpec = field(
+        metadata={
+            DOC: "The upstream asset with the rows: its key (a/b for a prefix), an AssetKey, a "
+            "key path or the AssetsDefinition."
+        }
+    )
+    id_column: str = field(metadata={DOC: "Unique integer or string id of each row."})
+    input_columns: Sequence[str] | None = setting(
+        None, "The columns the function reads and that fingerprint a row (default: all but the id)."
+    )
+    partitions_def: dg.PartitionsDefinition | None = setting(
+        None, "shard_partitions(n) for n shards (default: one checkpoint)."
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AssetArguments(AssetSettings, _Rows):
+    """Every keyword argument of ``checkpointed_asset``: the rows, the asset's settings and what
+    goes to Dagster, in this order."""
+
+    name: str | None = setting(None, "Asset name (default: the function's name).")
+    key_prefix: str | Sequence[str] | None = setting(None, "Asset key prefix.")
+    group_name: str | None = setting(None, "Asset group.")
+    code_version: str | None = setting(
+        None, "Change it when results would change: stored results are then refused."
+    )
+    pool: str | None = setting(None, "Dagster concurrency pool that limits runs of shards.")
+    tags: Mapping[str, str] | None = setting(None, "Asset tags.")
+    description: str | None = setting(
+        None, "Asset description (default: the function's docstring)."
+    )
+    metadata: Mapping[str, Any] | None = setting(None, "Extra definition metadata of the asset.")
+    io_manager_key: str = setting(
+        "io_manager", "Resource key of the CheckpointIOManager that stores the checkpoints."
+    )
+    backfill_policy: dg.BackfillPolicy | None = setting(None, "Dagster backfill policy.")
+
+
+def _arguments_doc(arguments: Any) -> str:
+    """The "Args:" lines of a docstring: each field of the dataclass and its ``DOC``."""
+    lines = [f"{f.name}: {f.metadata[DOC]}" for f in fields(arguments)]
+    return textwrap.indent(
+        "\n".join(textwrap.fill(line, 88, subsequent_indent="    ") for line in lines), " " * 8
+    )
+
+
+def keyword_arguments_of(
+    arguments: Callable[P, Any],
+) -> Callable[[Callable[..., R]], Callable[P, R]]:
+    """Give the decorated function the keyword arguments of the dataclass ``arguments``.
+
+    The function receives one ``arguments`` instance; its callers (and mypy, IDEs, ``help()``,
+    ``inspect.signature``) see the dataclass's fields as keyword arguments, each documented.
+    """
+
+    def wrap(build: Callable[..., R]) -> Callable[P, R]:
+        @functools.wraps(build)
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            return build(arguments(*args, **kwargs))
+
+        returns = inspect.signature(build).return_annotation
+        signature = inspect.signature(arguments).replace(return_annotation=returns)
+        call.__signature__ = signature  # type: ignore[attr-defined]
+        call.__doc__ = f"{build.__doc__ or ''}\n    Args:\n{_arguments_doc(arguments)}"
+        return call
+
+    return wrap
