@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def postgres_server() -> Iterator[dict[str, str]]:
     if os.geteuid() == 0:
         as_user = ["runuser", "-u", "postgres", "--"]
         shutil.chown(folder, "postgres")
-    password = "e2e-secret"
+    password = f"pg-{uuid.uuid4().hex}"  # unique, so a test can look for it in job specs
     (folder / "password").write_text(password)
     if as_user:
         shutil.chown(folder / "password", "postgres")
@@ -164,8 +165,9 @@ def ray_head(env: dict[str, str]) -> Iterator[str]:
     """A local Ray head with 2 CPUs, its dashboard (job API) on a free port of 127.0.0.1.
 
     ``env`` is the cluster's environment: every Ray job (and so every Dagster run) starts with
-    it. The project's venv comes first on PATH, so a job finds ``dagster``. Yields the
-    dashboard address, what ``RAY_ADDRESS`` names.
+    it. The project's venv comes first on PATH, so a job finds ``dagster``. Ray starts in its
+    own temp dir, outside the repository: a job finds code only through its runtime_env or
+    ``env``. Yields the dashboard address, what ``RAY_ADDRESS`` names.
     """
     try:
         from ray.job_submission import JobSubmissionClient
@@ -202,6 +204,7 @@ def ray_head(env: dict[str, str]) -> Iterator[str]:
             f"--temp-dir={temp}",
         ],
         env=cluster_env,
+        cwd=temp,
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

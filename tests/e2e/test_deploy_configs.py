@@ -34,6 +34,7 @@ ENV = {
     "DAGSTER_PG_USER": "dagster",
     "DAGSTER_PG_PASSWORD": "secret",
     "DAGSTER_PG_DB": "dagster",
+    "DAGSTER_COMPUTE_LOG_BUCKET": "logs-bucket",
 }
 
 
@@ -90,14 +91,19 @@ def test_ray_instance_config_runs_every_run_as_a_ray_job_with_postgres_storage(
         (DEPLOY / "ray" / "dagster.yaml").read_text(), tmp_path / "home", monkeypatch
     )
 
-    assert config["run_launcher"]["class"] == "RayRunLauncher"
+    assert config["run_launcher"]["module"] == "checkpoint_assets.integration.ray_launcher"
     assert config["run_coordinator"]["class"] == "QueuedRunCoordinator"
     assert config["run_monitoring"]["enabled"] and config["run_retries"]["enabled"]
     assert config["concurrency"]["pools"]["default_limit"] > 0
-    # Each Ray job gets what a run needs to reach the instance and the checkpoints.
-    passed = set(config["run_launcher"]["config"]["ray"]["env_vars"])
-    assert {*ENV} - {"RAY_ADDRESS"} <= passed
-    assert {"CHECKPOINT_BASE_DIR", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= passed
+    # Each Ray job gets the settings a run needs to reach the instance and the checkpoints, but
+    # no password or key: a job's env_vars are plain text in `ray job list`.
+    ray = config["run_launcher"]["config"]["ray"]
+    passed = set(ray["env_vars"])
+    assert {"DAGSTER_PG_HOST", "DAGSTER_PG_PORT", "DAGSTER_PG_DB", "CHECKPOINT_BASE_DIR"} <= passed
+    assert not passed & {"DAGSTER_PG_PASSWORD", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    # The code location reaches each job through its runtime_env.
+    assert ray["runtime_env"]["py_modules"]
+    assert config["compute_logs"]["class"] == "S3ComputeLogManager"
     assert _postgres_url_loads_its_driver(config["storage"]).startswith("postgresql+psycopg2://")
 
 
