@@ -5,7 +5,6 @@ No ``from __future__ import annotations`` here: Dagster reads the body's annotat
 
 import dataclasses
 import inspect
-import io
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -18,7 +17,7 @@ from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError, TooManyFailuresError
 from checkpoint_assets.engine.global_resume import JOB, shard_rows
 from checkpoint_assets.engine.layout import DEFAULT_TAG, asset_folder
-from checkpoint_assets.engine.scheme import Scheme, Shard
+from checkpoint_assets.engine.scheme import Scheme, Shard, rows_in
 from checkpoint_assets.engine.settings import OnInputChange, RunStats, Settings
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
@@ -26,7 +25,13 @@ from checkpoint_assets.integration.advice import advise
 from checkpoint_assets.integration.function import Signature
 from checkpoint_assets.integration.global_resume import global_resume_key, table_path
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
-from checkpoint_assets.integration.source import ShardRows, as_lazy, user_columns
+from checkpoint_assets.integration.source import (
+    ShardRows,
+    as_lazy,
+    scan,
+    user_columns,
+    without_shard_keys,
+)
 
 SourceSpec = str | dg.AssetKey | dg.AssetsDefinition | Sequence[str]
 T = TypeVar("T")
@@ -89,6 +94,7 @@ def checkpointed_asset(
     id_column: str,
     input_columns: Sequence[str] | None = None,
     partitions_def: dg.PartitionsDefinition | None = None,
+    source_partition_mapping: dg.PartitionMapping | None = None,
     checkpoint_interval: int = Settings.checkpoint_interval,
     batch_size: int | None = Settings.batch_size,
     flush_seconds: float = Settings.flush_seconds,
@@ -139,6 +145,9 @@ def checkpointed_asset(
         source: the upstream asset with the rows.
         id_column: unique integer or string id of each row.
         input_columns: the columns ``fn`` reads and that fingerprint a row (default: all).
+        source_partition_mapping: which partitions of a partitioned source each partition
+            reads, e.g. ``dagster.AllPartitionMapping()`` for shards over every partition of
+            a source written a file or a day at a time (default: Dagster's own rule).
         checkpoint_interval: rows per flush (parts are written every this many rows).
         batch_size: rows per call (default: ``checkpoint_interval``). One-row calls to a remote
             model want ``batch_size=1`` with a larger ``checkpoint_interval``.
@@ -222,40 +231,40 @@ def checkpointed_asset(
             if config.global_resume:
                 tag = config.checkpoint_tag
                 imported = _global_rows(io_manager, store, context, job, keys, tag)
-            shard_rows = ShardRows(table, id_column, keys)  # only these shards' rows, streamed
-            frames: list[pl.DataFrame] = []
-            stats: list[RunStats] = []
-            too_many: list[TooManyFailuresError] = []
-            for key in keys:
-                checkpoint = io_manager.checkpoint(
-                    context.asset_key, config.checkpoint_tag, key, store
-                )
-                rows = shard_rows.of(key)
-                saved = md.saved_on_failure(
-                    context, checkpoint, key, settings.id_column, config.checkpointing
-                )
-                try:
-                    with saved:  # on a failure or interrupt: say what the checkpoint holds
-                        frame, one = _run_partition(
-                            context,
-                            config,
-                            call,
-                            settings,
-                            checkpoint,
-                            rows,
-                            key,
-                            job,
-                            imported,
-                            printed,
-                        )
-                except TooManyFailuresError as e:
-                    # A ranged run still finishes its other shards, so their retries are free.
-                    too_many.append(e)
-                    continue
-                except CheckpointError as e:
-                    raise advise(e) from None
-                frames.append(frame)
-                stats.append(one)
+            # Only these shards' rows, streamed; one shard's rows in memory at a time.
+            with ShardRows(table, id_column, keys) as shard_rows:
+                frames: list[pl.DataFrame] = []
+                stats: list[RunStats] = []
+                too_many: list[TooManyFailuresError] = []
+                for key in keys:
+                    checkpoint = io_manager.checkpoint(
+                        context.asset_key, config.checkpoint_tag, key, store
+                    )
+                    saved = md.saved_on_failure(
+                        context, checkpoint, key, settings.id_column, config.checkpointing
+                    )
+                    try:
+                        with saved:  # on a failure or interrupt: say what the checkpoint holds
+                            frame, one = _run_partition(
+                                context,
+                                config,
+                                call,
+                                settings,
+                                checkpoint,
+                                shard_rows.of(key),  # one shard's rows held at a time
+                                key,
+                                job,
+                                imported,
+                                printed,
+                            )
+                    except TooManyFailuresError as e:
+                        # A ranged run still finishes its other shards, so their retries are free.
+                        too_many.append(e)
+                        continue
+                    except CheckpointError as e:
+                        raise advise(e) from None
+                    frames.append(frame)
+                    stats.append(one)
             if too_many:
                 raise advise(TooManyFailuresError.of_several(too_many))
             result = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
@@ -275,7 +284,13 @@ def checkpointed_asset(
             name=asset_name,
             key_prefix=key_prefix,
             # The IO manager gives a source marked with the id column as a lazy scan.
-            ins={"source": dg.AssetIn(key=source_key, metadata={md.ID_COLUMN: id_column})},
+            ins={
+                "source": dg.AssetIn(
+                    key=source_key,
+                    metadata={md.ID_COLUMN: id_column},
+                    partition_mapping=source_partition_mapping,
+                )
+            },
             partitions_def=partitions_def,
             group_name=group_name,
             code_version=code_version,
@@ -383,9 +398,7 @@ def _global_rows(
             return table
     key = global_resume_key(asset_key)
     path = table_path(io_manager, store, asset_key, tag)  # this tag's: tags never mix
-    try:
-        data = store.get(path)
-    except FileNotFoundError:
+    if not store.fs.exists(path):
         raise CheckpointError(
             f"`global_resume: true` needs the table of {key.to_user_string()} for checkpoint "
             f"tag {tag or DEFAULT_TAG!r} at {store.display(path)}, which does not exist (storage "
@@ -393,11 +406,13 @@ def _global_rows(
             "or shards written by the earlier mod rule).",
             f"Add global_resume_asset({asset_key.path[-1]}) to your Definitions and materialize "
             "it first (it builds a table for every tag on storage).",
-        ) from None
-    table = pl.read_parquet(io.BytesIO(data))
-    if table.height == 0:
-        return table
-    return table.filter(pl.col(JOB) == fingerprint).drop(JOB)
+        )
+    stored = scan(store, path)
+    if JOB not in stored.collect_schema():
+        return pl.DataFrame()  # no finished rows anywhere
+    # Stored in the keyed layout: the shards' filter reads only their row groups.
+    mine = rows_in(stored, job["id_column"], keys).filter(pl.col(JOB) == fingerprint).drop(JOB)
+    return without_shard_keys(mine).collect(engine="streaming")
 
 
 def _source_key(source: SourceSpec) -> dg.AssetKey:
