@@ -8,12 +8,17 @@
    the keyed layout (``engine/keyed.py``): the rewrite's time and peak memory.
 3. ``shard``: shards of a checkpointed asset over it (a cheap function), each its own Dagster run,
    one after another in one process whose peak RSS is reset before each (``--sample``: that
-   many, spread over the range, and the job's time extrapolated); per shard its peak RSS and the bytes of the stored source its key range needs
-   (the row groups its statistics overlap: what a reader fetches) against its share.
+   many, spread over the range, and the job's time extrapolated); per shard its peak RSS and
+   the bytes of the stored source its key range needs (the row groups its statistics overlap:
+   what a reader fetches) against its share.
 4. ``report``: a downstream asset taking every shard's result as a ``pl.LazyFrame``: an
    aggregate over all of them (needs every shard: without ``--sample``).
 5. ``global``: ``<asset>_global_resume`` over every stored row; ``reshard``: shards of
    ``--reshard`` count with ``global_resume: true``, sampled the same way.
+6. ``single`` and ``ranged``: the first ``RANGED`` shards under a fresh checkpoint tag, as one
+   process per shard (what a run per shard costs on a run launcher: ``process_seconds``, from
+   the process's start to its end) against one ranged run of them all (``BackfillPolicy.
+   multi_run``'s tags), with its peak RSS against the largest shard's.
 
 Every step runs in its own process, which reports wall and CPU time and peak RSS (``VmHWM``;
 a run of several shards resets it before each, through ``/proc/self/clear_refs``).
@@ -53,6 +58,8 @@ from checkpoint_assets.engine.scheme import shard_key_column
 ID, TEXT = "id", "text"
 RAW_GROUP_ROWS = 1 << 16
 MIB = 1024**2
+RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
+RANGED = 8  # shards in one ranged run, against as many runs of one shard each
 
 
 def definitions(folder: str, shards: int, options: dict[str, Any]) -> dg.Definitions:
@@ -107,9 +114,16 @@ def child(step: str, folder: str, shards: int, arg: str, options: dict[str, Any]
     name = asset.get(step, "lake_scored")
     keys = shard_partitions(shards).get_partition_keys()
     partitions = [keys[int(i)] for i in arg.split(",")] if arg else [None]
-    run_config: dict[str, Any] = {}
-    if step == "reshard":
-        run_config = {"ops": {"lake_scored": {"config": {"global_resume": True}}}}
+    config: dict[str, Any] = {
+        "reshard": {"global_resume": True},
+        "ranged": {"checkpoint_tag": "ranged"},  # fresh checkpoints: computed again
+        "single": {"checkpoint_tag": "single"},
+    }.get(step, {})
+    run_config = {"ops": {"lake_scored": {"config": config}}} if config else {}
+    tags = {}
+    if step == "ranged":  # one run of the shards first..last, as BackfillPolicy.multi_run makes
+        tags = {RANGE_START: partitions[0], RANGE_END: partitions[-1]}
+        partitions = [None]
     figures = []
     for partition in partitions:
         reset_peak()
@@ -118,10 +132,12 @@ def child(step: str, folder: str, shards: int, arg: str, options: dict[str, Any]
             asset_selection=[dg.AssetKey(name)],
             partition_key=partition,
             run_config=run_config,
+            tags=tags,
             instance=dg.DagsterInstance.ephemeral(),
         )
         assert result.success
-        event = result.asset_materializations_for_node(name)[0]
+        events = result.asset_materializations_for_node(name)
+        event = events[0]
         wanted = ("rows", "rows_total", "rows_resumed", "rows_computed", "rows_finished", "sum")
         metadata = {k: v.value for k, v in event.metadata.items() if k in wanted}
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
@@ -139,12 +155,14 @@ def reset_peak() -> None:
 
 def run_child(folder: str, step: str, shards: int, arg: str, options: dict[str, Any]) -> Any:
     command = [sys.executable, "-m", "bench.lake_big", "--child", step, folder, str(shards), arg]
+    started = time.perf_counter()
     done = subprocess.run(
         [*command, json.dumps(options)], capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
         raise RuntimeError(f"{step} {arg} failed:\n{done.stderr[-4000:]}")
     figures = json.loads(done.stdout.strip().splitlines()[-1])
+    figures[-1]["process_seconds"] = time.perf_counter() - started
     print(json.dumps(figures), flush=True)
     return figures if arg else figures[0]
 
@@ -209,6 +227,12 @@ def main(args: argparse.Namespace, folder: str, options: dict[str, Any]) -> dict
     figures["global"] = run_child(folder, "global", args.shards, "", options)
     picked = sample(args.reshard, args.sample)
     figures["reshard"] = shards_step(folder, "reshard", args.reshard, picked, options)
+    # What a run costs beyond its shard's work: RANGED runs of one shard, each its own process
+    # (as a run launcher starts them), against one run of RANGED shards.
+    figures["single"] = [
+        run_child(folder, "single", args.shards, str(i), options) for i in range(RANGED)
+    ]
+    figures["ranged"] = run_child(folder, "ranged", args.shards, f"0,{RANGED - 1}", options)
     return figures
 
 

@@ -190,7 +190,8 @@ def test_a_ranged_run_reads_its_source_once_and_gives_each_shard_exactly_its_row
 
     @dg.asset(name="tickets", io_manager_key="source_io")
     def upstream() -> pl.LazyFrame:  # computed, not stored: no key column to read by
-        return rows.lazy().with_columns(pl.col("ticket_id").map_batches(count, return_dtype=pl.Int64).alias("seen"))
+        seen_ids = pl.col("ticket_id").map_batches(count, return_dtype=pl.Int64)
+        return rows.lazy().with_columns(seen_ids.alias("seen"))
 
     checkpointed = routed(4, backfill_policy=dg.BackfillPolicy.multi_run(3))
     io_manager = CheckpointIOManager(base_dir=str(tmp_path))
