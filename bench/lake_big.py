@@ -8,7 +8,8 @@
    the keyed layout (``engine/keyed.py``): the rewrite's time and peak memory.
 3. ``shard``: shards of a checkpointed asset over it (a cheap function), each its own Dagster run,
    one after another in one process whose peak RSS is reset before each (``--sample``: that
-   many, spread over the range, and the job's time extrapolated); per shard its peak RSS and
+   many, spread over the range, the job's time extrapolated, and the steps below, which need
+   every shard, skipped); per shard its peak RSS and
    the bytes of the stored source its key range needs (the row groups its statistics overlap:
    what a reader fetches) against its share.
 4. ``report``: a downstream asset taking every shard's result as a ``pl.LazyFrame``: an
@@ -222,10 +223,11 @@ def main(args: argparse.Namespace, folder: str, options: dict[str, Any]) -> dict
         figures["bytes_over_share_max"] = max(ratios)
     picked = sample(args.shards, args.sample)
     figures["shards"] = shards_step(folder, "shard", args.shards, picked, options)
-    if args.sample is None or args.sample >= args.shards:
-        figures["report"] = run_child(folder, "report", args.shards, "", options)
+    if args.sample is not None and args.sample < args.shards:
+        return figures  # what follows needs every shard's results
+    figures["report"] = run_child(folder, "report", args.shards, "", options)
     figures["global"] = run_child(folder, "global", args.shards, "", options)
-    picked = sample(args.reshard, args.sample)
+    picked = list(range(args.reshard))
     figures["reshard"] = shards_step(folder, "reshard", args.reshard, picked, options)
     # What a run costs beyond its shard's work: RANGED runs of one shard, each its own process
     # (as a run launcher starts them), against one run of RANGED shards.
