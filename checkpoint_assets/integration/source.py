@@ -4,14 +4,16 @@ The chain, for an upstream stored by ``CheckpointIOManager``::
 
     upstream     ──> handle_output ──> store_output()   rows ordered by the shard key of the id
                      column its checkpointed assets shard by, kept in a column ``_shard_key:<id>``
-                     with statistics, in row groups of ``ROW_GROUP_ROWS`` rows, written by polars'
-                     streaming sink (a LazyFrame is never collected whole)
+                     with statistics, in row groups of ``ROW_GROUP_ROWS`` rows: the keyed layout,
+                     written in bounded memory (``keyed.py``; a LazyFrame is never collected whole)
     checkpointed ──> load_input    ──> scan()           a LazyFrame over the stored file
     asset body   ──> ShardRows(as_lazy(source), ...)    ``rows_in``'s filter, collected by the
                      streaming engine; the reader skips row groups whose keys miss the shard
 
 Any other source (a LazyFrame an upstream returns, a DataFrame, another IO manager's table) is
-filtered the same way, the shard key computed from the id column as the rows stream past.
+filtered the same way, the shard key computed from the id column as the rows stream past. A
+partitioned source (``source_partition_mapping``) is one scan per partition, concatenated: the
+filter reaches each, so a shard reads its slice of every partition.
 """
 
 from __future__ import annotations
