@@ -57,28 +57,31 @@ def write_keyed(
         if held is not None:
             output.write(held)
         for index in buckets.indexes():
-            output.write(buckets.take(index))
+            output.write(buckets.take(index, conformed=True))
         return output.rows
 
 
 class Buckets:
     """Rows split by ``bucket`` (an Int expression) into local files, written as they pass:
     held in memory until they pass ``BUFFER_BYTES``, so a stream that ends first is never
-    spilled (``in_memory``)."""
+    spilled (``in_memory``). Batches may differ in columns (checkpoints of a function whose
+    outputs changed): a bucket then has a file per set of columns, read back together."""
 
     def __init__(self, bucket: pl.Expr) -> None:
         self.bucket = bucket.alias(_BUCKET)
         self.folder: str | None = None
-        self.writers: dict[int, pq.ParquetWriter] = {}
+        self.writers: dict[int, list[pq.ParquetWriter]] = {}
         self.held: list[pl.DataFrame] = []
         self.size = 0.0
+        self.schema = pl.Schema()  # every column spilled, in the order first seen
 
     def __enter__(self) -> Buckets:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for writer in self.writers.values():
-            writer.close()
+        for writers in self.writers.values():
+            for writer in writers:
+                writer.close()
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -93,42 +96,46 @@ class Buckets:
         if self.folder is not None:
             self.spill()
             return None
-        rows = pl.concat(self.held, how="vertical_relaxed") if self.held else None
+        rows = pl.concat(self.held, how="diagonal_relaxed") if self.held else None
         self.held, self.size = [], 0.0
         return rows
 
     def spill(self) -> None:
         if not self.held:
             return
-        rows = pl.concat(self.held, how="vertical_relaxed").with_columns(self.bucket)
+        rows = pl.concat(self.held, how="diagonal_relaxed").with_columns(self.bucket)
         self.held, self.size = [], 0.0
         if self.folder is None:
             self.folder = tempfile.mkdtemp(prefix="checkpoint-assets-buckets-")
-        for (index,), part in rows.partition_by(_BUCKET, as_dict=True, include_key=False).items():
+        parts = rows.partition_by(_BUCKET, as_dict=True, include_key=False)
+        added = {c: t for c, t in rows.drop(_BUCKET).schema.items() if c not in self.schema}
+        self.schema = pl.Schema({**self.schema, **added})
+        for (index,), part in parts.items():
             table = part.to_arrow()
-            writer = self.writers.get(index)
+            writers = self.writers.setdefault(index, [])
+            writer = next((w for w in writers if w.schema.equals(table.schema)), None)
             if writer is None:
-                writer = pq.ParquetWriter(self._path(index), table.schema, compression="lz4")
-                self.writers[index] = writer
-            writer.write_table(table.cast(writer.schema))
+                path = os.path.join(self.folder, f"{index}-{len(writers)}.parquet")
+                writer = pq.ParquetWriter(path, table.schema, compression="lz4")
+                writers.append(writer)
+            writer.write_table(table)
 
     def indexes(self) -> list[int]:
         """The buckets spilled, in order."""
         return sorted(self.writers)
 
-    def take(self, index: int) -> pl.DataFrame | None:
-        """The rows of bucket ``index`` (None when it has none); its file is removed."""
-        writer = self.writers.pop(index, None)
-        if writer is None:
-            return None
-        writer.close()
-        rows = pl.read_parquet(self._path(index))
-        os.remove(self._path(index))
-        return rows
-
-    def _path(self, index: int) -> str:
-        assert self.folder is not None
-        return os.path.join(self.folder, f"{index}.parquet")
+    def take(self, index: int, *, conformed: bool = False) -> pl.DataFrame | None:
+        """The rows of bucket ``index`` (None when it has none); its files are removed.
+        ``conformed``: with every column spilled (``schema``), in that order."""
+        writers = self.writers.pop(index, [])
+        frames = []
+        for writer in writers:
+            writer.close()
+            frames.append(pl.read_parquet(writer.where))
+            os.remove(writer.where)
+        if conformed:
+            frames.insert(0, pl.DataFrame(schema=self.schema))
+        return pl.concat(frames, how="diagonal_relaxed") if writers else None
 
 
 class _Output:

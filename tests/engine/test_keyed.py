@@ -77,7 +77,23 @@ def test_buckets_remove_their_files_when_closed(monkeypatch: pytest.MonkeyPatch)
             buckets.add(batch)
         assert buckets.in_memory() is None
         folder = buckets.folder
-        assert folder is not None and len(list(Path(folder).iterdir())) == 3
+        assert folder is not None and len(list(Path(folder).iterdir())) == 3  # one per bucket
         taken = buckets.take(1)
         assert taken is not None and set((taken["id"] % 3).to_list()) == {1}
     assert not Path(folder).exists()
+
+
+def test_spilled_batches_of_other_columns_are_written_with_every_column(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(keyed, "BUFFER_BYTES", 16 * 1024)
+    before = batches(6_000, 2_000)  # a function's outputs before and after it changed
+    after = [b.with_columns(score=pl.col("id") * 2) for b in batches(6_000, 2_000, start=6_000)]
+    path = str(tmp_path / "out.parquet")
+
+    rows = write_keyed(iter(before + after), KEY, path, before[0].schema)
+
+    stored = pl.read_parquet(path).sort("id")
+    assert rows == 12_000 and stored.columns == ["id", "text", KEY, "score"]
+    assert stored["score"].null_count() == 6_000
+    assert stored.filter(pl.col("id") >= 6_000)["score"].to_list() == list(range(12_000, 24_000, 2))
