@@ -5,14 +5,15 @@ Run by ``bench/reshard.py``; prints one JSON object. Two commands:
 - ``shards BASE_DIR FOLDER PATH COUNT INDEXES``: what a shard run with ``global_resume: true`` reads
   before its first call, for each shard of ``INDEXES`` (comma-separated) of ``COUNT``, one after
   the other as separate runs would. ``PATH`` is ``ranges`` (the overlapping checkpoints of earlier
-  counts) or ``table`` (the global resume table, read whole and filtered by job, as the asset
-  body does when it falls back to it).
+  counts) or ``table`` (the global resume table, scanned for the shard's keys and filtered by
+  job, as the asset body does when it falls back to it).
 - ``build BASE_DIR FOLDER ROWS COUNT``: write the finished checkpoints (``reshard.build``), so
   the memory it took is given back before anything is measured.
 - ``table BASE_DIR FOLDER ALGORITHM``: the ``<asset>_global_resume`` asset: reconcile every
   checkpoint under ``FOLDER`` and store the table as the IO manager does (zstd Parquet, one PUT).
-  ``ALGORITHM`` is ``current`` (``finished_rows``) or ``sorted``, the implementation it replaced
-  (a sort of the whole table by checkpoint age and flush, then a unique), as the baseline.
+  ``ALGORITHM`` is ``current`` (``write_table``: streamed, keyed) or ``sorted``, the
+  implementation it replaced (a sort of the whole table by checkpoint age and flush, then a
+  unique), as the baseline.
 
 Peak RSS is the process's high-water mark during the work minus its RSS before it, so it is the
 memory the work itself needed (one shard's at most, for ``shards``).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -34,8 +36,9 @@ from checkpoint_assets.engine import global_resume, hashing, layout
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.global_resume import JOB
 from checkpoint_assets.engine.rows import CURRENT, ERROR, SEQ
-from checkpoint_assets.engine.scheme import Shard
+from checkpoint_assets.engine.scheme import Shard, rows_in
 from checkpoint_assets.engine.storage import Store, open_store
+from checkpoint_assets.integration.source import scan
 
 TABLE = ["bench_global_resume"]  # the asset key of the table
 
@@ -59,10 +62,11 @@ def shards(base_dir: str, folder: str, path: str, count: int, indexes: list[int]
             assert found is not None, "every checkpoint is a range shard"
             table, what = found
             rows_read += what.rows_read
-        else:
-            table = pl.read_parquet(io.BytesIO(store.get(table_path(store))))
+        else:  # as the asset body does: a scan of the keyed table, filtered to the shard
+            stored = scan(store, table_path(store))
+            mine = rows_in(stored, data.ID, [Shard(index, count).key])
+            table = mine.filter(pl.col(JOB) == fingerprint).drop(JOB).collect(engine="streaming")
             rows_read += table.height
-            table = table.filter(pl.col(JOB) == fingerprint).drop(JOB)
         rows_found += table.height
         del table
     seconds = time.perf_counter() - started
@@ -82,18 +86,22 @@ def table(base_dir: str, folder: str, algorithm: str) -> dict[str, Any]:
     base_rss = _start_rss()
     started = time.perf_counter()
     if algorithm == "current":
-        found, _ = global_resume.finished_rows(store, folder, data.ID)
+        with store.put_file(table_path(store)) as local:
+            rows, _ = global_resume.write_table(store, folder, data.ID, local)
+            size = os.path.getsize(local)
+        reconciled = time.perf_counter() - started
     else:
         found = _sorted(store, folder)
-    reconciled = time.perf_counter() - started
-    buffer = io.BytesIO()
-    pq.write_table(found.to_arrow(), buffer, compression="zstd")
-    store.put(table_path(store), buffer.getvalue())
+        reconciled = time.perf_counter() - started
+        buffer = io.BytesIO()
+        pq.write_table(found.to_arrow(), buffer, compression="zstd")
+        store.put(table_path(store), buffer.getvalue())
+        rows, size = found.height, buffer.tell()
     return {
         "seconds": time.perf_counter() - started,
         "reconcile_seconds": reconciled,
-        "rows": found.height,
-        "table_bytes": buffer.tell(),
+        "rows": rows,
+        "table_bytes": size,
         "requests": dict(store.requests),
         "peak_rss_bytes": _peak_rss() - base_rss,
     }

@@ -10,9 +10,11 @@ may sit in a checkpoint of the old scheme. Two ways to find it:
   answers None when storage holds checkpoints it cannot narrow down that way: unpartitioned ones,
   other partition keys, or shards written by the earlier mod rule (``h % n`` spreads every old
   shard over every new one).
-- ``finished_rows``, the global resume table of one checkpoint tag: every checkpoint found in
+- ``write_table``, the global resume table of one checkpoint tag: every checkpoint found in
   the tag's folder (not only ``range(current n)``), for the cases above and as a report of what
-  each scheme holds. Tags never mix: each has its own table (``tags`` lists those on storage).
+  each scheme holds, written in the keyed layout (``keyed.py``) a checkpoint at a time, so a
+  shard's lookup reads only its own row groups. Tags never mix: each has its own table (``tags``
+  lists those on storage).
 
 Both keep the successful rows and resolve each id to one winner: the newest finalized checkpoint,
 then the newest flush. Each row keeps its ``_input_hash``, so a shard imports only rows whose input
@@ -25,7 +27,7 @@ function computed them.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +35,7 @@ import polars as pl
 
 from checkpoint_assets.engine import hashing
 from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.keyed import write_keyed
 from checkpoint_assets.engine.layout import (
     UNPARTITIONED,
     asset_folder,
@@ -42,9 +45,10 @@ from checkpoint_assets.engine.layout import (
 )
 from checkpoint_assets.engine.meta import Meta
 from checkpoint_assets.engine.rows import CURRENT, ERROR
-from checkpoint_assets.engine.scheme import RANGE, Shard
+from checkpoint_assets.engine.scheme import RANGE, Shard, shard_key_column
 from checkpoint_assets.engine.storage import Store
 
+_ORDER = "_order"  # the checkpoint's place by finalization, while the table is written
 JOB = "_job"  # the job fingerprint of each row's checkpoint, in the global resume table
 FUNCTION = "_function"  # the function fingerprint its checkpoint recorded, as JSON (or null)
 
@@ -75,22 +79,48 @@ def _names(store: Store, folder: str, slashes: int) -> list[str]:
     return [n for n in names if n.count("/") == slashes]
 
 
-def finished_rows(store: Store, folder: str, id_column: str) -> tuple[pl.DataFrame, Found]:
-    """One successful row per id from every checkpoint in ``folder``, one tag's folder (the
-    global table of that tag)."""
+def write_table(store: Store, folder: str, id_column: str, path: str) -> tuple[int, Found]:
+    """Write the global table of one tag's folder to the local file ``path``: one successful
+    row per id from every checkpoint in ``folder``, in the keyed layout of ``id_column`` (a
+    shard's lookup reads only its row groups). Streamed a checkpoint at a time, so memory
+    follows the largest checkpoint, not the table. Returns the rows written."""
     found = Found()
-    sources: list[tuple[Meta, pl.DataFrame]] = []
+    metas: list[tuple[Checkpoint, Meta]] = []
     for name in checkpoint_names(store, folder):
         checkpoint = Checkpoint(store, name)
         meta = checkpoint.read_meta()
-        if meta is None or meta.id_column != id_column:
-            continue
-        rows = _finished(checkpoint, meta, found)
-        if rows.height:
-            # Categorical: one fingerprint per checkpoint, 4 bytes a row instead of a 32-byte text.
-            job = pl.lit(meta.job_fingerprint, pl.Categorical).alias(JOB)
-            sources.append((meta, rows.with_columns(job)))
-    return _winners(sources, id_column), found
+        if meta is not None and meta.id_column == id_column:
+            metas.append((checkpoint, meta))
+    metas.sort(key=lambda m: m[1].finalized_at or 0.0)  # oldest first: the newest wins
+    key = shard_key_column(id_column)
+
+    def batches() -> Iterator[pl.DataFrame]:
+        for order, (checkpoint, meta) in enumerate(metas):
+            rows = _finished(checkpoint, meta, found)
+            if rows.height:
+                # Categorical: one fingerprint per checkpoint, 4 bytes a row, not a 32-byte text.
+                yield rows.with_columns(
+                    pl.lit(meta.job_fingerprint, pl.Categorical).alias(JOB),
+                    hashing.shard_key(id_column, rows.schema[id_column]).alias(key),
+                    pl.lit(order, pl.Int32).alias(_ORDER),
+                )
+
+    rows = write_keyed(batches(), key, path, pl.Schema(), _newest(id_column))
+    return rows, found
+
+
+def _newest(id_column: str) -> Callable[[pl.DataFrame], pl.DataFrame]:
+    """One row per id of a bucket: that of the newest finalized checkpoint (ids are unique
+    within each one)."""
+
+    def resolve(rows: pl.DataFrame) -> pl.DataFrame:
+        rows = rows.sort(_ORDER, maintain_order=True)
+        ids = rows.get_column(id_column)
+        if ids.n_unique() != rows.height:
+            rows = rows.filter(ids.is_last_distinct())
+        return rows.drop(_ORDER)
+
+    return resolve
 
 
 def shard_rows(

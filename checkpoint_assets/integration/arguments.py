@@ -42,6 +42,12 @@ class _Rows:
     partitions_def: dg.PartitionsDefinition | None = setting(
         None, "shard_partitions(n) for n shards (default: one checkpoint)."
     )
+    source_partition_mapping: dg.PartitionMapping | None = setting(
+        None,
+        "Which partitions of a partitioned source each partition reads, e.g. "
+        "dagster.AllPartitionMapping() for shards over every partition of a source written a "
+        "file or a day at a time (default: Dagster's own rule).",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,6 @@ No ``from __future__ import annotations`` here: Dagster reads the body's annotat
 import contextlib
 import dataclasses
 import inspect
-import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -25,7 +24,7 @@ from checkpoint_assets.engine.errors import (
 )
 from checkpoint_assets.engine.global_resume import JOB, shard_rows
 from checkpoint_assets.engine.layout import DEFAULT_TAG, asset_folder
-from checkpoint_assets.engine.scheme import Scheme, Shard
+from checkpoint_assets.engine.scheme import Scheme, Shard, rows_in
 from checkpoint_assets.engine.settings import OnInputChange, RunStats, Settings
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
@@ -35,7 +34,13 @@ from checkpoint_assets.integration.function import Signature
 from checkpoint_assets.integration.global_resume import global_resume_key, table_path
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
 from checkpoint_assets.integration.pending import end_pending
-from checkpoint_assets.integration.source import ShardRows, as_lazy, user_columns
+from checkpoint_assets.integration.source import (
+    ShardRows,
+    as_lazy,
+    scan,
+    user_columns,
+    without_shard_keys,
+)
 from checkpoint_assets.integration.spend import AssetSpend
 
 T = TypeVar("T")
@@ -201,19 +206,21 @@ def define(
         if config.global_resume:
             tag = config.checkpoint_tag
             imported = _global_rows(io_manager, store, context, job, keys, tag)
-        shard_rows = ShardRows(table, id_column, keys)  # only these shards' rows, streamed
         spend = _spend(context, settings, keys)
         frames: list[pl.DataFrame] = []
         stats: list[RunStats] = []
         too_many: list[TooManyFailuresError] = []
         pending: dict[str | None, BatchesPendingError] = {}
-        # On a failure: what the run spent counts, though no shard materializes.
-        with spend.recorded_on_failure() if spend else contextlib.nullcontext():
+        # Only these shards' rows, streamed; one shard's rows in memory at a time. On a
+        # failure: what the run spent counts, though no shard materializes.
+        with (
+            ShardRows(table, id_column, keys) as shard_rows,
+            spend.recorded_on_failure() if spend else contextlib.nullcontext(),
+        ):
             for key in keys:
                 checkpoint = io_manager.checkpoint(
                     context.asset_key, config.checkpoint_tag, key, store
                 )
-                rows = shard_rows.of(key)
                 saved = md.saved_on_failure(
                     context, checkpoint, key, settings.id_column, config.checkpointing
                 )
@@ -225,7 +232,7 @@ def define(
                             call,
                             settings,
                             checkpoint,
-                            rows,
+                            shard_rows.of(key),  # one shard's rows held at a time
                             key,
                             job,
                             imported,
@@ -269,7 +276,13 @@ def define(
         name=a.name or fn.__name__,
         key_prefix=a.key_prefix,
         # The IO manager gives a source marked with the id column as a lazy scan.
-        ins={"source": dg.AssetIn(key=source_key, metadata={md.ID_COLUMN: id_column})},
+        ins={
+            "source": dg.AssetIn(
+                key=source_key,
+                metadata={md.ID_COLUMN: id_column},
+                partition_mapping=a.source_partition_mapping,
+            )
+        },
         partitions_def=a.partitions_def,
         group_name=a.group_name,
         code_version=a.code_version,
@@ -413,9 +426,7 @@ def _global_rows(
             return table
     key = global_resume_key(asset_key)
     path = table_path(io_manager, store, asset_key, tag)  # this tag's: tags never mix
-    try:
-        data = store.get(path)
-    except FileNotFoundError:
+    if not store.fs.exists(path):
         raise CheckpointError(
             f"`global_resume: true` needs the table of {key.to_user_string()} for checkpoint "
             f"tag {tag or DEFAULT_TAG!r} at {store.display(path)}, which does not exist (storage "
@@ -423,11 +434,13 @@ def _global_rows(
             "or shards written by the earlier mod rule).",
             f"Add global_resume_asset({asset_key.path[-1]}) to your Definitions and materialize "
             "it first (it builds a table for every tag on storage).",
-        ) from None
-    table = pl.read_parquet(io.BytesIO(data))
-    if table.height == 0:
-        return table
-    return table.filter(pl.col(JOB) == fingerprint).drop(JOB)
+        )
+    stored = scan(store, path)
+    if JOB not in stored.collect_schema():
+        return pl.DataFrame()  # no finished rows anywhere
+    # Stored in the keyed layout: the shards' filter reads only their row groups.
+    mine = rows_in(stored, job["id_column"], keys).filter(pl.col(JOB) == fingerprint).drop(JOB)
+    return without_shard_keys(mine).collect(engine="streaming")
 
 
 def _source_key(source: SourceSpec) -> dg.AssetKey:

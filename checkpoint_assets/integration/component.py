@@ -53,7 +53,11 @@ _SENSOR = _defaults(failed_partitions_sensor)
 # Arguments of checkpointed_asset that the YAML says its own way: source as a key string,
 # partitions_def as a shard count (``shards``), backfill_policy and budget as mappings.
 _OWN_FORM = {"source", "partitions_def", "backfill_policy", "budget"}
-_PASSED_ON = [f for f in dataclasses.fields(AssetArguments) if f.name not in _OWN_FORM]
+# Python objects with no YAML form: a Component that needs one is a Python asset instead.
+_PYTHON_ONLY = {"source_partition_mapping"}
+_PASSED_ON = [
+    f for f in dataclasses.fields(AssetArguments) if f.name not in _OWN_FORM | _PYTHON_ONLY
+]
 
 
 def _attributes() -> type[dg.Model]:

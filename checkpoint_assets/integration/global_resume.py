@@ -3,19 +3,19 @@
 The built asset reads storage directly and depends on the checkpointed asset for lineage only,
 so it can be materialized before any shard of a new scheme exists. It builds one table per
 checkpoint tag, since tags never mix: ``<asset>_global_resume/<tag>.parquet`` (where the IO
-manager would store a partition ``<tag>`` of it). A shard run with ``global_resume: true`` then
-takes the finished rows for its ids (same id, same input hash, same job) from its own tag's table
-into its checkpoint and skips them.
+manager would store a partition ``<tag>`` of it), streamed in the keyed layout of the id column,
+so a shard's lookup reads only the row groups of its key range. A shard run with
+``global_resume: true`` then takes the finished rows for its ids (same id, same input hash, same
+job) from its own tag's table into its checkpoint and skips them.
 """
 
-import io
 from typing import Any
 
 import dagster as dg
 from pydantic import Field
 
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.global_resume import Found, finished_rows, tags
+from checkpoint_assets.engine.global_resume import Found, tags, write_table
 from checkpoint_assets.engine.layout import DEFAULT_TAG, asset_folder
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
@@ -89,21 +89,19 @@ def global_resume_asset(
         built = [config.checkpoint_tag] if config.checkpoint_tag else tags(store, key.path)
         found, rows = Found(), 0
         for tag in built:  # one table in memory at a time
-            table, read = finished_rows(store, asset_folder(key.path, tag), id_column)
-            buffer = io.BytesIO()
-            table.write_parquet(buffer, compression="zstd")
-            store.put(table_path(io_manager, store, key, tag), buffer.getvalue())
+            with store.put_file(table_path(io_manager, store, key, tag)) as local:
+                height, read = write_table(store, asset_folder(key.path, tag), id_column, local)
             context.log.info(
                 "Tag %r: reconciled %d finished rows from %d checkpoints (%s).",
                 tag,
-                table.height,
+                height,
                 len(read.checkpoints),
                 ", ".join(sorted(set(read.schemes))) or "none found",
             )
             found.checkpoints += read.checkpoints
             found.schemes += read.schemes
             found.rows_read += read.rows_read
-            rows += table.height
+            rows += height
         details: dict[str, Any] = {
             "tags": built,
             "checkpoints": len(found.checkpoints),

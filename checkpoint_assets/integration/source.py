@@ -4,14 +4,16 @@ The chain, for an upstream stored by ``CheckpointIOManager``::
 
     upstream     ──> handle_output ──> store_output()   rows ordered by the shard key of the id
                      column its checkpointed assets shard by, kept in a column ``_shard_key:<id>``
-                     with statistics, in row groups of ``ROW_GROUP_ROWS`` rows, written by polars'
-                     streaming sink (a LazyFrame is never collected whole)
+                     with statistics, in row groups of ``ROW_GROUP_ROWS`` rows: the keyed layout,
+                     written in bounded memory (``keyed.py``; a LazyFrame is never collected whole)
     checkpointed ──> load_input    ──> scan()           a LazyFrame over the stored file
     asset body   ──> ShardRows(as_lazy(source), ...)    ``rows_in``'s filter, collected by the
                      streaming engine; the reader skips row groups whose keys miss the shard
 
 Any other source (a LazyFrame an upstream returns, a DataFrame, another IO manager's table) is
-filtered the same way, the shard key computed from the id column as the rows stream past.
+filtered the same way, the shard key computed from the id column as the rows stream past. A
+partitioned source (``source_partition_mapping``) is one scan per partition, concatenated: the
+filter reaches each, so a shard reads its slice of every partition.
 """
 
 from __future__ import annotations
@@ -28,13 +30,18 @@ import pyarrow.parquet as pq
 from checkpoint_assets.engine import hashing
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError
+from checkpoint_assets.engine.keyed import ROW_GROUP_ROWS, Buckets, write_keyed
 from checkpoint_assets.engine.rows import BOOKKEEPING, CURRENT, ERROR, SEQ
-from checkpoint_assets.engine.scheme import SHARD_KEY_PREFIX, Frame, rows_in, shard_key_column
+from checkpoint_assets.engine.scheme import (
+    SHARD_KEY_PREFIX,
+    Frame,
+    Shard,
+    rows_in,
+    shard_filter,
+    shard_key_column,
+)
 from checkpoint_assets.engine.storage import Store
 
-# 16,384 rows a row group: a shard of 1/16 of 8M rows reads at most 2 row groups it does not need
-# (one at each end of its key range), 0.4 % more than its own.
-ROW_GROUP_ROWS = 1 << 14
 # Files written with page checksums (checkpoints' merged files) are checked as they are read.
 _PARQUET = ds.ParquetFileFormat(
     default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True)
@@ -73,50 +80,82 @@ def without_shard_keys(frame: Frame) -> Frame:
 
 
 class ShardRows:
-    """The input rows of each shard of one run, collected once for all of them (a ranged run)
-    by the streaming engine, so no more than the run's shards are ever in memory.
+    """The input rows of each shard of one run, read once for all of them (a ranged run), with
+    no more than one shard's rows in memory at a time.
 
     The filter is applied to the source as it is, so polars pushes it down to the scan: the
-    source's own computed columns are computed for these rows only.
+    source's own computed columns are computed for these rows only. A stored source (ordered by
+    the shard key) is scanned once per shard, each reading its own row groups; any other source
+    of several shards streams once into one local file per shard, read back as each shard runs.
+    Use as a context manager: the local files are removed at its end.
     """
 
     def __init__(self, source: pl.LazyFrame, id_column: str, keys: Sequence[str | None]) -> None:
+        self.source = source
         self.id_column = id_column
-        rows = rows_in(source, id_column, keys).collect(engine="streaming")
-        self.columns = user_columns(rows.columns)
-        self.several = len(keys) > 1
-        column = shard_key_column(id_column)
-        if self.several and id_column in rows.columns and column not in rows.columns:
-            # Hashed once here, so each shard of a ranged run compares integers.
-            key = hashing.shard_key(id_column, rows.schema[id_column])
-            rows = rows.with_columns(key.alias(column))
-        self.rows = rows
+        schema = source.collect_schema()
+        self.columns = user_columns(schema.names())
+        self.shards = [Shard.parse(k) if k is not None else None for k in keys]
+        self.held: pl.DataFrame | None = None  # rows of every key, filtered as each is asked
+        self.spill: Buckets | None = None
+        if any(s is None for s in self.shards) or id_column not in schema:
+            self.held = self.source.collect(engine="streaming")  # every key takes it all
+        elif len(keys) > 1 and shard_key_column(id_column) not in schema:
+            self._spill(keys, hashing.shard_key(id_column, schema[id_column]))
+
+    def _spill(self, keys: Sequence[str | None], key: pl.Expr) -> None:
+        """Stream the run's rows once into one local file per shard (by position in ``keys``);
+        rows that fit in the buffer stay in memory."""
+        position = pl.lit(None, pl.Int64)
+        for index, shard in enumerate(self.shards):
+            assert shard is not None
+            position = pl.when(shard_filter([shard], key)).then(index).otherwise(position)
+        self.spill = Buckets(position)
+        for batch in rows_in(self.source, self.id_column, keys).collect_batches():
+            self.spill.add(batch)
+        self.held = self.spill.in_memory()
+
+    def __enter__(self) -> ShardRows:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.spill is not None:
+            self.spill.__exit__(*exc)
 
     def of(self, key: str | None) -> pl.DataFrame:
         """The input rows of shard ``key`` (or of a partition key that takes them all)."""
-        rows = rows_in(self.rows, self.id_column, [key]) if self.several else self.rows
+        if self.held is not None:
+            rows = rows_in(self.held, self.id_column, [key])
+        elif self.spill is not None:
+            index = [s.key if s else None for s in self.shards].index(key)
+            taken = self.spill.take(index)
+            rows = taken if taken is not None else self.source.clear().collect()
+        else:
+            rows = rows_in(self.source, self.id_column, [key]).collect(engine="streaming")
         return rows.select(self.columns)
 
 
 def store_output(store: Store, path: str, value: Any, id_columns: Sequence[str]) -> int:
-    """Write an ordinary output to ``path`` as Parquet; returns its row count.
+    """Write an ordinary output to ``path`` as Parquet, streamed; returns its row count.
 
     With ``id_columns`` (what its checkpointed downstream assets shard by), each gets its shard
-    key column and the rows are ordered by the first one's.
+    key column and the file is in the keyed layout of the first one's (``keyed.py``), written
+    in bounded memory whatever the size of ``value``.
     """
     frame = as_lazy(value)
     schema = frame.collect_schema()
     keyed = [c for c in id_columns if c in schema]
-    if keyed:
+    with store.put_file(path) as local:
+        if not keyed:
+            frame.sink_parquet(
+                local, compression="zstd", statistics=True, row_group_size=ROW_GROUP_ROWS
+            )
+            return int(pq.read_metadata(local).num_rows)
         frame = frame.with_columns(
             hashing.shard_key(c, schema[c]).alias(shard_key_column(c)) for c in keyed
-        ).sort(shard_key_column(keyed[0]))
-    with store.put_file(path) as local:
-        frame.sink_parquet(
-            local, compression="zstd", statistics=True, row_group_size=ROW_GROUP_ROWS
         )
-        rows = pq.read_metadata(local).num_rows
-    return int(rows)
+        batches = frame.collect_batches()
+        return write_keyed(batches, shard_key_column(keyed[0]), local, frame.collect_schema())
 
 
 def scan(store: Store, path: str, *, checked: bool = False) -> pl.LazyFrame:

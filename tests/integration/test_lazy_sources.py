@@ -16,16 +16,14 @@ import pyarrow.parquet as pq
 import pytest
 from helpers.jobs import Storage, build_job, ids_in_shard, route, stats, tickets
 from helpers.read_counting_fs import PROTOCOL, ReadCountingFileSystem
+from helpers.row_groups import groups_read, overlapping_groups
 
 from checkpoint_assets import CheckpointIOManager, checkpointed_asset, shard_partitions
-from checkpoint_assets.engine.hashing import shard_key_bounds
 from checkpoint_assets.engine.parquet import watermark
 from checkpoint_assets.engine.rows import CURRENT
-from checkpoint_assets.engine.scheme import shard_key_column
 from checkpoint_assets.integration.source import ROW_GROUP_ROWS
 
 ROWS = 6 * ROW_GROUP_ROWS + 1000  # seven row groups
-FOOTER_READ = 64 * 1024  # pyarrow reads a file's last 64 KiB to find its metadata
 
 
 def guarded_scan(path: Path, allowed: set[int]) -> pl.LazyFrame:
@@ -113,36 +111,6 @@ def stored_definitions(base_dir: str, frame: pl.DataFrame) -> dg.Definitions:
 
     io_manager = CheckpointIOManager(base_dir=base_dir)
     return dg.Definitions(assets=[upstream, routed, plain], resources={"io_manager": io_manager})
-
-
-def overlapping_groups(path: str, index: int, count: int) -> set[int]:
-    """The row groups whose shard key statistics overlap shard ``index`` of ``count``."""
-    first, end = shard_key_bounds(index, count)
-    meta = pq.read_metadata(path)
-    column = meta.schema.names.index(shard_key_column("ticket_id"))
-    found = set()
-    for g in range(meta.num_row_groups):
-        stats = meta.row_group(g).column(column).statistics
-        if stats.max >= first and (end is None or stats.min < end):
-            found.add(g)
-    return found
-
-
-def groups_read(path: str) -> set[int]:
-    """The row groups whose column chunks were read (byte ranges recorded by the filesystem)."""
-    meta = pq.read_metadata(path)
-    spans = []
-    for g in range(meta.num_row_groups):
-        columns = [meta.row_group(g).column(c) for c in range(meta.num_columns)]
-        start = min(c.dictionary_page_offset or c.data_page_offset for c in columns)
-        spans.append((g, start, start + sum(c.total_compressed_size for c in columns)))
-    size = Path(path).stat().st_size
-    read = set()
-    for offset, length in ReadCountingFileSystem.reads.get(path, []):
-        if offset + length == size and length <= FOOTER_READ:
-            continue  # the footer (metadata), read with whatever precedes it in 64 KiB
-        read |= {g for g, a, b in spans if offset < b and offset + length > a}
-    return read
 
 
 def test_a_shard_reads_only_the_row_groups_its_key_range_overlaps(tmp_path: Path) -> None:
