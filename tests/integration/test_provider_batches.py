@@ -313,6 +313,30 @@ def test_a_run_budget_stops_submissions_and_a_raised_limit_submits_only_the_rest
     assert parts.height == 400 and parts.get_column(ID).n_unique() == 400
 
 
+@pytest.mark.provider(rows=400, openai_max_requests=100, processing_delay=600, manual_clock=True)
+def test_a_budget_stop_of_a_run_that_submits_and_ends_leaves_its_submissions_to_the_next_run(
+    setup: Setup,
+) -> None:
+    small_batches(setup)
+    routed = priced_asset(wait=False)
+    limit = 2.5 * submission_estimate(setup)
+    stopped = setup.materialize(routed, raise_on_error=False, run_config=_limit(max_run_cost=limit))
+    error = step_error(stopped)
+    assert error.startswith("BudgetExceededError") and "nothing more was submitted" in error
+    assert "are reserved for the 200 row(s) submitted and not collected yet" in error
+    assert setup.provider()["submitted"] == 200 and setup.provider()["processed"] == 0
+
+    # Raised, the next run collects those two (ended by now) and submits only the rest.
+    setup.clock.advance(601)
+    raised = _limit(max_run_cost=1.0)
+    assert not setup.materialize(routed, raise_on_error=False, run_config=raised).success
+    assert setup.provider()["creates"] == 4 and setup.stored().height == 200
+    setup.clock.advance(601)
+    assert setup.materialize(routed, run_config=raised).success
+    assert setup.provider()["submitted"] == setup.provider()["processed"] == 400
+    assert setup.parts().get_column(ID).n_unique() == setup.parts().height == 400
+
+
 @pytest.mark.provider(rows=300)
 def test_results_of_provider_batches_cost_the_batch_price(setup: Setup) -> None:
     result = setup.materialize(priced_asset())
