@@ -17,13 +17,14 @@ stored, so the spend passes the limit by at most the cost of the calls in flight
 reached: ``max_concurrency`` calls, the one that reached it included.
 
 Provider batches (a submission costs what its results will say, known before it is created only
-as an estimate) reserve the estimate before creating the submission and settle it when the
-results are in::
+as an estimate) reserve the estimate before creating the submission and, when the results are
+in, replace it by what they cost at the batch price (``provider_batches.py``)::
 
     cost = budget.cost(model, input_tokens=n_in, output_tokens=n_out_max, batch=True)
     spend.reserve(cost, model)   # BudgetExceededError if it does not fit: submit nothing
     ...                          # create the submission; later, download its results
-    spend.settle(cost, actual, model)  # the reservation becomes what the results cost
+    spend.add_record(result, batch=True)  # each row's result, at the batch price
+    spend.release(cost)          # the reservation is gone: the results count instead
 
 >>> budget = Budget({"small": Price(input=0.15, output=0.60)}, max_run_cost=1.0)
 >>> spend = Spend(budget)
@@ -132,22 +133,23 @@ class Budget:
         usd = (input_tokens * price.input + output_tokens * price.output) / PER
         return usd * (1.0 - price.batch_discount) if batch else usd
 
-    def cost_of(self, record: Record) -> dict[str | None, float]:
-        """USD of the rows of one call's result, by model."""
+    def cost_of(self, record: Record, *, batch: bool = False) -> dict[str | None, float]:
+        """USD of the rows of one call's result, by model; ``batch``: at the batch price."""
         if isinstance(record, RowResult):
             out = record.out
             model = out.get(self.model_column) if self.model_column else None
             tokens = _number(out.get(self.input_tokens)), _number(out.get(self.output_tokens))
-            return {model: self.cost(model, *tokens)}
+            return {model: self.cost(model, *tokens, batch=batch)}
         frame = record.out
         if any(c not in frame.columns for c in self.columns):
             return {}  # the run loop refuses the result (usage_columns); nothing to price
         if self.model_column is None or self.model_column not in frame.columns:
             sums = [_number(frame.get_column(c).sum()) for c in self.columns]
-            return {None: self.cost(None, *sums)}
+            return {None: self.cost(None, *sums, batch=batch)}
         grouped = frame.group_by(self.model_column).agg(pl.col(c).sum() for c in self.columns)
         return {
-            model: self.cost(model, _number(i), _number(o)) for model, i, o in grouped.iter_rows()
+            model: self.cost(model, _number(i), _number(o), batch=batch)
+            for model, i, o in grouped.iter_rows()
         }
 
 
@@ -226,10 +228,11 @@ class Spend:
             self.spent += usd
             self.by_model[name] = self.by_model.get(name, 0.0) + usd
 
-    def add_record(self, record: Record) -> None:
-        """Count what one call's result cost (see :meth:`Budget.cost_of`)."""
+    def add_record(self, record: Record, *, batch: bool = False) -> None:
+        """Count what one call's result cost (see :meth:`Budget.cost_of`); ``batch``: a result
+        of a provider's batch API, at the batch price."""
         try:
-            costs = self.budget.cost_of(record)
+            costs = self.budget.cost_of(record, batch=batch)
         except CheckpointError as e:
             self.problem = self.problem or e
             return
@@ -245,11 +248,10 @@ class Spend:
                 raise BudgetExceededError(self.label, over.name, over.limit, over.spent, 0)
             self.reserved += usd
 
-    def settle(self, reserved: float, actual: float, model: str | None = None) -> None:
-        """Replace a reservation by what the results cost."""
+    def release(self, reserved: float) -> None:
+        """Drop a reservation (its submission's results are counted, or never will be)."""
         with self._lock:
             self.reserved -= reserved
-        self.add(actual, model)
 
     def _name(self, model: str | None) -> str:
         """The model's name in ``by_model`` (None: the table's one model)."""

@@ -260,22 +260,60 @@ class FunctionError(CheckpointError):
 
 
 class BudgetExceededError(CheckpointError):
-    """A spend limit (``max_run_cost`` or ``max_asset_cost``) was reached: no new call started,
-    what was done is checkpointed."""
+    """A spend limit (``max_run_cost`` or ``max_asset_cost``) was reached: no new call started
+    (or, through a provider's batch API, no new submission was sent), what was done is
+    checkpointed.
 
-    def __init__(self, label: str, limit_name: str, limit: float, spent: float, done: int) -> None:
+    For provider batches, ``estimate`` is what the submission that did not fit was estimated to
+    cost, ``reserved`` the estimates of submissions sent and not collected yet, whose ``pending``
+    rows the next run collects."""
+
+    def __init__(
+        self,
+        label: str,
+        limit_name: str,
+        limit: float,
+        spent: float,
+        done: int,
+        *,
+        estimate: float | None = None,
+        reserved: float = 0.0,
+        pending: int = 0,
+    ) -> None:
         self.limit_name = limit_name
         self.limit = limit
         self.spent = spent
         self.done = done
+        self.estimate = estimate
+        self.reserved = reserved
+        self.pending = pending
         spender = "this run" if limit_name == "max_run_cost" else "the asset (every shard and run)"
+        stop = (
+            "No new call was started (calls already in flight were paid and kept)"
+            if estimate is None
+            else _submissions_stop(estimate, reserved, pending)
+        )
         super().__init__(
             f"{label}: stopped at the spend limit: {limit_name} is {limit:.4f} USD and "
-            f"{spender} has spent {spent:.4f} USD. No new call was started (calls already in "
-            f"flight were paid and kept); {_ran(done)}.",
+            f"{spender} has spent {spent:.4f} USD. {stop}; {_ran(done)}.",
             f"Raise {limit_name} (or remove it) to go on: running again resumes where this "
             "stopped.",
         )
+
+
+def _submissions_stop(estimate: float, reserved: float, pending: int) -> str:
+    """What a budget that stopped provider batch submissions did."""
+    kept = (
+        f"{reserved:.4f} USD are reserved for the {pending:,} row(s) submitted and not collected "
+        "yet (recorded in the checkpoint: the next run collects them without submitting them "
+        "again)"
+        if pending
+        else "what was submitted was collected and stored"
+    )
+    return (
+        f"The next provider batch submission, estimated at {estimate:.4f} USD at the batch "
+        f"price, would pass it: nothing more was submitted, and {kept}"
+    )
 
 
 class BatchesPendingError(CheckpointError):

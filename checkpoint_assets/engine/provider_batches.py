@@ -19,6 +19,16 @@ as for computed rows. Its steps::
     end          with ``wait`` off, as soon as every submission is created and what had ended is
                  collected: the run ends with :class:`BatchesPendingError`, the shard unfinished
 
+Spend budget. Before a submission is recorded or sent, its cost is estimated and reserved in the
+run's spend (``Spend.reserve``, at the batch price): input tokens are the bytes the provider
+counts for each request (``size()``: its JSONL line, or its entry in the create's body) divided
+by 4, output tokens each body's ``max_tokens``, ``max_completion_tokens`` or
+``max_output_tokens`` (the adapter's defaults filled in; 0 when it names none, as an embedding
+request), priced by the body's ``model`` when the budget has a ``model_column``. When it does
+not fit, nothing more is submitted: the submissions made are collected (a waiting run) or left
+for the next run, and the run ends with :class:`BudgetExceededError`. When a submission's
+results are stored, its reservation is replaced by what its rows cost at the batch price.
+
 Loss bound. A hard kill loses no paid request: every submission is recorded before anything is
 sent, and its results stay on the provider (OpenAI: 30 days; Anthropic: 29) until a run stores
 them. What a kill costs is the work of the step that was under way: one upload again (a kill
@@ -30,14 +40,20 @@ stored).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
 
 from checkpoint_assets.engine.batches import Broken, Check, RowResult
-from checkpoint_assets.engine.errors import BatchesPendingError, CheckpointError, FunctionError
+from checkpoint_assets.engine.budget import Budget
+from checkpoint_assets.engine.errors import (
+    BatchesPendingError,
+    BudgetExceededError,
+    CheckpointError,
+    FunctionError,
+)
 from checkpoint_assets.engine.rows import ATTEMPTS, BOOKKEEPING, ERROR, INPUT_HASH
 from checkpoint_assets.engine.runner import Run
 from checkpoint_assets.engine.sink import PartWriter
@@ -54,6 +70,8 @@ from checkpoint_assets.engine.submissions import (
 
 _ROWS_PER_CHUNK = 4096  # input rows turned into dicts at a time
 _FIND_MARGIN_SECONDS = 600.0  # clocks differ: look for batches created a little before the intent
+_BYTES_PER_TOKEN = 4  # a request's input tokens, estimated from its bytes (see the docstring)
+_MAX_OUTPUT = ("max_tokens", "max_completion_tokens", "max_output_tokens")  # a body's cap
 
 
 @dataclass(frozen=True)
@@ -72,6 +90,39 @@ class ProviderJob:
     wait: bool = True
     poll_seconds: float = 10.0
     max_poll_seconds: float = 300.0
+
+
+@dataclass
+class _Split:
+    """The rows of one submission, before it is sent: their requests, the bytes of each (as the
+    provider counts them), ids and input hashes."""
+
+    tag: str
+    requests: list[Request] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    ids: list[Any] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+
+    def add(self, request: Request, size: int, row_id: Any, input_hash: int) -> None:
+        self.requests.append(request)
+        self.sizes.append(size)
+        self.ids.append(row_id)
+        self.hashes.append(input_hash)
+
+    def estimate(self, budget: Budget, defaults: Mapping[str, Any]) -> float:
+        """USD the submission may cost at the batch price (see the module docstring)."""
+        tokens: dict[str | None, list[float]] = {}  # model -> [input, output]
+        for request, size in zip(self.requests, self.sizes, strict=True):
+            body = {**defaults, **request.body}
+            model = body.get("model") if budget.model_column else None
+            counted = tokens.setdefault(None if model is None else str(model), [0.0, 0.0])
+            counted[0] += size / _BYTES_PER_TOKEN
+            counted[1] += next((body[k] for k in _MAX_OUTPUT if _is_count(body.get(k))), 0)
+        return sum(budget.cost(m, i, o, batch=True) for m, (i, o) in tokens.items())
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class ProviderRun(Run):
@@ -96,11 +147,16 @@ class ProviderRun(Run):
                 todo.get_column(self.id).to_list(), todo.get_column(ATTEMPTS).to_list(), strict=True
             )
         )
+        self.reserved: dict[str, float] = {}  # the estimates of this run's submissions, by tag
+        self.refused: BudgetExceededError | None = None  # a submission the budget did not take
         waiting = [s for s in self.records.load() if s.open and self._attach(s)]
         sent = {i for s in waiting for i in s.ids}
         fresh = todo.filter(~pl.col(self.id).is_in(list(sent))) if sent else todo
         waiting += self._submit(fresh)
-        return self._collect_all(waiting)
+        pending = self._collect_all(waiting)
+        if self.spend is not None and self.spend.problem is not None:
+            return self.spend.problem  # a result whose cost is unknown
+        return self._over_budget_of(pending) if self.refused is not None else pending
 
     # -- submitting ----------------------------------------------------------------------
     def _attach(self, s: Submission) -> bool:
@@ -124,34 +180,68 @@ class ProviderRun(Run):
         return True
 
     def _submit(self, rows: pl.DataFrame) -> list[Submission]:
-        """Submit ``rows`` in as many submissions as the provider's limits take."""
+        """Submit ``rows`` in as many submissions as the provider's limits take, until the
+        spend budget refuses one (then nothing more is submitted)."""
         made = []
-        for tag, requests, ids, hashes in self._split(rows):
-            made.append(self._send(tag, requests, ids, hashes))
+        for split in self._split(rows):
+            if self.refused is not None or not self._reserve(split):
+                break
+            made.append(self._send(split))
         return made
 
-    def _split(
-        self, rows: pl.DataFrame
-    ) -> Iterator[tuple[str, list[Request], list[Any], list[int]]]:
+    def _split(self, rows: pl.DataFrame) -> Iterator[_Split]:
         limits = self.provider.limits
-        tag, size = new_tag(), 0
-        requests: list[Request] = []
-        ids: list[Any] = []
-        hashes: list[int] = []
+        split, size = _Split(new_tag()), 0
         for row, input_hash in self._requests_of(rows):
-            request = Request(custom_id(tag, len(requests)), self._body(row))
-            grown = size + self.provider.size(request)
-            if requests and (len(requests) >= limits.max_requests or grown > limits.max_bytes):
-                yield tag, requests, ids, hashes
-                tag, requests, ids, hashes = new_tag(), [], [], []
-                request = Request(custom_id(tag, 0), request.body)
-                grown = self.provider.size(request)
-            requests.append(request)
-            ids.append(row[self.id])
-            hashes.append(input_hash)
+            request = Request(custom_id(split.tag, len(split.requests)), self._body(row))
+            request_size = self.provider.size(request)
+            grown = size + request_size
+            full = len(split.requests) >= limits.max_requests or grown > limits.max_bytes
+            if split.requests and full:
+                yield split
+                split = _Split(new_tag())
+                request = Request(custom_id(split.tag, 0), request.body)
+                grown = request_size = self.provider.size(request)
+            split.add(request, request_size, row[self.id], input_hash)
             size = grown
-        if requests:
-            yield tag, requests, ids, hashes
+        if split.requests:
+            yield split
+
+    def _reserve(self, split: _Split) -> bool:
+        """Reserve the estimated cost of ``split`` in the spend budget; False when it does not
+        fit (``refused`` says why)."""
+        if self.spend is None:
+            return True
+        # The adapters in resources/ complete each body with their resource's defaults (model,
+        # max_tokens); the protocol does not require them.
+        defaults = getattr(self.provider, "defaults", None) or {}
+        estimate = split.estimate(self.spend.budget, defaults)
+        try:
+            self.spend.reserve(estimate)
+        except BudgetExceededError as e:
+            self.refused = e
+            self.refused.estimate = estimate
+            return False
+        self.reserved[split.tag] = estimate
+        return True
+
+    def _over_budget_of(self, pending: CheckpointError | None) -> BudgetExceededError:
+        """The run's end when the budget refused a submission: what was spent and is still
+        reserved, against the limit it would have passed."""
+        assert self.refused is not None and self.spend is not None
+        name, limit = self.refused.limit_name, self.refused.limit
+        before = self.spend.asset_spent_before if name == "max_asset_cost" else 0.0
+        rows = pending.rows if isinstance(pending, BatchesPendingError) else 0
+        return BudgetExceededError(
+            self.label,
+            name,
+            limit,
+            before + self.spend.spent,
+            self.done_rows,
+            estimate=self.refused.estimate,
+            reserved=self.spend.reserved,
+            pending=rows,
+        )
 
     def _requests_of(self, rows: pl.DataFrame) -> Iterator[tuple[dict[str, Any], int]]:
         visible = rows.select([c for c in rows.columns if c not in BOOKKEEPING])
@@ -171,11 +261,9 @@ class ProviderRun(Run):
             raise FunctionError(self.label, problem, self.done_rows)
         return body
 
-    def _send(
-        self, tag: str, requests: Sequence[Request], ids: list[Any], hashes: list[int]
-    ) -> Submission:
-        s = Submission(tag, self.provider.name, ids, hashes)
-        # A spend budget's check goes here: nothing of this submission is recorded or sent yet.
+    def _send(self, split: _Split) -> Submission:
+        tag, requests = split.tag, split.requests
+        s = Submission(tag, self.provider.name, split.ids, split.hashes)
         self.records.record_intent(s)
         file_id = self.provider.upload(requests, tag)
         if file_id is not None:
@@ -242,6 +330,8 @@ class ProviderRun(Run):
             for i in unrun:
                 self._fail(s.ids[i], s.hashes[i], why, failed)
             unrun = []
+        if self.spend is not None:  # its rows' results count now, at the batch price
+            self.spend.release(self.reserved.pop(s.tag, 0.0))
         self.pending_failed.append(self._failures(failed))
         self._commit()
         self.sink.flush()
@@ -282,8 +372,11 @@ class ProviderRun(Run):
         except Broken as e:
             raise FunctionError(self.label, f"parse(): {e}", self.done_rows) from None
         attempts = self.attempts.pop(row_id)
-        self.pending.append(RowResult(checked, row_id, input_hash, attempts + 1))
+        record = RowResult(checked, row_id, input_hash, attempts + 1)
+        self.pending.append(record)
         self.pending_rows += 1
+        if self.spend is not None:
+            self.spend.add_record(record, batch=True)
 
     def _fail(
         self, row_id: Any, input_hash: int, why: str, failed: list[tuple[Any, int, str, int]]

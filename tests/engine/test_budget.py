@@ -12,6 +12,7 @@ import pytest
 from helpers.jobs import tickets
 
 from checkpoint_assets.engine import Checkpoint, PerRow, Settings, open_store, prepare, run
+from checkpoint_assets.engine.batches import RowResult
 from checkpoint_assets.engine.budget import Budget, Price, Spend
 from checkpoint_assets.engine.errors import BudgetExceededError, CheckpointError
 
@@ -156,7 +157,7 @@ def test_budget_and_settings_refuse_what_cannot_be_priced() -> None:
         Settings(ID, usage_columns=("input_tokens",), budget=Budget(PRICES))
 
 
-def test_a_submission_reserves_its_estimate_and_settles_what_it_cost() -> None:
+def test_a_submission_reserves_its_estimate_and_its_results_count_at_the_batch_price() -> None:
     budget = Budget(PRICES, max_run_cost=1.0)
     spend = Spend(budget, label="tickets 0-of-2")
     estimate = budget.cost("small", 200_000, 200_000, batch=True)  # 0.3 USD at half price
@@ -167,7 +168,10 @@ def test_a_submission_reserves_its_estimate_and_settles_what_it_cost() -> None:
         spend.reserve(estimate, "small")  # 0.9 held: a fourth would pass the limit
     assert spend.reserved == pytest.approx(0.9)  # a refused reservation holds nothing
     assert not spend.stopped
-    spend.settle(estimate, 0.4, "small")  # the results cost more than estimated
+    # The results cost more than estimated: 0.8 USD at the per-row price, 0.4 at the batch one.
+    result = RowResult({"input_tokens": 400_000, "output_tokens": 200_000}, 1, 0, 1)
+    spend.add_record(result, batch=True)
+    spend.release(estimate)
     assert spend.spent == pytest.approx(0.4) and spend.reserved == pytest.approx(0.6)
     assert spend.stopped  # 1.0 spent or held: no per-row call starts any more
 

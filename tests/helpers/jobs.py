@@ -205,6 +205,16 @@ def stats(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
     return {k: v.value for k, v in materializations[0].metadata.items()}
 
 
+def step_error(result: dg.ExecuteInProcessResult) -> str:
+    """The user-facing error that failed the step: its class name and message."""
+    (failure,) = result.get_step_failure_events()
+    error = failure.step_failure_data.error
+    while error is not None and error.cause is not None and error.cls_name.startswith("Dagster"):
+        error = error.cause
+    assert error is not None
+    return f"{error.cls_name}: {error.message}"
+
+
 def run_logs(result: dg.ExecuteInProcessResult, instance: dg.DagsterInstance) -> list[str]:
     """The user-facing log messages of a run (``context.log`` lines)."""
     return [e.user_message for e in instance.all_logs(result.run_id) if e.user_message]

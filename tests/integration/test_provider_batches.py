@@ -1,8 +1,9 @@
 """Provider batches through real Dagster materializations against the local batch provider
 (``examples/llm_batch/provider.py``; the real ``openai`` client over HTTP): a shard's rows
 submitted once, results stored like computed rows, per-request errors retried on the next run,
-expired and cancelled batches, and the submit-and-end path with ``provider_batches_sensor``
-requesting the collecting run."""
+expired and cancelled batches, the submit-and-end path with ``provider_batches_sensor``
+requesting the collecting run, and spend budgets that stop submissions (their estimate reserved
+before anything is sent) and price results at the batch discount."""
 
 from __future__ import annotations
 
@@ -14,18 +15,24 @@ from typing import Any
 import dagster as dg
 import polars as pl
 import pytest
-from helpers.jobs import ASSET, stats
+from helpers.jobs import ASSET, ids_in_shard, stats, step_error
 
 from checkpoint_assets import (
+    Budget,
     CheckpointIOManager,
     OpenAIResource,
+    Price,
     failed_partitions_sensor,
     provider_batch_asset,
     provider_batches_sensor,
     shard_partitions,
 )
 from checkpoint_assets.engine import Checkpoint, open_store
+from checkpoint_assets.engine.submissions import Limits, Request
+from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.pending import PENDING_TAG
+from checkpoint_assets.integration.spend import STOPPED_BY_TAG
+from checkpoint_assets.resources.openai_batches import OpenAIBatches
 from examples.llm_batch.jobs import ManualClock, Settings
 from examples.llm_batch.provider import serve
 from examples.llm_batch.provider import stats as provider_stats
@@ -68,17 +75,29 @@ def asset(**kw: Any) -> dg.AssetsDefinition:
     return routed
 
 
+class SmallBatches(OpenAIResource):
+    """``OpenAIResource`` whose batches hold at most ``max_requests`` requests each."""
+
+    max_requests: int = 100
+
+    def batch_provider(self, endpoint: str | None = None) -> OpenAIBatches:
+        api = super().batch_provider(endpoint)
+        api.limits = Limits(self.max_requests, api.limits.max_bytes)
+        return api
+
+
 class Setup:
     def __init__(self, base_dir: str, url: str, rows: int, clock: ManualClock) -> None:
         self.base_dir, self.url, self.clock = base_dir, url, clock
         self.df = tickets(rows)
         self.instance = dg.DagsterInstance.ephemeral()
+        self.openai = OpenAIResource(base_url=self.url, api_key="local", model="m")
 
     def resources(self) -> dict[str, Any]:
         return {
             "io_manager": CheckpointIOManager(base_dir=self.base_dir),
             "source_io": dg.InMemoryIOManager(),  # type: ignore[no-untyped-call]
-            "openai": OpenAIResource(base_url=self.url, api_key="local", model="m"),
+            "openai": self.openai,
         }
 
     def source(self) -> dg.AssetsDefinition:
@@ -88,12 +107,14 @@ class Setup:
 
         return tickets_asset
 
-    def materialize(self, a: dg.AssetsDefinition, **kw: Any) -> dg.ExecuteInProcessResult:
+    def materialize(
+        self, a: dg.AssetsDefinition, partition: str = SHARD, **kw: Any
+    ) -> dg.ExecuteInProcessResult:
         return dg.materialize(
             [self.source(), a],
             instance=self.instance,
             resources=self.resources(),
-            partition_key=SHARD,
+            partition_key=partition,
             **kw,
         )
 
@@ -101,8 +122,8 @@ class Setup:
         """What the provider counted: calls by kind, requests processed (paid)."""
         return provider_stats(self.url)
 
-    def stored(self) -> pl.DataFrame:
-        checkpoint = Checkpoint(open_store(self.base_dir), f"{ASSET}/default/{SHARD}")
+    def stored(self, partition: str = SHARD) -> pl.DataFrame:
+        checkpoint = Checkpoint(open_store(self.base_dir), f"{ASSET}/default/{partition}")
         return checkpoint.load(ID).rows
 
     def parts(self) -> pl.DataFrame:
@@ -218,3 +239,142 @@ def test_a_cancelled_batch_gives_back_its_unrun_rows(setup: Setup) -> None:
     assert setup.provider()["creates"] == 2
     assert setup.provider()["processed"] == 2_000
     assert setup.parts().get_column(ID).n_unique() == setup.parts().height == 2_000
+
+
+# Spend budgets. The resource asks for at most 10 output tokens a row; the price is 1 and 2 USD
+# per million input and output tokens, half of it through the batch API.
+PRICE = Price(input=1.0, output=2.0)
+MAX_TOKENS = 10
+
+
+def priced_parse(body: dict[str, Any]) -> dict[str, Any]:
+    usage = body["usage"]
+    return {
+        "prompt_tokens": usage["prompt_tokens"],
+        "completion_tokens": usage["completion_tokens"],
+    }
+
+
+def priced_asset(**kw: Any) -> dg.AssetsDefinition:
+    budget = Budget({"m": PRICE}, input_tokens="prompt_tokens", output_tokens="completion_tokens")
+    options = {"parse": priced_parse, "usage_columns": ["prompt_tokens", "completion_tokens"]}
+    return asset(**(options | {"budget": budget} | kw))
+
+
+def small_batches(setup: Setup) -> None:
+    """Batches of 100 requests, and rows whose requests are all the same size."""
+    setup.openai = SmallBatches(base_url=setup.url, api_key="local", model="m", max_tokens=10)
+    setup.df = setup.df.with_columns(
+        body=pl.format("ticket {}", pl.col(ID).cast(pl.String).str.zfill(4))
+    )
+
+
+def submission_estimate(setup: Setup, rows: int = 100) -> float:
+    """What a submission of ``rows`` requests is estimated to cost, by the documented rule:
+    its bytes / 4 input tokens, ``max_tokens`` output tokens a row, at the batch price."""
+    api = setup.openai.batch_provider()
+    tag = "ca" + "0" * 32
+    size = api.size(Request(f"{tag}-10", request({"body": "ticket 0000"})))
+    return rows * (size / 4 * PRICE.input + MAX_TOKENS * PRICE.output) / 1e6 * 0.5
+
+
+def batch_cost(tokens: dict[str, int]) -> float:
+    """The batch price of the tokens the provider counted."""
+    usd = tokens["input_tokens"] * PRICE.input + tokens["output_tokens"] * PRICE.output
+    return usd / 1e6 * (1 - PRICE.batch_discount)
+
+
+@pytest.mark.provider(rows=400, openai_max_requests=100)
+def test_a_run_budget_stops_submissions_and_a_raised_limit_submits_only_the_rest(
+    setup: Setup,
+) -> None:
+    small_batches(setup)
+    limit = 2.5 * submission_estimate(setup)  # two submissions of 100 rows fit, not a third
+    routed = priced_asset()
+    stopped = setup.materialize(routed, raise_on_error=False, run_config=_limit(max_run_cost=limit))
+    assert not stopped.success
+    # The two submitted were collected and stored; the other 200 rows were never sent.
+    assert setup.provider()["creates"] == 2
+    assert setup.provider()["submitted"] == setup.provider()["processed"] == 200
+    assert setup.stored().height == 200
+    error = step_error(stopped)
+    assert error.startswith("BudgetExceededError") and f"max_run_cost is {limit:.4f} USD" in error
+    spent = batch_cost(setup.provider())
+    assert f"this run has spent {spent:.4f} USD" in error
+    assert "nothing more was submitted" in error and "collected and stored" in error
+    assert "budget: {max_run_cost: <USD>}" in error
+    run = setup.instance.get_run_by_id(stopped.run_id)
+    assert run is not None and run.tags[STOPPED_BY_TAG] == "budget"  # the sensor leaves it
+
+    done = setup.materialize(routed, run_config=_limit(max_run_cost=1.0))
+    assert stats(done)["rows_computed"] == 200  # only the rest was submitted
+    assert setup.provider()["creates"] == 4 and setup.provider()["processed"] == 400
+    parts = setup.parts()
+    assert parts.height == 400 and parts.get_column(ID).n_unique() == 400
+
+
+@pytest.mark.provider(rows=400, openai_max_requests=100, processing_delay=600, manual_clock=True)
+def test_a_budget_stop_of_a_run_that_submits_and_ends_leaves_its_submissions_to_the_next_run(
+    setup: Setup,
+) -> None:
+    small_batches(setup)
+    routed = priced_asset(wait=False)
+    limit = 2.5 * submission_estimate(setup)
+    stopped = setup.materialize(routed, raise_on_error=False, run_config=_limit(max_run_cost=limit))
+    error = step_error(stopped)
+    assert error.startswith("BudgetExceededError") and "nothing more was submitted" in error
+    assert "are reserved for the 200 row(s) submitted and not collected yet" in error
+    assert setup.provider()["submitted"] == 200 and setup.provider()["processed"] == 0
+
+    # Raised, the next run collects those two (ended by now) and submits only the rest.
+    setup.clock.advance(601)
+    raised = _limit(max_run_cost=1.0)
+    assert not setup.materialize(routed, raise_on_error=False, run_config=raised).success
+    assert setup.provider()["creates"] == 4 and setup.stored().height == 200
+    setup.clock.advance(601)
+    assert setup.materialize(routed, run_config=raised).success
+    assert setup.provider()["submitted"] == setup.provider()["processed"] == 400
+    assert setup.parts().get_column(ID).n_unique() == setup.parts().height == 400
+
+
+@pytest.mark.provider(rows=300)
+def test_results_of_provider_batches_cost_the_batch_price(setup: Setup) -> None:
+    result = setup.materialize(priced_asset())
+    tokens = setup.provider()
+    (event,) = result.asset_materializations_for_node(ASSET)
+    cost = event.metadata[md.COST_USD].value
+    per_row = (tokens["input_tokens"] * PRICE.input + tokens["output_tokens"] * PRICE.output) / 1e6
+    assert per_row > 0 and cost == pytest.approx(per_row / 2)  # half the per-row price
+    assert event.metadata[md.COST_ASSET_TOTAL_USD].value == pytest.approx(per_row / 2)
+
+
+@pytest.mark.provider(rows=400, openai_max_requests=100)
+def test_an_asset_budget_spans_shards_and_stops_the_second_shards_submissions(
+    setup: Setup,
+) -> None:
+    small_batches(setup)
+    shards = shard_partitions(2)
+    routed = priced_asset(partitions_def=shards)
+    first = setup.materialize(routed, partition="0-of-2")
+    (event,) = first.asset_materializations_for_node(ASSET)
+    first_cost = float(event.metadata[md.COST_USD].value)
+    rows = [len(ids_in_shard(setup.df, s, 2)) for s in range(2)]
+    assert setup.provider()["processed"] == rows[0] and rows[1] > 100
+
+    # Shard 0's cost, then room for one submission of shard 1, not two.
+    limit = first_cost + 1.5 * submission_estimate(setup)
+    stopped = setup.materialize(
+        routed, partition="1-of-2", raise_on_error=False, run_config=_limit(max_asset_cost=limit)
+    )
+    assert not stopped.success
+    assert setup.provider()["processed"] == rows[0] + 100
+    assert setup.stored("1-of-2").height == 100
+    error = step_error(stopped)
+    assert f"max_asset_cost is {limit:.4f} USD and the asset (every shard and run)" in error
+    assert f"has spent {batch_cost(setup.provider()):.4f} USD" in error
+    run = setup.instance.get_run_by_id(stopped.run_id)
+    assert run is not None and run.tags[STOPPED_BY_TAG] == "budget"
+
+
+def _limit(**limits: float) -> dict[str, Any]:
+    return {"ops": {ASSET: {"config": {"budget": limits}}}}

@@ -11,7 +11,17 @@ from typing import Any
 import dagster as dg
 import polars as pl
 import pytest
-from helpers.jobs import ASSET, Job, build_job, ids_in_shard, poisoned, route, run_logs, tickets
+from helpers.jobs import (
+    ASSET,
+    Job,
+    build_job,
+    ids_in_shard,
+    poisoned,
+    route,
+    run_logs,
+    step_error,
+    tickets,
+)
 
 from checkpoint_assets import (
     Budget,
@@ -69,16 +79,6 @@ def _observed(job: Job, result: dg.ExecuteInProcessResult) -> dict[str, Any]:
     return {k: md.plain(v) for k, v in event.metadata.items()}
 
 
-def _error(result: dg.ExecuteInProcessResult) -> str:
-    """The user-facing error that failed the step: its class name and message."""
-    (failure,) = result.get_step_failure_events()
-    error = failure.step_failure_data.error
-    while error is not None and error.cause is not None and error.cls_name.startswith("Dagster"):
-        error = error.cause
-    assert error is not None
-    return f"{error.cls_name}: {error.message}"
-
-
 def test_every_materialization_records_its_cost_and_the_assets_total(tmp_path: Path) -> None:
     df = tickets(40)
     rows = [len(ids_in_shard(df, s, 2)) for s in range(2)]
@@ -130,7 +130,7 @@ def test_a_run_budget_stops_the_run_midway_and_run_config_raises_it(tmp_path: Pa
     # 0.02 USD is reached by the third call of 4 rows (0.024): no call starts after it.
     assert len(job.calls) == 3
     assert job.checkpoint("0-of-2").load("ticket_id").rows.height == 12
-    error = _error(stopped)
+    error = step_error(stopped)
     assert error.startswith("BudgetExceededError") and "stopped at the spend limit" in error
     assert "max_run_cost is 0.0200 USD" in error and "has spent 0.0240 USD" in error
     assert "budget: {max_run_cost: <USD>}" in error and "resumes" in error
@@ -160,7 +160,7 @@ def test_an_asset_budget_spans_shards_and_the_sensor_leaves_the_stopped_shard(
     stopped = job.materialize("1-of-2", raise_on_error=False)
     assert not stopped.success
     assert job.checkpoint("1-of-2").load("ticket_id").rows.height == 8
-    error = _error(stopped)
+    error = step_error(stopped)
     assert f"max_asset_cost is {limit:.4f} USD" in error
     assert f"has spent {rows[0] * ROW_USD + 0.016:.4f} USD" in error
     assert _observed(job, stopped)[md.COST_ASSET_TOTAL_USD] == pytest.approx(
@@ -219,7 +219,7 @@ def test_a_running_shard_sees_what_another_shard_spends_meanwhile(
     instance.append(job.instance)
     stopped = job.materialize("1-of-2", raise_on_error=False)
     assert "max_asset_cost is 0.4000 USD and the asset (every shard and run) has spent 0.5160" in (
-        _error(stopped)
+        step_error(stopped)
     )
     # Read after the second call's result: no call starts after it.
     assert len(calls) == 2
