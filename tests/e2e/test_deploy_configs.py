@@ -6,7 +6,9 @@ deploy/kubernetes/values.yaml) passes Dagster's own instance validation, every c
 class in it (run launcher, run coordinator, storage) accepts its config with that class's own
 schema, and SQLAlchemy loads the Postgres driver the storage URL names. Helm itself is not
 installed here (no Python or Debian package): the chart's rendering of the few values used is
-mirrored below, and the Kubernetes parts are checked with dagster-k8s's models.
+mirrored below, and the Kubernetes parts are checked with dagster-k8s's models. Each config's
+compute log manager is also built as configured and used: a step's stdout/stderr go to a moto
+S3 server on 127.0.0.1 (reached through AWS_ENDPOINT_URL) under the configured bucket and prefix.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import re
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -224,3 +228,93 @@ def test_kubernetes_values_give_a_valid_k8s_run_launcher_instance_and_pod_resour
     # The image installs what run pods need to load the instance and the launcher.
     dockerfile = (DEPLOY / "kubernetes" / "Dockerfile").read_text()
     assert re.search(r'pip install .*"[^"]*\[[^\]]*k8s[^\]]*postgres[^\]]*\]"', dockerfile)
+
+
+# Where each deployment's compute logs must land: the bucket the docs tell the operator to set
+# (Ray: DAGSTER_COMPUTE_LOG_BUCKET), and the bucket and prefix the ECS run role may write
+# (deploy/ecs/iam/data-task-role.json) and the Helm deployment's checkpoints are in.
+COMPUTE_LOGS = {
+    "ray": (ENV["DAGSTER_COMPUTE_LOG_BUCKET"], "dagster/compute-logs"),
+    "kubernetes": ("my-bucket", "dagster/compute-logs"),
+    "ecs": ("my-bucket", "dagster/compute-logs"),
+}
+
+
+def _compute_logs_section(deployment: str) -> dict[str, Any]:
+    """The compute_logs section of a deployment's instance config, exactly as deployed."""
+    if deployment == "kubernetes":
+        values = yaml.safe_load((DEPLOY / "kubernetes" / "values.yaml").read_text())
+        instance = yaml.safe_load(_chart_instance_yaml(values))
+    else:
+        instance = yaml.safe_load((DEPLOY / deployment / "dagster.yaml").read_text())
+    section: dict[str, Any] = instance["compute_logs"]
+    return section
+
+
+@pytest.fixture
+def compute_log_bucket(moto_s3: Any, deployment: str) -> Iterator[Any]:
+    """The deployment's expected log bucket, created on the moto server and removed after."""
+    import boto3
+
+    bucket, _ = COMPUTE_LOGS[deployment]
+    s3 = boto3.resource("s3", endpoint_url=moto_s3.endpoint, region_name="us-east-1")
+    # Moto's buckets are process-wide and the Helm and ECS configs name the same one: each test
+    # creates it and removes it.
+    s3.Bucket(bucket).create()
+    try:
+        yield s3.Bucket(bucket)
+    finally:
+        s3.Bucket(bucket).objects.all().delete()
+        s3.Bucket(bucket).delete()
+
+
+@pytest.mark.parametrize("deployment", list(COMPUTE_LOGS))
+def test_deployed_compute_log_manager_stores_a_steps_output_on_s3_and_reads_it_back(
+    deployment: str,
+    compute_log_bucket: Any,
+    moto_s3: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run's stdout/stderr, captured by the deployment's own compute_logs section, is on S3
+    under the configured bucket and prefix, and the manager reads it back once the node that
+    ran the step is gone (its staged copy deleted). The endpoint comes from AWS_ENDPOINT_URL,
+    which boto3 reads as the Ray docs say; the configs themselves are unchanged."""
+    import dagster as dg
+
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(
+        yaml.safe_dump({"compute_logs": _compute_logs_section(deployment)})
+    )
+
+    @dg.asset
+    def noisy() -> None:
+        print(f"rows done on {deployment}")
+        print(f"a warning on {deployment}", file=sys.stderr)
+
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        result = dg.materialize([noisy], instance=instance)
+        assert result.success
+        (captured,) = [
+            e.event_specific_data
+            for e in result.all_events
+            if e.event_type == dg.DagsterEventType.LOGS_CAPTURED
+        ]
+        manager = instance.compute_log_manager
+        log_key = manager.build_log_key_for_run(result.run_id, captured.file_key)
+
+        _, prefix = COMPUTE_LOGS[deployment]
+        keys = {o.key for o in compute_log_bucket.objects.filter(Prefix=f"{prefix}/")}
+        stored = "/".join([prefix, "storage", *log_key])
+        assert {f"{stored}.out", f"{stored}.err"} <= keys, (
+            f"not under s3://{compute_log_bucket.name}/{prefix}/"
+        )
+
+        manager.local_manager.delete_logs(log_key=log_key)  # the run's node is gone
+        data = manager.get_log_data(log_key)
+        assert f"rows done on {deployment}" in data.stdout.decode()
+        assert f"a warning on {deployment}" in data.stderr.decode()
