@@ -185,6 +185,20 @@ def test_the_webserver_role_can_terminate_runs() -> None:
     assert needed <= _policy_actions("webserver-task-role").keys()
 
 
+def test_run_tasks_may_write_and_the_webserver_may_read_the_configured_compute_logs() -> None:
+    # The key layout of dagster-aws' S3ComputeLogManager (checked against moto in
+    # test_deploy_configs.py): PREFIX/storage/RUN_ID/compute_logs/FILE.out
+    config = yaml.safe_load((ECS / "dagster.yaml").read_text())["compute_logs"]["config"]
+    key = f"arn:aws:s3:::{config['bucket']}/{config['prefix']}/storage/run/compute_logs/step.out"
+    assert _task("run")["taskRoleArn"].endswith("/checkpoint-assets-data")
+    for role, action in (
+        ("data-task-role", "s3:PutObject"),
+        ("webserver-task-role", "s3:GetObject"),
+    ):
+        resources = _policy_actions(role).get(action, [])
+        assert any(fnmatch.fnmatchcase(key, r) for r in resources), (role, action, key)
+
+
 def test_the_grep_finds_calls_the_way_they_are_written() -> None:
     source = "self.ecs.run_task(**kw)\necs.describe_tasks(x)\nself.ecs.meta.region_name\n"
     assert _ecs_calls(source) == {"ecs:RunTask", "ecs:DescribeTasks"}
