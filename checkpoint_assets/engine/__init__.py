@@ -9,7 +9,7 @@ Where each part lives (ARCHITECTURE.md says more):
   damaged files; ``gaps.py``: its parts, listed when listings lag; ``lock.py``: its writer;
 - ``opening.py`` (job check, load, plan; ``resume.py``), ``calls.py`` (the user's function),
   ``batches.py`` (what a call takes and returns), ``workers.py`` (threads or tasks),
-  ``sink.py`` (flushes), ``runner.py`` (the loop): one run;
+  ``sink.py`` (flushes), ``runner.py`` (the loop), ``shard_run.py`` (what loops share): one run;
 - ``submissions.py`` (a provider's batch API), ``submission_records.py`` (what was submitted),
   ``provider_batches.py`` (a run through it);
 - ``global_resume.py``: finished rows across every checkpoint of an asset;
