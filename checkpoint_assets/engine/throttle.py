@@ -25,7 +25,7 @@ so a single refusal decides nothing:
   are the endpoint's background: concurrency goes back up, the background share is learned so
   that it does not trigger again, and the next such rounds are taken as background for longer
   each time a trial says so again. Eight refusals in a row (fewer when fewer calls are allowed)
-  halve at once.
+  halve at once, unless the level is just past the last good one: then back to it.
 - **Growth probes, and steps back only as far as needed.** Clean rounds grow concurrency by a
   quarter, up to ``max_concurrency``; while a level refused for concurrency less than 30 s ago
   is remembered, only up to just below it, then one more per round. Calls refused past a limit
@@ -386,8 +386,11 @@ class Throttle:
                 self._calm_left = self._calm
                 return
         if over:  # a streak of refusals: over a limit, no doubt
-            self._ceiling, self._good = (self.limit, now), None
-            self._lower(self.limit // 2)
+            if self._good is not None and self.limit > self._good:
+                self._step_back(now)  # just past the last good level: back to it
+            else:
+                self._ceiling, self._good = (self.limit, now), None
+                self._lower(self.limit // 2)
             return
         spread = math.sqrt(max(self._background, 0.01) * (1 - self._background) / answered)
         excess = share > self._background + max(_MIN_MARGIN, _SIGMAS * spread)
@@ -397,13 +400,7 @@ class Throttle:
                 return  # a trial just said such refusals are the endpoint's: hold
         if excess:
             if self._good is not None and self.limit > self._good:
-                # Refused just past the last clean level: back to it, and probe again later
-                # (each failed probe of this limit waits twice as many rounds).
-                self._ceiling = (self.limit, now)
-                self._hold = self._probe_wait
-                self._probe_by = now + _MAX_PROBE_SECONDS
-                self._probe_wait = min(2 * self._probe_wait, _MAX_PROBE_WAIT)
-                self._lower(self._good)
+                self._step_back(now)  # refused just past the last good level
             else:
                 # Refused at a level that was clean: the endpoint's doing or a new limit?
                 # Half the calls for one round will tell.
@@ -420,7 +417,7 @@ class Throttle:
             # limit wait their Retry-After holding their slots, so a shard just over the limit
             # sees few refusals: those rounds go on without being taken for good.
             self._good = self.limit
-            if self._ceiling is not None and self.limit >= self._ceiling[0]:
+            if self._ceiling is not None and self.limit > self._ceiling[0]:
                 self._ceiling = None  # a level once refused now passes: the limit moved up
         if self._hold and now < self._probe_by:
             self._hold -= 1
@@ -431,6 +428,16 @@ class Throttle:
         if self._ceiling is not None:
             grown = max(self.limit + 1, min(grown, self._ceiling[0] - 1))
         self._set_limit(grown)
+
+    def _step_back(self, now: float) -> None:
+        """Back to the last good level, and probe past it again later (each failed probe of
+        this limit waits twice as many rounds, 2 s at most)."""
+        assert self._good is not None
+        self._ceiling = (self.limit, now)
+        self._hold = self._probe_wait
+        self._probe_by = now + _MAX_PROBE_SECONDS
+        self._probe_wait = min(2 * self._probe_wait, _MAX_PROBE_WAIT)
+        self._lower(self._good)
 
     def _lower(self, limit: int) -> bool:
         lowered = max(self.min, limit)
