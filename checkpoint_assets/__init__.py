@@ -26,9 +26,9 @@ from checkpoint_assets.engine.errors import (
     StorageError,
     TooManyFailuresError,
 )
+from checkpoint_assets.engine.refusals import RetryAfter
 from checkpoint_assets.engine.settings import OnInputChange
 from checkpoint_assets.engine.submissions import BatchProvider
-from checkpoint_assets.engine.throttle import RetryAfter
 
 if TYPE_CHECKING:
     from checkpoint_assets.integration.asset import CheckpointRunConfig, checkpointed_asset

@@ -40,7 +40,8 @@ import polars as pl
 
 from checkpoint_assets.engine.batches import Batch, Broken, Check, PerRow, Record, batches
 from checkpoint_assets.engine.budget import Spend
-from checkpoint_assets.engine.throttle import Throttle, throttled
+from checkpoint_assets.engine.refusals import throttled
+from checkpoint_assets.engine.throttle import Throttle
 
 BatchFn = Callable[[pl.DataFrame], Any]
 _MAX_ERROR_CHARS = 2000

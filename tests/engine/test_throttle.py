@@ -26,8 +26,9 @@ from helpers.jobs import Storage, route, tickets
 
 from checkpoint_assets import QuotaExhaustedError, RetryAfter
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine.refusals import Throttled, retry_after_seconds, throttled
 from checkpoint_assets.engine.settings import RunStats
-from checkpoint_assets.engine.throttle import Throttle, Throttled, retry_after_seconds, throttled
+from checkpoint_assets.engine.throttle import Throttle
 
 ID = "ticket_id"
 
