@@ -31,7 +31,7 @@ from checkpoint_assets.engine.settings import OnInputChange
 from checkpoint_assets.engine.submissions import BatchProvider
 
 if TYPE_CHECKING:
-    from checkpoint_assets.integration.asset import CheckpointRunConfig, checkpointed_asset
+    from checkpoint_assets.integration.asset import checkpointed_asset
     from checkpoint_assets.integration.checks import checkpoint_checks
     from checkpoint_assets.integration.component import CheckpointedAssetComponent
     from checkpoint_assets.integration.global_resume import global_resume_asset
@@ -42,13 +42,14 @@ if TYPE_CHECKING:
         provider_batch_asset,
     )
     from checkpoint_assets.integration.provider_sensor import provider_batches_sensor
+    from checkpoint_assets.integration.run_config import CheckpointRunConfig
     from checkpoint_assets.integration.sensor import failed_partitions_sensor
     from checkpoint_assets.resources import AnthropicResource, OpenAIResource
 
 # The Dagster glue is imported on first use, so that the engine and the `checkpoint-assets` CLI
 # start without importing Dagster (seconds of start-up).
 _LAZY = {
-    "CheckpointRunConfig": "checkpoint_assets.integration.asset",
+    "CheckpointRunConfig": "checkpoint_assets.integration.run_config",
     "checkpointed_asset": "checkpoint_assets.integration.asset",
     "checkpoint_checks": "checkpoint_assets.integration.checks",
     "CheckpointedAssetComponent": "checkpoint_assets.integration.component",

@@ -4,18 +4,16 @@ No ``from __future__ import annotations`` here: Dagster reads the body's annotat
 """
 
 import contextlib
-import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import dagster as dg
 import polars as pl
-from pydantic import Field, model_validator
 
 from checkpoint_assets.engine import function_fingerprint, hashing, runner
-from checkpoint_assets.engine.budget import Budget, Spend
+from checkpoint_assets.engine.budget import Spend
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
     BatchesPendingError,
@@ -25,15 +23,17 @@ from checkpoint_assets.engine.errors import (
 from checkpoint_assets.engine.global_resume import JOB, shard_rows
 from checkpoint_assets.engine.layout import DEFAULT_TAG, asset_folder
 from checkpoint_assets.engine.scheme import Scheme, Shard, rows_in
-from checkpoint_assets.engine.settings import OnInputChange, RunStats, Settings
+from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
+from checkpoint_assets.integration import run_config
 from checkpoint_assets.integration.advice import advise
 from checkpoint_assets.integration.arguments import AssetArguments, SourceSpec, keyword_arguments_of
 from checkpoint_assets.integration.function import Signature
 from checkpoint_assets.integration.global_resume import global_resume_key, table_path
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
 from checkpoint_assets.integration.pending import end_pending
+from checkpoint_assets.integration.run_config import CheckpointRunConfig
 from checkpoint_assets.integration.source import (
     ShardRows,
     as_lazy,
@@ -43,76 +43,7 @@ from checkpoint_assets.integration.source import (
 )
 from checkpoint_assets.integration.spend import AssetSpend
 
-T = TypeVar("T")
 JOB_FORMAT = 1
-
-
-class BudgetLimits(dg.Config):
-    """The spend limits of one run, replacing the asset's budget's (``budget`` in run config)."""
-
-    max_run_cost: float | None = Field(
-        default=None, ge=0, description="USD this run may spend (default: the asset's)."
-    )
-    max_asset_cost: float | None = Field(
-        default=None,
-        ge=0,
-        description="USD the asset may have spent, every shard and run (default: the asset's).",
-    )
-
-
-class CheckpointRunConfig(dg.Config):
-    """Run config of a checkpointed asset (UI launchpad, ``--config-json``)."""
-
-    resume: bool = Field(
-        default=True,
-        description="Skip rows the checkpoint holds. false: recompute all (still checkpointing).",
-    )
-    checkpointing: bool = Field(
-        default=True,
-        description="Write a checkpoint. false: compute in memory, write nothing, resume nothing.",
-    )
-    checkpoint_tag: str | None = Field(
-        default=None, description="Name of the checkpoint, to keep separate runs apart."
-    )
-    checkpoint_interval: int | None = Field(
-        default=None, ge=1, description="Rows per flush, at least 1 (overrides the asset's)."
-    )
-    batch_size: int | None = Field(
-        default=None,
-        ge=1,
-        description="Rows per call, at least 1 (overrides the asset's; default: the checkpoint "
-        "interval).",
-    )
-    global_resume: bool = Field(
-        default=False,
-        description="Take finished rows from every checkpoint of the asset (after a reshard).",
-    )
-    limit: int | None = Field(
-        default=None, ge=0, description="Process only the first N rows of the shard (a smoke run)."
-    )
-    retry_failed: bool | None = Field(
-        default=None, description="Compute rows stored as failed again (default: the asset's)."
-    )
-    on_input_change: OnInputChange | None = Field(
-        default=None,
-        description="fail or recompute finished rows whose input changed (default: the asset's).",
-    )
-    budget: BudgetLimits | None = Field(
-        default=None,
-        description="{max_run_cost, max_asset_cost}: spend limits in USD replacing the asset's "
-        "budget's (raise them to go on after BudgetExceededError).",
-    )
-
-    @model_validator(mode="after")
-    def _consistent(self) -> "CheckpointRunConfig":
-        # Checked when the step starts, before the source is read or anything is computed.
-        if self.global_resume and not self.resume:
-            raise ValueError(
-                "global_resume: true takes finished rows from other checkpoints, but resume: "
-                "false computes every row again, so they cannot both hold. Drop global_resume to "
-                "recompute everything, or drop resume: false to take the finished rows."
-            )
-        return self
 
 
 @keyword_arguments_of(AssetArguments)
@@ -192,7 +123,7 @@ def define(
         table = as_lazy(source)
         call = calls.bind(context, config)
         store = io_manager.store()
-        settings = _settings(base, config, user_columns(table.collect_schema().names()))
+        settings = run_config.apply(base, config, user_columns(table.collect_schema().names()))
         resources = {r: getattr(context.resources, r) for r in calls.resources}
         printed = {**calls.code, **function_fingerprint.of_resources(resources)}
         job = {
@@ -297,21 +228,6 @@ def define(
     )(body)
 
 
-def _settings(base: Settings, config: CheckpointRunConfig, columns: Sequence[str]) -> Settings:
-    """The engine settings of this run: the decorator's, with the run config applied."""
-    return dataclasses.replace(
-        base,
-        input_columns=base.input_columns or tuple(c for c in columns if c != base.id_column),
-        checkpoint_interval=_given(config.checkpoint_interval, base.checkpoint_interval),
-        batch_size=_given(config.batch_size, base.batch_size),
-        resume=config.resume,
-        checkpointing=config.checkpointing,
-        retry_failed=_given(config.retry_failed, base.retry_failed),
-        on_input_change=_given(config.on_input_change, base.on_input_change),
-        budget=_budget(base.budget, config.budget),
-    )
-
-
 def _spend(
     context: dg.AssetExecutionContext, settings: Settings, keys: Sequence[str | None]
 ) -> AssetSpend | None:
@@ -320,28 +236,6 @@ def _spend(
         return None
     label = context.asset_key.to_user_string()
     return AssetSpend(context, Spend(settings.budget, label=label), keys)
-
-
-def _budget(base: Budget | None, limits: BudgetLimits | None) -> Budget | None:
-    """The asset's budget with the run config's limits."""
-    if limits is None:
-        return base
-    if base is None:
-        raise CheckpointError(
-            "Run config sets `budget` limits, but the asset has no budget: without prices, "
-            "what calls cost is unknown.",
-            "Give the asset `budget=Budget(prices=...)`, or drop `budget` from run config.",
-        )
-    return dataclasses.replace(
-        base,
-        max_run_cost=_given(limits.max_run_cost, base.max_run_cost),
-        max_asset_cost=_given(limits.max_asset_cost, base.max_asset_cost),
-    )
-
-
-def _given(value: T | None, asset_value: T) -> T:
-    """The run config's value when it gives one (0 and false included), else the asset's."""
-    return asset_value if value is None else value
 
 
 def _run_partition(

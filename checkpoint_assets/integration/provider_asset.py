@@ -15,7 +15,8 @@ from checkpoint_assets.engine.provider_batches import ProviderJob, ProviderRun
 from checkpoint_assets.engine.settings import OnInputChange, Settings
 from checkpoint_assets.engine.submissions import BatchProvider
 from checkpoint_assets.integration.arguments import AssetArguments, SourceSpec
-from checkpoint_assets.integration.asset import Calls, CheckpointRunConfig, define
+from checkpoint_assets.integration.asset import Calls, define
+from checkpoint_assets.integration.run_config import CheckpointRunConfig
 
 
 class ProviderBatchRunConfig(CheckpointRunConfig):
