@@ -30,6 +30,7 @@ import dagster as dg
 
 from checkpoint_assets.engine.layout import UNPARTITIONED
 from checkpoint_assets.integration import metadata as md
+from checkpoint_assets.integration.events import records_after
 from checkpoint_assets.integration.pending import PENDING_TAG
 from checkpoint_assets.integration.spend import STOPPED_BY_TAG
 
@@ -139,28 +140,17 @@ def read_materializations(
     instance: dg.DagsterInstance, key: dg.AssetKey, state: SensorState
 ) -> None:
     """Follow new materializations: remember partitions whose latest one had failed rows."""
-    cursor: str | None = None
-    while True:
-        result = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=key, after_storage_id=state.after or None),
-            limit=_PAGE,
-            cursor=cursor,
-            ascending=True,
-        )
-        for record in result.records:
-            materialization = record.asset_materialization
-            state.after = max(state.after, record.storage_id)
-            if materialization is None:
-                continue
-            partition = materialization.partition or UNPARTITIONED
-            failed = materialization.metadata.get(md.ROWS_FAILED)
-            if failed is not None and _count(failed) > 0:
-                state.partial[partition] = Failure(record.run_id, record.timestamp, "rows failed")
-            else:
-                state.partial.pop(partition, None)
-        if not result.has_more:
-            return
-        cursor = result.cursor
+    for record in records_after(instance.fetch_materializations, key, state.after):
+        materialization = record.asset_materialization
+        state.after = max(state.after, record.storage_id)
+        if materialization is None:
+            continue
+        partition = materialization.partition or UNPARTITIONED
+        failed = materialization.metadata.get(md.ROWS_FAILED)
+        if failed is not None and _count(failed) > 0:
+            state.partial[partition] = Failure(record.run_id, record.timestamp, "rows failed")
+        else:
+            state.partial.pop(partition, None)
 
 
 def failures(

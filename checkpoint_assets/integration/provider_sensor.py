@@ -27,9 +27,9 @@ import dagster as dg
 from checkpoint_assets.engine.layout import UNPARTITIONED
 from checkpoint_assets.engine.submissions import BatchProvider, State
 from checkpoint_assets.integration import metadata as md
+from checkpoint_assets.integration.events import records_after
 
 COLLECTS_TAG = "checkpoint_assets/collects"  # the run that submitted what this run collects
-_PAGE = 1000
 _CURSOR_VERSION = 1
 
 
@@ -141,26 +141,15 @@ def provider_batches_sensor(
 
 def _follow(instance: dg.DagsterInstance, key: dg.AssetKey, state: PendingState) -> None:
     """Remember the latest pending batches of each partition from new observations."""
-    cursor: str | None = None
-    while True:
-        result = instance.fetch_observations(
-            dg.AssetRecordsFilter(asset_key=key, after_storage_id=state.after or None),
-            limit=_PAGE,
-            cursor=cursor,
-            ascending=True,
-        )
-        for record in result.records:
-            state.after = max(state.after, record.storage_id)
-            observation = record.asset_observation
-            found = observation.metadata.get(md.BATCHES_PENDING) if observation else None
-            if observation is None or found is None:
-                continue
-            batches = json.loads(str(md.plain(found)))
-            partition = observation.partition or UNPARTITIONED
-            state.pending[partition] = Pending(record.run_id, batches, record.storage_id)
-        if not result.has_more:
-            return
-        cursor = result.cursor
+    for record in records_after(instance.fetch_observations, key, state.after):
+        state.after = max(state.after, record.storage_id)
+        observation = record.asset_observation
+        found = observation.metadata.get(md.BATCHES_PENDING) if observation else None
+        if observation is None or found is None:
+            continue
+        batches = json.loads(str(md.plain(found)))
+        partition = observation.partition or UNPARTITIONED
+        state.pending[partition] = Pending(record.run_id, batches, record.storage_id)
 
 
 def _settled(instance: dg.DagsterInstance, key: dg.AssetKey, state: PendingState) -> None:
