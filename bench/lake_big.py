@@ -1,6 +1,7 @@
 """A lake-scale job end to end: rewrite, every shard, a lazy downstream, global resume, reshard.
 
-``python -m bench.lake_big --rows 10000000 --shards 64 [--sample 8] [--s3] [--folder DIR]``
+``python -m bench.lake_big --rows 10000000 --shards 64 [--sample 8] [--reshard-sample 8]
+[--no-single] [--s3] [--folder DIR]``
 
 1. ``raw``: ``rows`` rows (an integer id, ``text_bytes`` characters of hex text) written as
    Parquet in row groups of 65,536 rows (not measured: the lake as it is).
@@ -16,10 +17,11 @@
    aggregate over all of them (needs every shard: without ``--sample``).
 5. ``global``: ``<asset>_global_resume`` over every stored row; ``reshard``: shards of
    ``--reshard`` count with ``global_resume: true``, sampled the same way.
-6. ``single`` and ``ranged``: the first ``RANGED`` shards under a fresh checkpoint tag, as one
-   process per shard (what a run per shard costs on a run launcher: ``process_seconds``, from
-   the process's start to its end) against one ranged run of them all (``BackfillPolicy.
-   multi_run``'s tags), with its peak RSS against the largest shard's.
+6. ``single`` and ``ranged`` (skipped with ``--no-single``): the first ``RANGED`` shards under
+   a fresh checkpoint tag, as one process per shard (what a run per shard costs on a run
+   launcher: ``process_seconds``, from the process's start to its end) against one ranged run
+   of them all (``BackfillPolicy.multi_run``'s tags), with its peak RSS against the largest
+   shard's.
 
 Every step runs in its own process, which reports wall and CPU time and peak RSS (``VmHWM``;
 a run of several shards resets it before each, through ``/proc/self/clear_refs``).
@@ -227,8 +229,10 @@ def main(args: argparse.Namespace, folder: str, options: dict[str, Any]) -> dict
         return figures  # what follows needs every shard's results
     figures["report"] = run_child(folder, "report", args.shards, "", options)
     figures["global"] = run_child(folder, "global", args.shards, "", options)
-    picked = list(range(args.reshard))
+    picked = sample(args.reshard, args.reshard_sample)
     figures["reshard"] = shards_step(folder, "reshard", args.reshard, picked, options)
+    if args.no_single:
+        return figures
     # What a run costs beyond its shard's work: RANGED runs of one shard, each its own process
     # (as a run launcher starts them), against one run of RANGED shards.
     figures["single"] = [
@@ -245,6 +249,8 @@ def cli() -> None:
     parser.add_argument("--shards", type=int, default=64)
     parser.add_argument("--reshard", type=int, default=48)
     parser.add_argument("--sample", type=int, default=None)
+    parser.add_argument("--reshard-sample", type=int, default=None)
+    parser.add_argument("--no-single", action="store_true", help="skip runs per shard vs ranged")
     parser.add_argument("--s3", action="store_true")
     parser.add_argument("--folder", default=None)
     parser.add_argument("--child", nargs=5, metavar=("STEP", "FOLDER", "SHARDS", "ARG", "OPTS"))
