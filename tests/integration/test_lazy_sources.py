@@ -93,9 +93,11 @@ def test_a_checkpoint_written_from_an_eager_source_resumes_from_the_same_rows_re
     assert stats(first)["rows_total"] == len(ids_in_shard(rows, 2, 4))
 
 
-def stored_definitions(base_dir: str, frame: pl.DataFrame) -> dg.Definitions:
-    """A source stored by ``CheckpointIOManager``, a checkpointed asset of 8 shards over it and a
-    plain asset reading the source."""
+def stored_source_job(
+    base_dir: str, frame: pl.DataFrame, options: dict[str, Any] | None = None
+) -> dg.JobDefinition:
+    """The job of a source stored by ``CheckpointIOManager``, a checkpointed asset of 8 shards over
+    it and a plain asset reading the source; the source materialized already."""
 
     @dg.asset(name="tickets")
     def upstream() -> pl.LazyFrame:
@@ -109,15 +111,16 @@ def stored_definitions(base_dir: str, frame: pl.DataFrame) -> dg.Definitions:
     def plain(tickets: pl.DataFrame) -> pl.DataFrame:
         return tickets
 
-    io_manager = CheckpointIOManager(base_dir=base_dir)
-    return dg.Definitions(assets=[upstream, routed, plain], resources={"io_manager": io_manager})
+    io_manager = CheckpointIOManager(base_dir=base_dir, storage_options=options or {})
+    defs = dg.Definitions(assets=[upstream, routed, plain], resources={"io_manager": io_manager})
+    job = defs.resolve_implicit_global_asset_job_def()
+    job.execute_in_process(asset_selection=[dg.AssetKey("tickets")])
+    return job
 
 
 def test_a_shard_reads_only_the_row_groups_its_key_range_overlaps(tmp_path: Path) -> None:
     rows = tickets(ROWS)
-    defs = stored_definitions(f"{PROTOCOL}://{tmp_path}/checkpoints", rows)
-    job = defs.resolve_implicit_global_asset_job_def()
-    job.execute_in_process(asset_selection=[dg.AssetKey("tickets")])
+    job = stored_source_job(f"{PROTOCOL}://{tmp_path}/checkpoints", rows)
     path = str(tmp_path / "checkpoints" / "tickets.parquet")
     stored = pq.read_metadata(path)
     assert stored.num_row_groups == 7
@@ -134,11 +137,7 @@ def test_a_shard_reads_only_the_row_groups_its_key_range_overlaps(tmp_path: Path
 def test_each_shard_of_a_stored_source_gets_exactly_its_rows(storage: Storage) -> None:
     rows = tickets(5_000)
     base_dir, options = storage
-    assets = stored_definitions(base_dir, rows).assets
-    io_manager = CheckpointIOManager(base_dir=base_dir, storage_options=options)
-    defs = dg.Definitions(assets=assets, resources={"io_manager": io_manager})
-    job = defs.resolve_implicit_global_asset_job_def()
-    job.execute_in_process(asset_selection=[dg.AssetKey("tickets")])
+    job = stored_source_job(base_dir, rows, options)
 
     for index in (0, 7):
         key = f"{index}-of-8"
@@ -152,11 +151,7 @@ def test_each_shard_of_a_stored_source_gets_exactly_its_rows(storage: Storage) -
 def test_a_stored_source_reads_back_as_it_was_returned_for_other_assets(storage: Storage) -> None:
     rows = tickets(5_000)
     base_dir, options = storage
-    assets = stored_definitions(base_dir, rows).assets
-    io_manager = CheckpointIOManager(base_dir=base_dir, storage_options=options)
-    defs = dg.Definitions(assets=assets, resources={"io_manager": io_manager})
-    job = defs.resolve_implicit_global_asset_job_def()
-    job.execute_in_process(asset_selection=[dg.AssetKey("tickets")])
+    job = stored_source_job(base_dir, rows, options)
 
     result = job.execute_in_process(asset_selection=[dg.AssetKey("plain")])
 
