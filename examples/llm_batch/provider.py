@@ -16,7 +16,8 @@ Anthropic (base URL ``http://HOST:PORT``)::
 
 Batches move through their states with the clock (``jobs.py`` says how, and what each request
 answers); ``openai_api.py`` and ``anthropic_api.py`` say what each API checks, refuses (limits
-in each API's error shape) and writes as results; ``common.py`` holds what they share.
+in each API's error shape) and writes as results; ``common.py`` holds what they share;
+``examples/serving.py`` runs it (in a thread, in a process), as it runs the chat server.
 
 ``GET /stats`` counts the calls (``uploads``, ``creates``, ``retrieves`` and ``lists`` whose sum
 is ``polls``, ``downloads``, ``cancels``, ``deletes``, ``refused``) and the requests

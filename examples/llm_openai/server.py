@@ -30,7 +30,8 @@ number of requests in flight, the token counts and the server process's CPU time
 ``GET /v1/models`` lists the one model.
 
 Each API is a route of its own (``openai_api.py``, ``anthropic_api.py``) on one contract
-(``answers.Api``); the behaviour and its options are in ``options.py``.
+(``answers.Api``); the behaviour and its options are in ``options.py``; running it (in a thread,
+in a process) is ``examples/serving.py``'s, shared with the batch provider.
 
 Start it from a shell (the first line printed is the OpenAI base URL; the Anthropic client takes
 it without ``/v1``)::
