@@ -14,7 +14,7 @@ import dagster as dg
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
-from helpers.jobs import Storage, build_job, ids_in_shard, route, stats, tickets
+from helpers.jobs import Job, Storage, build_job, ids_in_shard, route, stats, tickets
 from helpers.read_counting_fs import PROTOCOL, ReadCountingFileSystem
 from helpers.row_groups import groups_read, overlapping_groups
 
@@ -160,12 +160,9 @@ def test_a_stored_source_reads_back_as_it_was_returned_for_other_assets(storage:
     assert read.sort("ticket_id").equals(rows)
 
 
-def test_a_lazyframe_downstream_gets_a_scan_whose_collect_equals_the_eager_result(
-    storage: Storage,
-) -> None:
-    job = build_job(storage, tickets(400), partitions_def=shard_partitions(4))
-    for key in shard_partitions(4).get_partition_keys():
-        job.materialize(key)
+def read_downstream(job: Job) -> tuple[pl.LazyFrame, pl.DataFrame, pl.DataFrame]:
+    """What a downstream asset gets of ``routed``: through a ``pl.LazyFrame`` input (the frame
+    itself, and collected) and through a ``pl.DataFrame`` input."""
     received: list[pl.LazyFrame] = []
 
     @dg.asset(ins={"routed": dg.AssetIn()})
@@ -178,9 +175,19 @@ def test_a_lazyframe_downstream_gets_a_scan_whose_collect_equals_the_eager_resul
         return routed
 
     lazy = job.load_downstream(lazy_report)
-    eager = job.load_downstream(eager_report)
+    return received[0], lazy, job.load_downstream(eager_report)
 
-    assert "SCAN" in received[0].explain()  # a scan of the stored files, not a table in memory
+
+def test_a_lazyframe_downstream_gets_a_scan_whose_collect_equals_the_eager_result(
+    storage: Storage,
+) -> None:
+    job = build_job(storage, tickets(400), partitions_def=shard_partitions(4))
+    for key in shard_partitions(4).get_partition_keys():
+        job.materialize(key)
+
+    received, lazy, eager = read_downstream(job)
+
+    assert "SCAN" in received.explain()  # a scan of the stored files, not a table in memory
     assert lazy.sort("ticket_id").equals(eager.sort("ticket_id"))
     assert lazy.height == 400 and lazy.columns == ["ticket_id", "route", "_error"]
 
@@ -198,16 +205,7 @@ def test_a_shard_with_unmerged_parts_is_read_whole_for_a_lazyframe_downstream(
     stored = pl.read_parquet(merged).drop(CURRENT).head(3)
     checkpoint.write_part(stored.with_columns(route=pl.lit("X"), _seq=pl.lit(seq, pl.Int64)), seq)
 
-    @dg.asset(ins={"routed": dg.AssetIn()})
-    def lazy_report(routed: pl.LazyFrame) -> pl.DataFrame:
-        return routed.collect()
-
-    @dg.asset(ins={"routed": dg.AssetIn()})
-    def eager_report(routed: pl.DataFrame) -> pl.DataFrame:
-        return routed
-
-    lazy = job.load_downstream(lazy_report)
-    eager = job.load_downstream(eager_report)
+    _, lazy, eager = read_downstream(job)
 
     assert lazy.sort("ticket_id").equals(eager.sort("ticket_id"))
     assert (lazy["route"] == "X").sum() == 3  # the part's rows won over the merged file's
