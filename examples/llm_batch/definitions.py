@@ -1,7 +1,8 @@
 """Support tickets classified by a chat model through the providers' batch APIs, checkpointed:
 half the price of per-row calls, results within the provider's window instead of at once.
 
-Two assets over the same tickets, one per provider: ``ticket_department_openai`` (OpenAI's
+Two assets over the same tickets, with the prompt and shards of ``examples.llm_openai``, one per
+provider (``department_asset`` holds what they share): ``ticket_department_openai`` (OpenAI's
 Batch API through ``OpenAIResource``) and ``ticket_department_claude`` (Anthropic's Message
 Batches through ``AnthropicResource``). Each writes the request of one row (``request``) and reads
 the answer of one row (``parse_*``, with the tokens as usage columns); the package splits each
@@ -30,6 +31,7 @@ Tunable through the environment: ``LLM_TICKETS`` (rows, default 2000), ``OPENAI_
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -42,16 +44,9 @@ from checkpoint_assets import (
     OpenAIResource,
     provider_batch_asset,
     provider_batches_sensor,
-    shard_partitions,
 )
+from examples.llm_openai.definitions import SHARDS, SYSTEM
 from examples.ticket_routing.data import generate_tickets
-
-SHARDS = shard_partitions(4)
-DEPARTMENTS = ("billing", "technical", "account", "shipping", "sales", "other")
-SYSTEM = (
-    f"Route the support ticket to one department: {', '.join(DEPARTMENTS)}. Answer with the "
-    "department only."
-)
 
 
 @dg.asset(group_name="llm_batch", kinds={"polars"})
@@ -84,12 +79,13 @@ def prompt(row: dict[str, Any]) -> str:
     return f"{row['subject']}\n\n{row['body']}"
 
 
-@provider_batch_asset(
+# What the two assets share: the tickets' department, submitted and left to the sensor. Each
+# adds its provider's resource and how to read its answer.
+department_asset = functools.partial(
+    provider_batch_asset,
     source=tickets,
     id_column="ticket_id",
     input_columns=["subject", "body"],
-    parse=parse_openai,
-    provider="openai_chat",
     wait=False,
     poll_seconds=10,
     partitions_def=SHARDS,
@@ -97,6 +93,9 @@ def prompt(row: dict[str, Any]) -> str:
     code_version="department-v1",
     group_name="llm_batch",
 )
+
+
+@department_asset(provider="openai_chat", parse=parse_openai)
 def ticket_department_openai(row: dict[str, Any]) -> dict[str, Any]:
     """The department of each ticket, as OpenAI's Batch API answers it."""
     return {
@@ -107,19 +106,7 @@ def ticket_department_openai(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@provider_batch_asset(
-    source=tickets,
-    id_column="ticket_id",
-    input_columns=["subject", "body"],
-    parse=parse_claude,
-    provider="claude",
-    wait=False,
-    poll_seconds=10,
-    partitions_def=SHARDS,
-    usage_columns=["prompt_tokens", "completion_tokens"],
-    code_version="department-v1",
-    group_name="llm_batch",
-)
+@department_asset(provider="claude", parse=parse_claude)
 def ticket_department_claude(row: dict[str, Any]) -> dict[str, Any]:
     """The department of each ticket, as Anthropic's Message Batches answer it."""
     return {"system": SYSTEM, "messages": [{"role": "user", "content": prompt(row)}]}

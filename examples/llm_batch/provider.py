@@ -16,7 +16,8 @@ Anthropic (base URL ``http://HOST:PORT``)::
 
 Batches move through their states with the clock (``jobs.py`` says how, and what each request
 answers); ``openai_api.py`` and ``anthropic_api.py`` say what each API checks, refuses (limits
-in each API's error shape) and writes as results; ``common.py`` holds what they share.
+in each API's error shape) and writes as results; ``common.py`` holds what they share;
+``examples/serving.py`` runs it (in a thread, in a process), as it runs the chat server.
 
 ``GET /stats`` counts the calls (``uploads``, ``creates``, ``retrieves`` and ``lists`` whose sum
 is ``polls``, ``downloads``, ``cancels``, ``deletes``, ``refused``) and the requests
@@ -39,26 +40,18 @@ or in a thread of a test, on a free port::
 from __future__ import annotations
 
 import argparse
-import json
-import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from types import FrameType
-from typing import Any, Final
+from typing import Final
 
-import uvicorn
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 from starlette.types import Receive, Scope, Send
 
+from examples import serving
 from examples.llm_batch.anthropic_api import MessageBatchAPI
 from examples.llm_batch.common import Ledger
 from examples.llm_batch.jobs import ManualClock, Settings
@@ -87,7 +80,6 @@ STATS: Final = (
     "output_tokens",
 )
 _DEFAULTS: Final = Settings()
-_REPO: Final = str(Path(__file__).resolve().parents[2])
 
 
 class Provider:
@@ -118,36 +110,7 @@ class Provider:
         return JSONResponse(self.snapshot())
 
 
-# -- running it ----------------------------------------------------------------------------------
-def _listen(port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
-    sock.listen(1024)
-    return sock
-
-
-def _server(app: Provider, log_level: str, own_logging: bool) -> uvicorn.Server:
-    config = uvicorn.Config(
-        app,
-        interface="asgi3",
-        lifespan="off",
-        access_log=False,
-        log_level=log_level,
-        log_config=uvicorn.config.LOGGING_CONFIG if own_logging else None,
-        # Longer than a client's pause between polls, so a pooled connection is not closed
-        # just as the client reuses it.
-        timeout_keep_alive=120,
-        timeout_graceful_shutdown=5,
-    )
-    return uvicorn.Server(config)
-
-
-def _base_url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://{host}:{port}/v1"
-
-
+# -- running it (examples/serving.py) -----------------------------------------------------------
 @contextmanager
 def serve(
     settings: Settings = _DEFAULTS, *, clock: Callable[[], float] = time.time
@@ -159,22 +122,8 @@ def serve(
     ...     stats(base_url)["creates"]
     0
     """
-    sock = _listen(0)
-    server = _server(Provider(settings, clock), log_level="warning", own_logging=False)
-    thread = threading.Thread(
-        target=server.run, kwargs={"sockets": [sock]}, name="batch-provider", daemon=True
-    )
-    thread.start()
-    try:
-        while not server.started:
-            if not thread.is_alive():
-                raise RuntimeError("the batch provider failed to start; see its log")
-            time.sleep(0.01)
-        yield _base_url(sock)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with serving.in_thread(Provider(settings, clock), "batch provider") as url:
+        yield url
 
 
 @contextmanager
@@ -184,25 +133,13 @@ def serve_process(settings: Settings = _DEFAULTS) -> Iterator[str]:
     Its work then runs on its own interpreter (what a benchmark wants). Stopped with SIGTERM
     when the block exits.
     """
-    argv = [sys.executable, "-m", "examples.llm_batch.provider", "--port=0", *settings.argv()]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=_REPO)
-    try:
-        assert process.stdout is not None
-        first = process.stdout.readline()
-        if not first.startswith("listening on "):
-            raise RuntimeError(f"the provider process did not start (it printed {first!r})")
-        yield first.removeprefix("listening on ").strip()
-    finally:
-        process.terminate()
-        process.wait(timeout=15)
+    with serving.in_process("examples.llm_batch.provider", settings.argv(), "provider") as url:
+        yield url
 
 
 def stats(base_url: str) -> dict[str, int]:
     """The provider's ``/stats`` (see :data:`STATS`)."""
-    url = base_url.removesuffix("/").removesuffix("/v1") + "/stats"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        result: dict[str, int] = json.load(response)
-    return result
+    return serving.stats(base_url)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -224,10 +161,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _stop(signum: int, frame: FrameType | None) -> Any:
-    raise SystemExit(0)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     try:
@@ -235,16 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        sock = _listen(args.port)
-    except OSError as e:
-        print(f"error: cannot listen on 127.0.0.1:{args.port}: {e}", file=sys.stderr)
-        return 1
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    print(f"listening on {_base_url(sock)}", flush=True)
-    _server(Provider(settings), args.log_level, own_logging=True).run(sockets=[sock])
-    return 0
+    return serving.run(Provider(settings), args.port, args.log_level)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ number of requests in flight, the token counts and the server process's CPU time
 ``GET /v1/models`` lists the one model.
 
 Each API is a route of its own (``openai_api.py``, ``anthropic_api.py``) on one contract
-(``answers.Api``); the behaviour and its options are in ``options.py``.
+(``answers.Api``); the behaviour and its options are in ``options.py``; running it (in a thread,
+in a process) is ``examples/serving.py``'s, shared with the batch provider.
 
 Start it from a shell (the first line printed is the OpenAI base URL; the Anthropic client takes
 it without ``/v1``)::
@@ -50,28 +51,20 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import logging
 import math
-import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from types import FrameType
-from typing import Any, Final
+from typing import Final
 
-import uvicorn
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 from starlette.types import Receive, Scope, Send
 
+from examples import serving
 from examples.llm_openai.answers import DEFAULT_MODEL, Api, classify, count_tokens
 from examples.llm_openai.anthropic_api import AnthropicMessages
 from examples.llm_openai.openai_api import OpenAIChat
@@ -103,8 +96,6 @@ OUTCOMES: Final = (
 
 
 _DEFAULTS: Final = Settings()
-#: The folder holding the ``examples`` package, where ``python -m examples...`` starts.
-_REPO: Final = str(Path(__file__).resolve().parents[2])
 
 
 class _Drop(Exception):
@@ -240,49 +231,7 @@ class ChatServer:
         return api.error(429, f"{why}; retry after {delay:g} s", headers)
 
 
-class _QuietDrops(logging.Filter):
-    """Hide uvicorn's complaint about the application's deliberate dropped connections."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("ASGI callable should return None")
-
-
-_QUIET_DROPS: Final = _QuietDrops()
-
-
-def _listen(port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
-    sock.listen(2048)
-    return sock
-
-
-def _server(app: ChatServer, log_level: str, own_logging: bool) -> uvicorn.Server:
-    """A uvicorn server for ``app``; ``own_logging`` lets uvicorn configure logging."""
-    config = uvicorn.Config(
-        app,
-        interface="asgi3",
-        lifespan="off",
-        access_log=False,
-        proxy_headers=False,
-        log_level=log_level,
-        log_config=uvicorn.config.LOGGING_CONFIG if own_logging else None,
-        backlog=2048,
-        # Longer than a client's pause between calls (uvicorn's default is 5 s), so an idle
-        # pooled connection is not closed just as the client reuses it: no spurious drops.
-        timeout_keep_alive=120,
-        timeout_graceful_shutdown=5,
-    )
-    logging.getLogger("uvicorn.error").addFilter(_QUIET_DROPS)
-    return uvicorn.Server(config)
-
-
-def _base_url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://{host}:{port}/v1"
-
-
+# -- running it (examples/serving.py) -----------------------------------------------------------
 @contextmanager
 def serve(
     *,
@@ -317,22 +266,8 @@ def serve(
         limit_schedule=limit_schedule,
         seed=seed,
     )
-    sock = _listen(0)
-    server = _server(ChatServer(settings, model), log_level="warning", own_logging=False)
-    thread = threading.Thread(
-        target=server.run, kwargs={"sockets": [sock]}, name="openai-server", daemon=True
-    )
-    thread.start()
-    try:
-        while not server.started:
-            if not thread.is_alive():
-                raise RuntimeError("the chat server failed to start; see its log")
-            time.sleep(0.01)
-        yield _base_url(sock)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with serving.in_thread(ChatServer(settings, model), "chat server") as url:
+        yield url
 
 
 @contextmanager
@@ -342,31 +277,14 @@ def serve_process(settings: Settings = _DEFAULTS, *, model: str = DEFAULT_MODEL)
     The server's work then runs on its own interpreter, not on this process's: what a benchmark
     of the client wants. The process is stopped with SIGTERM when the block exits.
     """
-    argv = [sys.executable, "-m", "examples.llm_openai.server", "--port", "0", *settings.argv()]
-    process = subprocess.Popen(
-        [*argv, "--model", model], stdout=subprocess.PIPE, text=True, cwd=_REPO
-    )
-    try:
-        assert process.stdout is not None
-        first = process.stdout.readline()
-        if not first.startswith("listening on "):
-            raise RuntimeError(f"the server process did not start (it printed {first!r})")
-        yield first.removeprefix("listening on ").strip()
-    finally:
-        process.terminate()
-        process.wait(timeout=15)
+    args = [*settings.argv(), "--model", model]
+    with serving.in_process("examples.llm_openai.server", args, "server") as url:
+        yield url
 
 
 def stats(base_url: str) -> dict[str, int]:
     """The server's ``/stats``: requests served so far by outcome, peak in flight, tokens, CPU."""
-    url = base_url.removesuffix("/").removesuffix("/v1") + "/stats"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        result: dict[str, int] = json.load(response)
-    return result
-
-
-def _stop(signum: int, frame: FrameType | None) -> Any:
-    raise SystemExit(0)
+    return serving.stats(base_url)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,18 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        sock = _listen(args.port)
-    except OSError as e:
-        print(f"error: cannot listen on 127.0.0.1:{args.port}: {e}", file=sys.stderr)
-        return 1
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: exit with 0.
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    print(f"listening on {_base_url(sock)}", flush=True)
-    server = _server(ChatServer(settings, args.model), args.log_level, own_logging=True)
-    server.run(sockets=[sock])
-    return 0
+    return serving.run(ChatServer(settings, args.model), args.port, args.log_level)
 
 
 if __name__ == "__main__":

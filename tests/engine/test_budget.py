@@ -9,7 +9,7 @@ from typing import Any
 
 import polars as pl
 import pytest
-from helpers.jobs import tickets
+from helpers.jobs import engine_settings, tickets
 
 from checkpoint_assets.engine import Checkpoint, PerRow, Settings, open_store, prepare, run
 from checkpoint_assets.engine.batches import RowResult
@@ -39,16 +39,12 @@ class Priced:
 
 def _settings(budget: Budget, **kw: Any) -> Settings:
     base: dict[str, Any] = {
-        "id_column": ID,
         "input_columns": ("subject", "body"),
         "checkpoint_interval": 4,
-        "retry_delay_seconds": 0.0,
-        "min_flush_seconds": 0.0,
-        "progress_seconds": 3600.0,
         "usage_columns": ("input_tokens", "output_tokens"),
         "budget": budget,
     }
-    return Settings(**(base | kw))
+    return engine_settings(**(base | kw))
 
 
 def _run(fn: Priced, n: int, tmp_path: Any, budget: Budget, **kw: Any) -> Any:

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import polars as pl
 import pytest
-from helpers.jobs import Storage, tickets
+from helpers.jobs import Storage, engine_settings, tickets
 
 from checkpoint_assets import FunctionError, JobMismatchError
 from checkpoint_assets.engine import Checkpoint, PerRow, Settings, open_store, prepare, run
@@ -23,16 +23,8 @@ ID = "ticket_id"
 
 
 def _settings(**kw: Any) -> Settings:
-    base: dict[str, Any] = {
-        "id_column": ID,
-        "input_columns": ("subject", "body"),
-        "checkpoint_interval": 8,
-        "max_concurrency": 4,
-        "retry_delay_seconds": 0.0,
-        "min_flush_seconds": 0.0,
-        "progress_seconds": 3600.0,
-    }
-    return Settings(**(base | kw))
+    base = {"input_columns": ("subject", "body"), "checkpoint_interval": 8, "max_concurrency": 4}
+    return engine_settings(**(base | kw))
 
 
 def _run(fn: Any, n: int, storage: Storage, **kw: Any) -> tuple[pl.DataFrame, RunStats]:

@@ -12,31 +12,20 @@ from typing import Any
 
 import polars as pl
 import pytest
-from helpers.jobs import Storage, route, tickets
+from helpers.jobs import Storage, engine_settings, route, tickets
 
 from checkpoint_assets import FunctionError, cli
-from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, open_store, prepare, run
 from checkpoint_assets.engine.settings import RunStats
 from checkpoint_assets.engine.storage import Store
 
 ID = "ticket_id"
 
 
-def _settings(**kw: Any) -> Settings:
-    base: dict[str, Any] = {
-        "id_column": ID,
-        "input_columns": ("body",),
-        "retry_delay_seconds": 0.0,
-        "min_flush_seconds": 0.0,
-        "progress_seconds": 3600.0,
-    }
-    return Settings(**(base | kw))
-
-
 def _run(
     fn: Any, n: int, storage: Storage, name: str = "job", **kw: Any
 ) -> tuple[pl.DataFrame, RunStats]:
-    s = _settings(**kw)
+    s = engine_settings(**kw)
     base_dir, options = storage
     checkpoint = Checkpoint(open_store(base_dir, options), name)
     return run(fn, prepare(tickets(n), s), checkpoint, s, job={"test": 1})
@@ -106,7 +95,7 @@ def test_calls_do_not_wait_for_a_slow_store_and_rows_join_the_next_flush(
 ) -> None:
     base_dir, options = storage
     store = SlowStore(open_store(base_dir, options), delay=0.3)
-    s = _settings(checkpoint_interval=4, batch_size=1, max_concurrency=4)
+    s = engine_settings(checkpoint_interval=4, batch_size=1, max_concurrency=4)
     checkpoint = Checkpoint(store, "job")  # type: ignore[arg-type]
 
     def fn(batch: pl.DataFrame) -> pl.DataFrame:

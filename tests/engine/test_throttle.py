@@ -22,10 +22,10 @@ import httpx
 import openai
 import polars as pl
 import pytest
-from helpers.jobs import Storage, route, tickets
+from helpers.jobs import Storage, engine_settings, route, tickets
 
 from checkpoint_assets import QuotaExhaustedError, RetryAfter
-from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, open_store, prepare, run
 from checkpoint_assets.engine.refusals import Throttled, retry_after_seconds, throttled
 from checkpoint_assets.engine.settings import RunStats
 from checkpoint_assets.engine.throttle import Throttle
@@ -34,14 +34,7 @@ ID = "ticket_id"
 
 
 def _run(fn: Any, n: int, storage: Storage, **kw: Any) -> tuple[pl.DataFrame, RunStats]:
-    base: dict[str, Any] = {
-        "id_column": ID,
-        "input_columns": ("body",),
-        "retry_delay_seconds": 0.0,
-        "min_flush_seconds": 0.0,
-        "progress_seconds": 3600.0,
-    }
-    s = Settings(**(base | kw))
+    s = engine_settings(**kw)
     checkpoint = Checkpoint(open_store(*storage), "job")
     return run(fn, prepare(tickets(n), s), checkpoint, s, job={"test": 1})
 

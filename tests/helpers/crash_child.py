@@ -39,6 +39,19 @@ def make_fn(spec: dict[str, Any]) -> Any:
     return fn
 
 
+def settings_of(spec: dict[str, Any]) -> dict[str, Any]:
+    """The settings of the run, either mode: keywords of ``checkpointed_asset`` and ``Settings``."""
+    return {
+        "id_column": "ticket_id",
+        "checkpoint_interval": spec["interval"],
+        "batch_size": spec.get("batch_size"),
+        "max_concurrency": spec.get("max_concurrency", 1),
+        "flush_seconds": spec["flush_seconds"],
+        "min_flush_seconds": spec["min_flush_seconds"],
+        "retry_delay_seconds": 0.0,
+    }
+
+
 def run_materialize(spec: dict[str, Any]) -> dict[str, Any]:
     import dagster as dg
 
@@ -50,17 +63,7 @@ def run_materialize(spec: dict[str, Any]) -> dict[str, Any]:
 
     fn = make_fn(spec)
 
-    @checkpointed_asset(
-        source="tickets",
-        id_column="ticket_id",
-        name=CHECKPOINT,
-        checkpoint_interval=spec["interval"],
-        batch_size=spec.get("batch_size"),
-        max_concurrency=spec.get("max_concurrency", 1),
-        flush_seconds=spec["flush_seconds"],
-        min_flush_seconds=spec["min_flush_seconds"],
-        retry_delay_seconds=0.0,
-    )
+    @checkpointed_asset(source="tickets", name=CHECKPOINT, **settings_of(spec))
     def routed(batch: pl.DataFrame) -> pl.DataFrame:
         return fn(batch)  # type: ignore[no-any-return]
 
@@ -86,16 +89,7 @@ def run_materialize(spec: dict[str, Any]) -> dict[str, Any]:
 def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 
-    settings = Settings(
-        id_column="ticket_id",
-        input_columns=("body",),
-        checkpoint_interval=spec["interval"],
-        batch_size=spec.get("batch_size"),
-        max_concurrency=spec.get("max_concurrency", 1),
-        flush_seconds=spec["flush_seconds"],
-        min_flush_seconds=spec["min_flush_seconds"],
-        retry_delay_seconds=0.0,
-    )
+    settings = Settings(input_columns=("body",), **settings_of(spec))
     store = open_store(spec["base_dir"], spec["options"])
     checkpoint = Checkpoint(store, f"{CHECKPOINT}/default/all")
     result, _ = run(

@@ -17,6 +17,7 @@ import polars as pl
 from checkpoint_assets import CheckpointIOManager, checkpointed_asset
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.hashing import shard_of
+from checkpoint_assets.engine.settings import Settings
 from checkpoint_assets.engine.storage import Store, open_store
 
 Storage = tuple[str, dict[str, Any]]
@@ -29,6 +30,19 @@ def tickets(n: int, *, start: int = 0) -> pl.DataFrame:
     return pl.DataFrame(
         {"ticket_id": ids, "subject": [f"s{i % 7}" for i in ids], "body": [f"b{i}" for i in ids]}
     )
+
+
+def engine_settings(**kw: Any) -> Settings:
+    """Engine ``Settings`` for ``tickets``' ``body``, with no pause before a retry or between
+    flushes and no progress lines; ``kw`` adds or overrides settings."""
+    base: dict[str, Any] = {
+        "id_column": "ticket_id",
+        "input_columns": ("body",),
+        "retry_delay_seconds": 0.0,
+        "min_flush_seconds": 0.0,
+        "progress_seconds": 3600.0,
+    }
+    return Settings(**(base | kw))
 
 
 def route(batch: pl.DataFrame) -> pl.DataFrame:

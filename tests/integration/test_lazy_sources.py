@@ -14,7 +14,7 @@ import dagster as dg
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
-from helpers.jobs import Storage, build_job, ids_in_shard, route, stats, tickets
+from helpers.jobs import Job, Storage, build_job, ids_in_shard, route, stats, tickets
 from helpers.read_counting_fs import PROTOCOL, ReadCountingFileSystem
 from helpers.row_groups import groups_read, overlapping_groups
 
@@ -93,9 +93,11 @@ def test_a_checkpoint_written_from_an_eager_source_resumes_from_the_same_rows_re
     assert stats(first)["rows_total"] == len(ids_in_shard(rows, 2, 4))
 
 
-def stored_definitions(base_dir: str, frame: pl.DataFrame) -> dg.Definitions:
-    """A source stored by ``CheckpointIOManager``, a checkpointed asset of 8 shards over it and a
-    plain asset reading the source."""
+def stored_source_job(
+    base_dir: str, frame: pl.DataFrame, options: dict[str, Any] | None = None
+) -> dg.JobDefinition:
+    """The job of a source stored by ``CheckpointIOManager``, a checkpointed asset of 8 shards over
+    it and a plain asset reading the source; the source materialized already."""
 
     @dg.asset(name="tickets")
     def upstream() -> pl.LazyFrame:
@@ -109,15 +111,16 @@ def stored_definitions(base_dir: str, frame: pl.DataFrame) -> dg.Definitions:
     def plain(tickets: pl.DataFrame) -> pl.DataFrame:
         return tickets
 
-    io_manager = CheckpointIOManager(base_dir=base_dir)
-    return dg.Definitions(assets=[upstream, routed, plain], resources={"io_manager": io_manager})
+    io_manager = CheckpointIOManager(base_dir=base_dir, storage_options=options or {})
+    defs = dg.Definitions(assets=[upstream, routed, plain], resources={"io_manager": io_manager})
+    job = defs.resolve_implicit_global_asset_job_def()
+    job.execute_in_process(asset_selection=[dg.AssetKey("tickets")])
+    return job
 
 
 def test_a_shard_reads_only_the_row_groups_its_key_range_overlaps(tmp_path: Path) -> None:
     rows = tickets(ROWS)
-    defs = stored_definitions(f"{PROTOCOL}://{tmp_path}/checkpoints", rows)
-    job = defs.resolve_implicit_global_asset_job_def()
-    job.execute_in_process(asset_selection=[dg.AssetKey("tickets")])
+    job = stored_source_job(f"{PROTOCOL}://{tmp_path}/checkpoints", rows)
     path = str(tmp_path / "checkpoints" / "tickets.parquet")
     stored = pq.read_metadata(path)
     assert stored.num_row_groups == 7
@@ -134,11 +137,7 @@ def test_a_shard_reads_only_the_row_groups_its_key_range_overlaps(tmp_path: Path
 def test_each_shard_of_a_stored_source_gets_exactly_its_rows(storage: Storage) -> None:
     rows = tickets(5_000)
     base_dir, options = storage
-    assets = stored_definitions(base_dir, rows).assets
-    io_manager = CheckpointIOManager(base_dir=base_dir, storage_options=options)
-    defs = dg.Definitions(assets=assets, resources={"io_manager": io_manager})
-    job = defs.resolve_implicit_global_asset_job_def()
-    job.execute_in_process(asset_selection=[dg.AssetKey("tickets")])
+    job = stored_source_job(base_dir, rows, options)
 
     for index in (0, 7):
         key = f"{index}-of-8"
@@ -152,11 +151,7 @@ def test_each_shard_of_a_stored_source_gets_exactly_its_rows(storage: Storage) -
 def test_a_stored_source_reads_back_as_it_was_returned_for_other_assets(storage: Storage) -> None:
     rows = tickets(5_000)
     base_dir, options = storage
-    assets = stored_definitions(base_dir, rows).assets
-    io_manager = CheckpointIOManager(base_dir=base_dir, storage_options=options)
-    defs = dg.Definitions(assets=assets, resources={"io_manager": io_manager})
-    job = defs.resolve_implicit_global_asset_job_def()
-    job.execute_in_process(asset_selection=[dg.AssetKey("tickets")])
+    job = stored_source_job(base_dir, rows, options)
 
     result = job.execute_in_process(asset_selection=[dg.AssetKey("plain")])
 
@@ -165,12 +160,9 @@ def test_a_stored_source_reads_back_as_it_was_returned_for_other_assets(storage:
     assert read.sort("ticket_id").equals(rows)
 
 
-def test_a_lazyframe_downstream_gets_a_scan_whose_collect_equals_the_eager_result(
-    storage: Storage,
-) -> None:
-    job = build_job(storage, tickets(400), partitions_def=shard_partitions(4))
-    for key in shard_partitions(4).get_partition_keys():
-        job.materialize(key)
+def read_downstream(job: Job) -> tuple[pl.LazyFrame, pl.DataFrame, pl.DataFrame]:
+    """What a downstream asset gets of ``routed``: through a ``pl.LazyFrame`` input (the frame
+    itself, and collected) and through a ``pl.DataFrame`` input."""
     received: list[pl.LazyFrame] = []
 
     @dg.asset(ins={"routed": dg.AssetIn()})
@@ -183,9 +175,19 @@ def test_a_lazyframe_downstream_gets_a_scan_whose_collect_equals_the_eager_resul
         return routed
 
     lazy = job.load_downstream(lazy_report)
-    eager = job.load_downstream(eager_report)
+    return received[0], lazy, job.load_downstream(eager_report)
 
-    assert "SCAN" in received[0].explain()  # a scan of the stored files, not a table in memory
+
+def test_a_lazyframe_downstream_gets_a_scan_whose_collect_equals_the_eager_result(
+    storage: Storage,
+) -> None:
+    job = build_job(storage, tickets(400), partitions_def=shard_partitions(4))
+    for key in shard_partitions(4).get_partition_keys():
+        job.materialize(key)
+
+    received, lazy, eager = read_downstream(job)
+
+    assert "SCAN" in received.explain()  # a scan of the stored files, not a table in memory
     assert lazy.sort("ticket_id").equals(eager.sort("ticket_id"))
     assert lazy.height == 400 and lazy.columns == ["ticket_id", "route", "_error"]
 
@@ -203,16 +205,7 @@ def test_a_shard_with_unmerged_parts_is_read_whole_for_a_lazyframe_downstream(
     stored = pl.read_parquet(merged).drop(CURRENT).head(3)
     checkpoint.write_part(stored.with_columns(route=pl.lit("X"), _seq=pl.lit(seq, pl.Int64)), seq)
 
-    @dg.asset(ins={"routed": dg.AssetIn()})
-    def lazy_report(routed: pl.LazyFrame) -> pl.DataFrame:
-        return routed.collect()
-
-    @dg.asset(ins={"routed": dg.AssetIn()})
-    def eager_report(routed: pl.DataFrame) -> pl.DataFrame:
-        return routed
-
-    lazy = job.load_downstream(lazy_report)
-    eager = job.load_downstream(eager_report)
+    _, lazy, eager = read_downstream(job)
 
     assert lazy.sort("ticket_id").equals(eager.sort("ticket_id"))
     assert (lazy["route"] == "X").sum() == 3  # the part's rows won over the merged file's

@@ -77,8 +77,10 @@ def held_lock(storage: Storage) -> Iterator[tuple[Checkpoint, subprocess.Popen[s
         assert child.stdout.readline().strip() == "held"
         yield checkpoint, child
     finally:
-        if child.stdin is not None:
-            child.stdin.close()
+        # Closing stdin ends the child; closing stdout too leaves no pipe for the collector.
+        for pipe in (child.stdin, child.stdout):
+            if pipe is not None:
+                pipe.close()
         child.wait(timeout=30)
 
 

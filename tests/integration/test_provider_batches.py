@@ -1,15 +1,22 @@
 """Provider batches through real Dagster materializations against the local batch provider
-(``examples/llm_batch/provider.py``; the real ``openai`` client over HTTP): a shard's rows
-submitted once, results stored like computed rows, per-request errors retried on the next run,
-expired and cancelled batches, the submit-and-end path with ``provider_batches_sensor``
-requesting the collecting run, and spend budgets that stop submissions (their estimate reserved
-before anything is sent) and price results at the batch discount."""
+(``examples/llm_batch/provider.py``), through OpenAI's Batch API and Anthropic's Message Batches
+(the real ``openai`` and ``anthropic`` clients over HTTP; the provider counts every call and every
+request it processed).
+
+Through either API: a shard's rows submitted once and stored once, results stored like computed
+rows, per-request errors retried on the next run, expired and cancelled batches giving back their
+unrun rows with nothing paid twice, the submit-and-end path with ``provider_batches_sensor``
+requesting the collecting run. Through OpenAI's: spend budgets that stop submissions (their
+estimate reserved before anything is sent) and price results at the batch discount."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
@@ -18,6 +25,7 @@ import pytest
 from helpers.jobs import ASSET, ids_in_shard, stats, step_error
 
 from checkpoint_assets import (
+    AnthropicResource,
     Budget,
     CheckpointIOManager,
     OpenAIResource,
@@ -33,46 +41,61 @@ from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.pending import PENDING_TAG
 from checkpoint_assets.integration.spend import STOPPED_BY_TAG
 from checkpoint_assets.resources.openai_batches import OpenAIBatches
-from examples.llm_batch.jobs import ManualClock, Settings
+from examples.llm_batch.jobs import ManualClock, Settings, expires
 from examples.llm_batch.provider import serve
 from examples.llm_batch.provider import stats as provider_stats
 
 ID = "ticket_id"
 SHARD = "0-of-1"
+TEXTS = ("I was charged twice, please refund me", "The app crashes with an error", "hello")
+ANSWERS = ("billing", "technical", "other")  # the provider's rule for each of TEXTS
+
+
+@dataclass(frozen=True)
+class Api:
+    """What differs between the two batch APIs, for a test: ``name`` as ``jobs.expires`` says it,
+    the resource key, the resource on the provider's base URL, how an answer is read (into
+    ``answer`` and ``input_tokens``) and how a failed request's ``_error`` starts."""
+
+    name: str
+    key: str
+    resource: Callable[[str], OpenAIResource | AnthropicResource]
+    parse: Callable[[dict[str, Any]], dict[str, Any]]
+    error: str
+
+
+OPENAI = Api(
+    "openai",
+    "openai",
+    lambda url: OpenAIResource(base_url=url, api_key="local", model="m"),
+    lambda body: {
+        "answer": body["choices"][0]["message"]["content"],
+        "input_tokens": body["usage"]["prompt_tokens"],
+    },
+    "HTTP 500",
+)
+ANTHROPIC = Api(
+    "anthropic",
+    "claude",
+    lambda url: AnthropicResource(
+        base_url=url.removesuffix("/v1"), api_key="local", model="claude-test", max_tokens=8
+    ),
+    lambda message: {
+        "answer": message["content"][0]["text"],
+        "input_tokens": message["usage"]["input_tokens"],
+    },
+    "api_error: ",
+)
+#: A test through either API; a test without it runs through OpenAI's (the ``api`` fixture).
+BOTH_APIS = pytest.mark.parametrize("api", [OPENAI, ANTHROPIC], ids=lambda a: a.name)
 
 
 def request(row: dict[str, Any]) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": row["body"]}]}
 
 
-def parse(body: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "answer": body["choices"][0]["message"]["content"],
-        "prompt_tokens": body["usage"]["prompt_tokens"],
-    }
-
-
 def tickets(n: int) -> pl.DataFrame:
-    return pl.DataFrame({ID: list(range(n)), "body": [f"ticket {i}" for i in range(n)]})
-
-
-def asset(**kw: Any) -> dg.AssetsDefinition:
-    options: dict[str, Any] = {
-        "source": "tickets",
-        "id_column": ID,
-        "parse": parse,
-        "input_columns": ["body"],
-        "partitions_def": shard_partitions(1),
-        "usage_columns": ["prompt_tokens"],
-        "poll_seconds": 0.05,
-        "max_poll_seconds": 0.2,
-    }
-
-    @provider_batch_asset(name=ASSET, **(options | kw))
-    def routed(row: dict[str, Any]) -> dict[str, Any]:
-        return request(row)
-
-    return routed
+    return pl.DataFrame({ID: list(range(n)), "body": [TEXTS[i % 3] for i in range(n)]})
 
 
 class SmallBatches(OpenAIResource):
@@ -87,17 +110,36 @@ class SmallBatches(OpenAIResource):
 
 
 class Setup:
-    def __init__(self, base_dir: str, url: str, rows: int, clock: ManualClock) -> None:
-        self.base_dir, self.url, self.clock = base_dir, url, clock
+    def __init__(self, base_dir: str, url: str, rows: int, clock: ManualClock, api: Api) -> None:
+        self.base_dir, self.url, self.clock, self.api = base_dir, url, clock, api
         self.df = tickets(rows)
         self.instance = dg.DagsterInstance.ephemeral()
-        self.openai = OpenAIResource(base_url=self.url, api_key="local", model="m")
+        self.resource = api.resource(url)
+
+    def asset(self, **kw: Any) -> dg.AssetsDefinition:
+        options: dict[str, Any] = {
+            "source": "tickets",
+            "id_column": ID,
+            "parse": self.api.parse,
+            "provider": self.api.key,
+            "input_columns": ["body"],
+            "partitions_def": shard_partitions(1),
+            "usage_columns": ["input_tokens"],
+            "poll_seconds": 0.05,
+            "max_poll_seconds": 0.2,
+        }
+
+        @provider_batch_asset(name=ASSET, **(options | kw))
+        def routed(row: dict[str, Any]) -> dict[str, Any]:
+            return request(row)
+
+        return routed
 
     def resources(self) -> dict[str, Any]:
         return {
             "io_manager": CheckpointIOManager(base_dir=self.base_dir),
             "source_io": dg.InMemoryIOManager(),  # type: ignore[no-untyped-call]
-            "openai": self.openai,
+            self.api.key: self.resource,
         }
 
     def source(self) -> dg.AssetsDefinition:
@@ -122,85 +164,144 @@ class Setup:
         """What the provider counted: calls by kind, requests processed (paid)."""
         return provider_stats(self.url)
 
+    def pending(self) -> list[str]:
+        """The batches the last observation of the asset says are pending."""
+        observation = self.instance.fetch_observations(dg.AssetKey(ASSET), limit=1).records[0]
+        assert observation.asset_observation is not None
+        pending = observation.asset_observation.metadata["batches_pending"].value
+        return list(json.loads(str(pending)))
+
+    def checkpoint(self, partition: str = SHARD) -> Checkpoint:
+        return Checkpoint(open_store(self.base_dir), f"{ASSET}/default/{partition}")
+
     def stored(self, partition: str = SHARD) -> pl.DataFrame:
-        checkpoint = Checkpoint(open_store(self.base_dir), f"{ASSET}/default/{partition}")
-        return checkpoint.load(ID).rows
+        return self.checkpoint(partition).load(ID).rows
 
     def parts(self) -> pl.DataFrame:
         """Every row of every part and merged file, unresolved: a row stored twice shows."""
-        files = Checkpoint(open_store(self.base_dir), f"{ASSET}/default/{SHARD}").data_files()
+        files = self.checkpoint().data_files()
         return pl.concat([pl.read_parquet(f).select(ID, "_error") for f in files])
+
+    def stored_once(self) -> None:
+        parts = self.parts()
+        assert parts.height == parts.get_column(ID).n_unique() == self.df.height
 
 
 @pytest.fixture
-def setup(tmp_path: Any, request: pytest.FixtureRequest) -> Iterator[Setup]:
+def api() -> Api:
+    return OPENAI
+
+
+@pytest.fixture
+def setup(tmp_path: Any, request: pytest.FixtureRequest, api: Api) -> Iterator[Setup]:
     marker = request.node.get_closest_marker("provider")
     options = dict(marker.kwargs) if marker else {}
     rows = options.pop("rows", 2_000)
     manual = options.pop("manual_clock", False)  # the provider's time moves only when told
+    if options.pop("first_batch_expires", False):
+        options |= {"expire_rate": 0.5, "seed": _first_batch_expires(api.name)}
     clock = ManualClock()
     with serve(Settings(**options), clock=clock if manual else time.time) as url:
-        yield Setup(str(tmp_path / "checkpoints"), url, rows, clock)
+        yield Setup(str(tmp_path / "checkpoints"), url, rows, clock, api)
 
 
+def _first_batch_expires(api: str) -> int:
+    """A seed under which the first batch created through ``api`` expires and the next ones do
+    not."""
+    return next(
+        seed
+        for seed in range(1000)
+        if [expires(Settings(expire_rate=0.5, seed=seed), api, n) for n in (1, 2, 3)]
+        == [True, False, False]
+    )
+
+
+@contextmanager
+def ticking(clock: ManualClock) -> Iterator[None]:
+    """The provider's clock moving on by a second every 50 ms, for a run that waits."""
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(0.05):
+            clock.advance(1.0)
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+@BOTH_APIS
 @pytest.mark.provider(rows=20_000, processing_delay=0.3)
-def test_a_shard_of_20000_rows_is_submitted_once_and_stored_once(setup: Setup) -> None:
-    result = setup.materialize(asset())
+def test_a_shard_of_20000_rows_is_one_batch_stored_once(setup: Setup) -> None:
+    result = setup.materialize(setup.asset())
     assert result.success
-    assert setup.provider()["processed"] == 20_000
-    assert setup.provider()["creates"] == 1
-    parts = setup.parts()
-    assert parts.height == 20_000 and parts.get_column(ID).n_unique() == 20_000
+    provider = setup.provider()
+    assert provider["creates"] == 1
+    assert provider["submitted"] == provider["processed"] == provider["succeeded"] == 20_000
+    setup.stored_once()
     stored = setup.stored().sort(ID)
-    assert stored.get_column("answer").to_list()[:2] == ["other", "other"]  # the provider's rule
+    assert stored.get_column("answer").to_list()[:3] == list(ANSWERS)
     meta = stats(result)
     assert meta["rows_computed"] == 20_000
-    assert meta["usage/prompt_tokens"] > 0  # from the responses, like computed rows
-    again = setup.materialize(asset())
-    assert again.success and setup.provider()["processed"] == 20_000  # nothing left to do
+    # From the responses, like computed rows: the provider counts whitespace tokens.
+    assert meta["usage/input_tokens"] == sum(len(TEXTS[i % 3].split()) for i in range(20_000))
+    again = setup.materialize(setup.asset())
+    assert again.success and setup.provider()["submitted"] == 20_000  # nothing left to do
+    assert setup.provider()["creates"] == 1
 
 
+@BOTH_APIS
 @pytest.mark.provider(error_rate=0.05, processing_delay=0.1)
 def test_per_request_errors_are_failed_rows_retried_on_the_next_run(setup: Setup) -> None:
-    first = setup.materialize(asset(max_failed_fraction=0.2))
+    first = setup.materialize(setup.asset(max_failed_fraction=0.2))
     failed = stats(first)["rows_failed"]
     assert 40 < failed < 180  # about 5 % of 2,000
     errors = setup.stored().filter(pl.col("_error").is_not_null())
-    assert errors.get_column("_error").str.starts_with("HTTP 500").all()
-    second = setup.materialize(asset(max_failed_fraction=0.2))
+    assert errors.get_column("_error").str.starts_with(setup.api.error).all()
+    second = setup.materialize(setup.asset(max_failed_fraction=0.2))
     assert stats(second)["rows_computed"] == failed  # only the failed rows are submitted again
-    assert setup.provider()["processed"] == 2_000 + failed
+    assert setup.provider()["submitted"] == setup.provider()["processed"] == 2_000 + failed
     assert stats(second)["rows_failed"] < failed
 
 
-@pytest.mark.provider(expire_rate=0.5, expire_after=0.2, seed=0)  # the 1st of 2 expires
-def test_rows_of_an_expired_batch_are_submitted_again_and_nothing_twice(setup: Setup) -> None:
-    result = setup.materialize(asset())
+@BOTH_APIS
+@pytest.mark.provider(first_batch_expires=True, expire_after=0.2, processing_delay=0.1)
+def test_rows_of_an_expired_batch_are_submitted_again_and_none_is_paid_twice(
+    setup: Setup,
+) -> None:
+    result = setup.materialize(setup.asset())
     assert result.success
-    assert setup.provider()["creates"] == 2  # the expired batch, then its unrun half
-    assert setup.provider()["processed"] == 2_000
-    parts = setup.parts()
-    assert parts.height == 2_000 and parts.get_column(ID).n_unique() == 2_000
+    provider = setup.provider()
+    assert provider["creates"] == 2  # the expired batch, then its unrun half
+    assert provider["expired"] == 1_000
+    assert provider["processed"] == 2_000 == provider["submitted"] - provider["expired"]
+    setup.stored_once()
+    assert setup.stored().get_column("_error").null_count() == 2_000
 
 
+@BOTH_APIS
 @pytest.mark.provider(processing_delay=600, manual_clock=True)
 def test_submit_and_end_then_the_sensor_requests_the_collecting_run(setup: Setup) -> None:
-    routed = asset(wait=False)
+    routed = setup.asset(wait=False)
     first = setup.materialize(routed, raise_on_error=False)
     assert not first.success
     failure = next(e for e in first.all_events if e.is_step_failure)
+    assert failure.step_failure_data is not None
     assert "Submitted, not materialized yet" in str(failure.step_failure_data.error)
     run = setup.instance.get_run_by_id(first.run_id)
     assert run is not None and run.tags[PENDING_TAG] == "2000"
     assert setup.provider()["creates"] == 1 and setup.provider()["submitted"] == 2_000
 
     retry = failed_partitions_sensor(routed, backoff_seconds=0)
-    collect = provider_batches_sensor(routed, provider="openai")
+    collect = provider_batches_sensor(routed, provider=setup.api.key)
     with dg.build_sensor_context(
-        instance=setup.instance, resources={"openai": setup.resources()["openai"]}
+        instance=setup.instance, resources={setup.api.key: setup.resource}
     ) as context:
-        retried = retry(context)
-        assert not retried.run_requests  # submitted, not failed: not the retry sensor's
+        assert not retry(context).run_requests  # submitted, not failed: not the retry sensor's
         early = collect(context)
         assert not early.run_requests and "wait" in str(early.skip_reason)
         context.update_cursor(early.cursor)
@@ -213,32 +314,30 @@ def test_submit_and_end_then_the_sensor_requests_the_collecting_run(setup: Setup
         second = setup.materialize(routed, tags=ready.run_requests[0].tags)
         assert second.success
         assert stats(second)["rows_computed"] == 2_000
-        assert setup.provider()["creates"] == 1  # collected, not submitted again
-        assert setup.provider()["processed"] == 2_000
-        after = collect(context)
-        assert "No partition" in str(after.skip_reason)
+        provider = setup.provider()
+        assert provider["creates"] == 1  # collected, not submitted again
+        assert provider["processed"] == 2_000 and provider["downloads"] == 1
+        setup.stored_once()
+        assert "No partition" in str(collect(context).skip_reason)
 
 
-@pytest.mark.provider(processing_delay=600, manual_clock=True)
+@BOTH_APIS
+@pytest.mark.provider(processing_delay=4, manual_clock=True)
 def test_a_cancelled_batch_gives_back_its_unrun_rows(setup: Setup) -> None:
-    routed = asset(wait=False)
-    assert not setup.materialize(routed, raise_on_error=False).success
-    api = setup.resources()["openai"].batch_provider()
-    observation = setup.instance.fetch_observations(dg.AssetKey(ASSET), limit=1).records[0]
-    assert observation.asset_observation is not None
-    pending = observation.asset_observation.metadata["batches_pending"].value
-    setup.clock.advance(300)  # half of its requests done
-    api.cancel(json.loads(str(pending))[0])
-    setup.clock.advance(1)  # cancelling, then cancelled
-    # Collects the half that ran, submits the rest and ends; then collects that.
-    second = setup.materialize(routed, raise_on_error=False)
-    assert not second.success
-    assert 900 <= setup.provider()["cancelled"] <= 1_100
-    setup.clock.advance(601)
-    assert setup.materialize(routed).success
-    assert setup.provider()["creates"] == 2
-    assert setup.provider()["processed"] == 2_000
-    assert setup.parts().get_column(ID).n_unique() == setup.parts().height == 2_000
+    assert not setup.materialize(setup.asset(wait=False), raise_on_error=False).success
+    setup.clock.advance(1)  # a quarter of the requests done
+    (pending,) = setup.pending()
+    setup.resource.batch_provider().cancel(pending)
+    # The waiting run collects what ran and submits the rest, whose batch ends as the clock
+    # ticks on meanwhile.
+    with ticking(setup.clock):
+        result = setup.materialize(setup.asset())
+    assert result.success
+    provider = setup.provider()
+    assert provider["creates"] == 2 and provider["cancels"] == 1
+    assert provider["cancelled"] == 1_500
+    assert provider["processed"] == 2_000 == provider["submitted"] - provider["cancelled"]
+    setup.stored_once()
 
 
 # Spend budgets. The resource asks for at most 10 output tokens a row; the price is 1 and 2 USD
@@ -255,15 +354,15 @@ def priced_parse(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def priced_asset(**kw: Any) -> dg.AssetsDefinition:
+def priced_asset(setup: Setup, **kw: Any) -> dg.AssetsDefinition:
     budget = Budget({"m": PRICE}, input_tokens="prompt_tokens", output_tokens="completion_tokens")
     options = {"parse": priced_parse, "usage_columns": ["prompt_tokens", "completion_tokens"]}
-    return asset(**(options | {"budget": budget} | kw))
+    return setup.asset(**(options | {"budget": budget} | kw))
 
 
 def small_batches(setup: Setup) -> None:
     """Batches of 100 requests, and rows whose requests are all the same size."""
-    setup.openai = SmallBatches(base_url=setup.url, api_key="local", model="m", max_tokens=10)
+    setup.resource = SmallBatches(base_url=setup.url, api_key="local", model="m", max_tokens=10)
     setup.df = setup.df.with_columns(
         body=pl.format("ticket {}", pl.col(ID).cast(pl.String).str.zfill(4))
     )
@@ -272,7 +371,7 @@ def small_batches(setup: Setup) -> None:
 def submission_estimate(setup: Setup, rows: int = 100) -> float:
     """What a submission of ``rows`` requests is estimated to cost, by the documented rule:
     its bytes / 4 input tokens, ``max_tokens`` output tokens a row, at the batch price."""
-    api = setup.openai.batch_provider()
+    api = setup.resource.batch_provider()
     tag = "ca" + "0" * 32
     size = api.size(Request(f"{tag}-10", request({"body": "ticket 0000"})))
     return rows * (size / 4 * PRICE.input + MAX_TOKENS * PRICE.output) / 1e6 * 0.5
@@ -290,7 +389,7 @@ def test_a_run_budget_stops_submissions_and_a_raised_limit_submits_only_the_rest
 ) -> None:
     small_batches(setup)
     limit = 2.5 * submission_estimate(setup)  # two submissions of 100 rows fit, not a third
-    routed = priced_asset()
+    routed = priced_asset(setup)
     stopped = setup.materialize(routed, raise_on_error=False, run_config=_limit(max_run_cost=limit))
     assert not stopped.success
     # The two submitted were collected and stored; the other 200 rows were never sent.
@@ -318,7 +417,7 @@ def test_a_budget_stop_of_a_run_that_submits_and_ends_leaves_its_submissions_to_
     setup: Setup,
 ) -> None:
     small_batches(setup)
-    routed = priced_asset(wait=False)
+    routed = priced_asset(setup, wait=False)
     limit = 2.5 * submission_estimate(setup)
     stopped = setup.materialize(routed, raise_on_error=False, run_config=_limit(max_run_cost=limit))
     error = step_error(stopped)
@@ -339,7 +438,7 @@ def test_a_budget_stop_of_a_run_that_submits_and_ends_leaves_its_submissions_to_
 
 @pytest.mark.provider(rows=300)
 def test_results_of_provider_batches_cost_the_batch_price(setup: Setup) -> None:
-    result = setup.materialize(priced_asset())
+    result = setup.materialize(priced_asset(setup))
     tokens = setup.provider()
     (event,) = result.asset_materializations_for_node(ASSET)
     cost = event.metadata[md.COST_USD].value
@@ -354,7 +453,7 @@ def test_an_asset_budget_spans_shards_and_stops_the_second_shards_submissions(
 ) -> None:
     small_batches(setup)
     shards = shard_partitions(2)
-    routed = priced_asset(partitions_def=shards)
+    routed = priced_asset(setup, partitions_def=shards)
     first = setup.materialize(routed, partition="0-of-2")
     (event,) = first.asset_materializations_for_node(ASSET)
     first_cost = float(event.metadata[md.COST_USD].value)

@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import polars as pl
@@ -80,6 +81,17 @@ class Ticker:
 
     def budgets(self) -> dict[str, int]:
         return {k: b.attempts for k, b in SensorState.from_json(self.cursor).budgets.items()}
+
+
+def failing_job(
+    storage: Storage, instance: dg.DagsterInstance, shard: int, rows: int = 40, **kw: Any
+) -> tuple[Job, set[int]]:
+    """A job of ``SHARDS`` over ``rows`` tickets whose function fails on the first row of shard
+    ``shard``, and the set of failing ids (a test may change it); ``kw`` for ``build_job``."""
+    df = tickets(rows)
+    poison = {ids_in_shard(df, shard, 4)[0]}
+    fn = poisoned(poison)
+    return build_job(storage, df, fn=fn, partitions_def=SHARDS, instance=instance, **kw), poison
 
 
 def test_sensor_requests_each_failed_partition_max_retries_times_then_gives_up(
@@ -163,9 +175,7 @@ def test_partitions_with_failed_rows_are_retried_while_retry_failed_is_on(
 def test_a_run_that_dagster_will_retry_is_left_to_dagsters_run_retries(storage: Storage) -> None:
     overrides = {"run_retries": {"enabled": True, "max_retries": 2}}
     with dg.instance_for_test(overrides=overrides) as instance:
-        df = tickets(40)
-        poison = {ids_in_shard(df, 1, 4)[0]}
-        job = build_job(storage, df, fn=poisoned(poison), partitions_def=SHARDS, instance=instance)
+        job, _ = failing_job(storage, instance, 1)
         assert not job.materialize("1-of-4", raise_on_error=False).success
         failed = instance.get_runs(limit=1)[0]
         assert failed.tags.get("dagster/will_retry") == "true"  # set by Dagster's run retries
@@ -180,14 +190,7 @@ def test_a_run_that_dagster_will_retry_is_left_to_dagsters_run_retries(storage: 
 
 
 def test_a_retry_waits_for_its_backoff(storage: Storage, instance: dg.DagsterInstance) -> None:
-    df = tickets(40)
-    job = build_job(
-        storage,
-        df,
-        fn=poisoned({ids_in_shard(df, 0, 4)[0]}),
-        partitions_def=SHARDS,
-        instance=instance,
-    )
+    job, _ = failing_job(storage, instance, 0)
     assert not job.materialize("0-of-4", raise_on_error=False).success
     ticker = Ticker(job, failed_partitions_sensor(job.asset, backoff_seconds=3600))
 
@@ -205,16 +208,8 @@ def test_failed_ranged_backfill_runs_are_retried_one_partition_each(
 ) -> None:
     if planned == "per range":  # one planned event per range: the sensor follows the run
         monkeypatch.setenv("DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS", "true")
-    df = tickets(80)
-    poison = {ids_in_shard(df, 1, 4)[0]}
-    job = build_job(
-        storage,
-        df,
-        fn=poisoned(poison),
-        partitions_def=SHARDS,
-        instance=instance,
-        backfill_policy=dg.BackfillPolicy.single_run(),
-    )
+    single_run = dg.BackfillPolicy.single_run()
+    job, poison = failing_job(storage, instance, 1, rows=80, backfill_policy=single_run)
     ranged = dg.materialize(
         [job.source, job.asset],
         instance=instance,
@@ -267,15 +262,8 @@ def test_a_failed_run_is_retried_however_many_runs_of_other_jobs_failed_since(
     # One planned event per run, a subset of partitions (as this setting makes the instance
     # emit): Dagster's partition status then does not show them as failed, only the run does.
     monkeypatch.setenv("DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS", "true")
-    df = tickets(40)
-    job = build_job(
-        storage,
-        df,
-        fn=poisoned({ids_in_shard(df, 1, 4)[0]}),
-        partitions_def=SHARDS,
-        instance=instance,
-        backfill_policy=dg.BackfillPolicy.single_run(),
-    )
+    single_run = dg.BackfillPolicy.single_run()
+    job, _ = failing_job(storage, instance, 1, backfill_policy=single_run)
     ticker = Ticker(job, failed_partitions_sensor(job.asset, backoff_seconds=0))
     assert ticker.tick()[0] == []  # a tick before: the sensor has a cursor
     covered = KEYS if shards == "range" else [KEYS[1]]
