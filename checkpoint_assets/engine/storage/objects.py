@@ -70,7 +70,7 @@ class S3Store(ObjectStore):
         with translate(self, path, "reading"):
             # max_concurrency=1: otherwise s3fs sends a HEAD first (to split large downloads),
             # and a HEAD plus a LIST for a file that does not exist.
-            return bytes(self.fs.cat_file(path, max_concurrency=1))
+            return self._read(bytes(self.fs.cat_file(path, max_concurrency=1)))
 
     def list(self, folder: str) -> Listing:
         return self._list(folder, recursive=False)
