@@ -147,6 +147,33 @@ def test_a_shards_reads_of_a_stored_source_on_s3_are_counted_and_fetch_only_its_
     assert shard["rows_total"] == len(ids_in_shard(rows, 3, 8))
 
 
+def test_a_ranged_run_reports_the_requests_the_server_served_for_its_shards(
+    new_s3_storage: NewStorage, moto_s3: Any
+) -> None:
+    storage = new_s3_storage()
+    job = build_job(
+        storage, tickets(200), partitions_def=shard_partitions(4), min_flush_seconds=0
+    )
+    tags = {
+        "dagster/asset_partition_range_start": "0-of-4",
+        "dagster/asset_partition_range_end": "2-of-4",
+    }
+
+    result = dg.materialize(
+        [job.source, job.asset], instance=job.instance, resources=job.resources(), tags=tags
+    )
+
+    first, *_ = result.asset_materializations_for_node(ASSET)  # each shard's: the run's
+    reported = {
+        key.removeprefix("storage_requests/").upper(): value.value
+        for key, value in first.metadata.items()
+        if key.startswith("storage_requests/") and value.value
+    }
+    served = moto_s3.requests(_bucket(storage))
+    del served["BUCKET PUT"]
+    assert dict(served) == reported  # three shards' requests, each counted once
+
+
 def test_min_flush_seconds_bounds_the_requests_of_a_fast_run(
     new_s3_storage: NewStorage, moto_s3: Any
 ) -> None:
