@@ -151,9 +151,7 @@ def test_a_ranged_run_reports_the_requests_the_server_served_for_its_shards(
     new_s3_storage: NewStorage, moto_s3: Any
 ) -> None:
     storage = new_s3_storage()
-    job = build_job(
-        storage, tickets(200), partitions_def=shard_partitions(4), min_flush_seconds=0
-    )
+    job = build_job(storage, tickets(200), partitions_def=shard_partitions(4), min_flush_seconds=0)
     tags = {
         "dagster/asset_partition_range_start": "0-of-4",
         "dagster/asset_partition_range_end": "2-of-4",
