@@ -122,11 +122,14 @@ class Store:
         os.close(fd)
         try:
             yield local
-            self._count("PUT")
             with translate(self, path, "writing"):
-                self.fs.put_file(local, path)
+                self._upload(local, path)
         finally:
             os.remove(local)
+
+    def _upload(self, local: str, path: str) -> None:
+        self._count("PUT")
+        self.fs.put_file(local, path)
 
     def put_if_absent(self, path: str, data: bytes) -> bool:
         """Create ``path`` with ``data`` unless it exists; False when it already existed."""
