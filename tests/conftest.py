@@ -81,6 +81,7 @@ class CountingMotoServer:
 
         self.counts: dict[str, Counter[str]] = {}
         self.bytes_read: Counter[str] = Counter()  # bytes of successful GETs, per bucket
+        self.largest: Counter[str] = Counter()  # the largest request body, per bucket
         self._lock = threading.Lock()
         app = self._counting(DomainDispatcherApplication(create_backend_app))
         # What moto's ThreadedMotoServer does, with the counting wrapper around its app.
@@ -106,8 +107,10 @@ class CountingMotoServer:
                 kind = "COPY"
             else:
                 kind = method
+            size = int(environ.get("CONTENT_LENGTH") or 0)
             with self._lock:
                 self.counts.setdefault(bucket, Counter())[kind] += 1
+                self.largest[bucket] = max(self.largest[bucket], size)
             status: list[str] = []
 
             def respond(code: str, *args: Any) -> Any:

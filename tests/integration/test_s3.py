@@ -10,6 +10,7 @@ processes run on S3, GCS and Azure alike: test_clouds.py.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -170,6 +171,23 @@ def test_a_ranged_run_reports_the_requests_the_server_served_for_its_shards(
     served = moto_s3.requests(_bucket(storage))
     del served["BUCKET PUT"]
     assert dict(served) == reported  # three shards' requests, each counted once
+
+
+def test_a_large_file_goes_up_in_parts_of_16_mib_each_request_counted(
+    new_s3_storage: NewStorage, moto_s3: Any
+) -> None:
+    storage = new_s3_storage()
+    store = open_store(*storage)
+    data = os.urandom(40 * 1024**2)  # a stored source or global resume table, written locally
+
+    with store.put_file(store.path("tickets.parquet")) as local:
+        Path(local).write_bytes(data)
+
+    served = moto_s3.requests(_bucket(storage))
+    # A multipart upload (create, three parts, complete), each request counted as a PUT.
+    assert served["MULTIPART"] == 5 == store.requests["PUT"]
+    assert moto_s3.largest[_bucket(storage)] <= 16 * 1024**2  # no request holds more than a part
+    assert store.get(store.path("tickets.parquet")) == data
 
 
 def test_min_flush_seconds_bounds_the_requests_of_a_fast_run(
