@@ -1,4 +1,4 @@
-"""Object stores: a PUT of one object is atomic by itself, so every write is exactly one PUT.
+"""Object stores: a PUT of one object is atomic by itself, so a checkpoint file write is one PUT.
 
 - ``ObjectStore``: any non-local fsspec filesystem (GCS, Azure...). No temporary object, no
   copy-then-delete "rename". Directory-listing caches are off so a resume sees what the previous
