@@ -170,7 +170,11 @@ def scan(store: Store, path: str, *, checked: bool = False) -> pl.LazyFrame:
     if store.local and not checked:
         return pl.scan_parquet(path)
     filesystem = arrow_filesystem(store)
-    return pl.scan_pyarrow_dataset(ds.dataset(path, filesystem=filesystem, format=_PARQUET))
+    # The footer read once: kept by the fragment, the scan reuses it instead of reading it again.
+    fragment = _PARQUET.make_fragment(path, filesystem)
+    fragment.ensure_complete_metadata()
+    dataset = ds.FileSystemDataset([fragment], fragment.physical_schema, _PARQUET, filesystem)
+    return pl.scan_pyarrow_dataset(dataset)
 
 
 def scan_result(

@@ -4,8 +4,8 @@ counted in the store (``requests``, ``bytes_read``) like any other request.
 fsspec's own file objects read ahead (s3fs fetches 50 MiB past each read), so a shard's scan of
 a stored source fetched far more than its row groups, and nothing counted it. pyarrow's Parquet
 reader already asks for the byte ranges it needs, coalesced (``pre_buffer``: ranges less than
-8 KiB apart become one), so each read it makes is worth exactly one request. File sizes come
-from the listing that found the file, so opening it costs no second HEAD.
+8 KiB apart become one), so each read it makes is worth exactly one request. A file's size is
+asked once (a HEAD), however often it is opened.
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ class _CountedReads(pafs.FSSpecHandler):  # type: ignore[misc]
         return infos
 
     def open_input_file(self, path: str) -> pa.PythonFile:
-        size = self.sizes.get(path)
-        if size is None:
-            size = self.store.size(path)
-        return pa.PythonFile(_RangedFile(self.store, path, size), mode="r")
+        if path not in self.sizes:
+            self.sizes[path] = self.store.size(path)
+        return pa.PythonFile(_RangedFile(self.store, path, self.sizes[path]), mode="r")
 
 
 class _RangedFile(io.RawIOBase):
