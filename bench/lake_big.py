@@ -12,7 +12,8 @@
    many, spread over the range, the job's time extrapolated, and the steps below, which need
    every shard, skipped); per shard its peak RSS and
    the bytes of the stored source its key range needs (the row groups its statistics overlap:
-   what a reader fetches) against its share.
+   what a reader fetches) against its share; on S3 also what its GETs fetched
+   (``storage_bytes_read``) against its share.
 4. ``report``: a downstream asset taking every shard's result as a ``pl.LazyFrame``: an
    aggregate over all of them (needs every shard: without ``--sample``).
 5. ``global``: ``<asset>_global_resume`` over every stored row; ``reshard``: shards of
@@ -57,6 +58,7 @@ from checkpoint_assets import (
 )
 from checkpoint_assets.engine import hashing
 from checkpoint_assets.engine.scheme import shard_key_column
+from checkpoint_assets.engine.storage import open_store
 
 ID, TEXT = "id", "text"
 RAW_GROUP_ROWS = 1 << 16
@@ -141,7 +143,10 @@ def child(step: str, folder: str, shards: int, arg: str, options: dict[str, Any]
         assert result.success
         events = result.asset_materializations_for_node(name)
         event = events[0]
-        wanted = ("rows", "rows_total", "rows_resumed", "rows_computed", "rows_finished", "sum")
+        wanted = (
+            *("rows", "rows_total", "rows_resumed", "rows_computed", "rows_finished", "sum"),
+            *("storage_bytes_read", "storage_requests/get", "storage_requests/head"),
+        )
         metadata = {k: v.value for k, v in event.metadata.items() if k in wanted}
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
         one = {"step": step, "partition": partition, "seconds": seconds, "cpu": cpu}
@@ -223,8 +228,16 @@ def main(args: argparse.Namespace, folder: str, options: dict[str, Any]) -> dict
         figures["stored_mib"] = size / MIB
         figures["row_groups"] = pq.read_metadata(stored).num_row_groups
         figures["bytes_over_share_max"] = max(ratios)
+    else:
+        rest = {k: v for k, v in options.items() if k != "base_dir"}
+        store = open_store(options["base_dir"], rest)
+        size = store.size(store.path("lake_source.parquet"))
+        figures["stored_mib"] = size / MIB
     picked = sample(args.shards, args.sample)
     figures["shards"] = shards_step(folder, "shard", args.shards, picked, options)
+    if options:  # on S3, what each shard's GETs fetched (on local disk polars reads uncounted)
+        read = [r["storage_bytes_read"] / (size / args.shards) for r in figures["shards"]["runs"]]
+        figures["shards"]["bytes_read_over_share"] = read
     if args.sample is not None and args.sample < args.shards:
         return figures  # what follows needs every shard's results
     figures["report"] = run_child(folder, "report", args.shards, "", options)

@@ -129,6 +129,11 @@ def moto_process() -> Iterator[tuple[str, dict[str, Any]]]:
             "key": "bench",
             "secret": "bench",
             "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+            # moto on a busy machine may answer a part, or a CompleteMultipartUpload (it copies
+            # every part into one buffer), after botocore's 60 s; a request sent again while the
+            # first is still served races moto's multipart code (a part closed under the
+            # complete: HTTP 500 on every retry).
+            "config_kwargs": {"read_timeout": 600},
         }
         yield "s3://bench/checkpoints", options
     finally:

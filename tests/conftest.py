@@ -80,6 +80,8 @@ class CountingMotoServer:
         from werkzeug.serving import make_server
 
         self.counts: dict[str, Counter[str]] = {}
+        self.bytes_read: Counter[str] = Counter()  # bytes of successful GETs, per bucket
+        self.largest: Counter[str] = Counter()  # the largest request body, per bucket
         self._lock = threading.Lock()
         app = self._counting(DomainDispatcherApplication(create_backend_app))
         # What moto's ThreadedMotoServer does, with the counting wrapper around its app.
@@ -105,16 +107,40 @@ class CountingMotoServer:
                 kind = "COPY"
             else:
                 kind = method
+            size = int(environ.get("CONTENT_LENGTH") or 0)
             with self._lock:
                 self.counts.setdefault(bucket, Counter())[kind] += 1
-            return app(environ, start_response)  # type: ignore[no-any-return]
+                self.largest[bucket] = max(self.largest[bucket], size)
+            status: list[str] = []
+
+            def respond(code: str, *args: Any) -> Any:
+                status.append(code)
+                return start_response(code, *args)
+
+            body = app(environ, respond)
+            if kind != "GET":
+                return body  # type: ignore[no-any-return]
+            return self._sent(bucket, body, status)
 
         return wsgi
+
+    def _sent(self, bucket: str, body: Iterable[bytes], status: list[str]) -> Iterator[bytes]:
+        """``body``, its bytes counted as read when the GET succeeded (2xx)."""
+        for chunk in body:
+            if status and status[0].startswith("2"):
+                with self._lock:
+                    self.bytes_read[bucket] += len(chunk)
+            yield chunk
 
     def requests(self, bucket: str) -> Counter[str]:
         """Requests served for ``bucket`` so far, by kind."""
         with self._lock:
             return Counter(self.counts.get(bucket, Counter()))
+
+    def sent(self, bucket: str) -> int:
+        """Bytes of the successful GETs of ``bucket`` so far (what clients read)."""
+        with self._lock:
+            return self.bytes_read[bucket]
 
     def stop(self) -> None:
         self._server.shutdown()

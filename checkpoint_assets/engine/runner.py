@@ -142,6 +142,7 @@ def run(
         is_run_finished=is_run_finished,
         logger=log,
     )
+    before = checkpoint.store.usage()  # a ranged run's shards share one store
     lease.acquire()
     try:
         opened = start(checkpoint)
@@ -161,7 +162,7 @@ def run(
         return work(fn, inputs, settings, opened, sink, stats, log, label, spend).execute()
     finally:
         lease.release()
-        stats.requests = dict(checkpoint.store.requests)
+        stats.requests = dict(checkpoint.store.usage().since(before).requests)
 
 
 def _one_row_per_call(settings: Settings, label: str) -> Settings:

@@ -123,6 +123,7 @@ def define(
         table = as_lazy(source)
         call = calls.bind(context, config)
         store = io_manager.store()
+        started = io_manager.step_usage(source_key)
         settings = run_config.apply(base, config, user_columns(table.collect_schema().names()))
         resources = {r: getattr(context.resources, r) for r in calls.resources}
         printed = {**calls.code, **function_fingerprint.of_resources(resources)}
@@ -192,6 +193,7 @@ def define(
                 stats,
                 config.checkpoint_tag or DEFAULT_TAG,
                 config.checkpointing,
+                store.usage().since(started),
                 result,
                 settings.id_column,
             )
@@ -320,7 +322,7 @@ def _global_rows(
             return table
     key = global_resume_key(asset_key)
     path = table_path(io_manager, store, asset_key, tag)  # this tag's: tags never mix
-    if not store.fs.exists(path):
+    if not store.exists(path):
         raise CheckpointError(
             f"`global_resume: true` needs the table of {key.to_user_string()} for checkpoint "
             f"tag {tag or DEFAULT_TAG!r} at {store.display(path)}, which does not exist (storage "

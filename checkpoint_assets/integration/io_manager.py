@@ -35,6 +35,7 @@ from checkpoint_assets.engine import layout
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.storage import Store, merge_options, open_store, s3_options
+from checkpoint_assets.engine.storage.base import Usage
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration import source
 from checkpoint_assets.integration.source import scan_result, store_output, user_columns
@@ -93,6 +94,8 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
         ),
     )
     _default_dir: str | None = PrivateAttr(default=None)
+    _store: Store | None = PrivateAttr(default=None)
+    _loading: dict[dg.AssetKey, Usage] = PrivateAttr(default_factory=dict)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
         if self.base_dir is None:
@@ -110,6 +113,20 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
         return os.path.abspath(".checkpoints")
 
     def store(self) -> Store:
+        """The store under ``base_dir``; one for the IO manager's life (Dagster makes one per
+        run), so that a run's reads and writes are counted in one place."""
+        if self._store is None:
+            self._store = self._open()
+        return self._store
+
+    def step_usage(self, source_key: dg.AssetKey) -> Usage:
+        """The store's usage when the step of a checkpointed asset over ``source_key`` began:
+        when it loaded that source (its scan's first reads), else now. What the store counts
+        from then on is that step's: Dagster runs a process's steps one at a time."""
+        started = self._loading.pop(source_key, None)
+        return started if started is not None else self.store().usage()
+
+    def _open(self) -> Store:
         options = resolve_env(self.storage_options)
         root = self.root()
         if self.s3_resource is not None:
@@ -160,6 +177,8 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
         store = self.store()
         # A checkpointed asset's source keeps its shard key column, to select its shard's rows.
         as_source = md.ID_COLUMN in (context.definition_metadata or {})
+        if as_source:  # the step's reads start here: its metadata counts them
+            self._loading[context.asset_key] = store.usage()
         lazy = as_source or _wants_lazy(context)
         if md.ID_COLUMN in metadata:
             id_column = str(md.plain(metadata[md.ID_COLUMN]))
@@ -186,7 +205,7 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
         try:
             if not lazy:
                 return pl.read_parquet(io.BytesIO(store.get(path)))
-            if not store.fs.exists(path):  # a scan would only fail when collected
+            if not store.exists(path):  # a scan would only fail when collected
                 raise FileNotFoundError(path)
             return source.scan(store, path)
         except FileNotFoundError:

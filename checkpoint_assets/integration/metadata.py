@@ -22,6 +22,7 @@ from checkpoint_assets.engine.errors import (
 )
 from checkpoint_assets.engine.rows import CURRENT, ERROR
 from checkpoint_assets.engine.settings import RunStats
+from checkpoint_assets.engine.storage.base import Usage
 
 # Definition metadata, set by the decorators.
 ID_COLUMN = "checkpoint_assets/id_column"
@@ -45,8 +46,9 @@ COST_SHARD_TOTAL_USD = "cost_shard_total_usd"  # what the shard cost over every 
 COST_ASSET_TOTAL_USD = "cost_asset_total_usd"  # what the asset cost over every shard and run
 ROWS_PER_SECOND = "rows_per_second"
 CHECKPOINT_PATH = "checkpoint_path"
-STORAGE_REQUESTS = "storage_requests/"  # + put, get, list, delete: requests the run made
-REQUEST_KINDS = ("PUT", "GET", "LIST", "DELETE")
+STORAGE_REQUESTS = "storage_requests/"  # + put, get, list, delete, head: requests the run made
+REQUEST_KINDS = ("PUT", "GET", "LIST", "DELETE", "HEAD")
+STORAGE_BYTES_READ = "storage_bytes_read"  # what the run's GETs fetched (its source's ranges too)
 TOP_ERRORS = "top_errors"
 ROWS_CHECKPOINTED = "rows_checkpointed"
 FUNCTION_CHANGED = "function_changed"  # the function changed, its code version did not
@@ -77,10 +79,14 @@ def materialization(
     runs: Sequence[RunStats],
     tag: str,
     checkpointing: bool,
+    storage: Usage,
     result: pl.DataFrame | None = None,
     id_column: str | None = None,
 ) -> dict[str, Any]:
     """The metadata of one materialization; a ranged run of several shards reports their sums.
+
+    ``storage``: what the step asked of storage (reading its source's row groups, its
+    checkpoints), counted by the store.
 
     ``result``: what the asset returns (id, outputs, ``_error``), for Dagster's standard
     ``dagster/row_count`` and ``dagster/column_schema`` and the table of the most common errors.
@@ -97,12 +103,10 @@ def materialization(
         out[CHECKPOINT_PATH] = dg.MetadataValue.path(
             paths[0] if len(paths) == 1 else ", ".join(paths)
         )
-    requests = dict.fromkeys(REQUEST_KINDS, 0)
-    for r in runs:
-        for k, v in r.requests.items():
-            requests[k] = requests.get(k, 0) + v
+    requests = {**dict.fromkeys(REQUEST_KINDS, 0), **storage.requests}
     for kind, n in requests.items():  # one number per kind, which the UI plots over time
         out[STORAGE_REQUESTS + kind.lower()] = n
+    out[STORAGE_BYTES_READ] = storage.bytes_read
     out["storage_wait_seconds"] = round(sum(r.storage_wait_seconds for r in runs), 3)
     if result is not None:
         out[ROW_COUNT] = result.height

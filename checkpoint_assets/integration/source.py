@@ -24,7 +24,6 @@ from typing import Any
 import polars as pl
 import pyarrow as pa
 import pyarrow.dataset as ds
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from checkpoint_assets.engine import hashing
@@ -41,6 +40,7 @@ from checkpoint_assets.engine.scheme import (
     shard_key_column,
 )
 from checkpoint_assets.engine.storage import Store
+from checkpoint_assets.engine.storage.arrow import arrow_filesystem
 
 # Files written with page checksums (checkpoints' merged files) are checked as they are read.
 _PARQUET = ds.ParquetFileFormat(
@@ -163,14 +163,18 @@ def scan(store: Store, path: str, *, checked: bool = False) -> pl.LazyFrame:
     groups, and only the row groups and columns a query needs are read.
 
     On local disk, polars' own reader (parallel, strings decoded straight into polars' layout);
-    on any other filesystem (S3...), pyarrow's through the store's fsspec filesystem, which
-    reads byte ranges. ``checked``: read through pyarrow wherever the file is, every page's
-    checksum checked (checkpoints' merged files carry them).
+    on any other filesystem (S3...), pyarrow's, each byte range it needs one GET counted in the
+    store's requests (``storage/arrow.py``). ``checked``: read through pyarrow wherever the file
+    is, every page's checksum checked (checkpoints' merged files carry them).
     """
     if store.local and not checked:
         return pl.scan_parquet(path)
-    filesystem = pafs.PyFileSystem(pafs.FSSpecHandler(store.fs))
-    return pl.scan_pyarrow_dataset(ds.dataset(path, filesystem=filesystem, format=_PARQUET))
+    filesystem = arrow_filesystem(store)
+    # The footer read once: kept by the fragment, the scan reuses it instead of reading it again.
+    fragment = _PARQUET.make_fragment(path, filesystem)
+    fragment.ensure_complete_metadata()
+    dataset = ds.FileSystemDataset([fragment], fragment.physical_schema, _PARQUET, filesystem)
+    return pl.scan_pyarrow_dataset(dataset)
 
 
 def scan_result(
@@ -182,7 +186,7 @@ def scan_result(
     is running): resolving them takes ``read_result``, which reads them whole.
     """
     live, redundant = checkpoint.list_parts()
-    if live or redundant or not checkpoint.store.fs.exists(checkpoint.files.merged):
+    if live or redundant or not checkpoint.store.exists(checkpoint.files.merged):
         return None
     frame = scan(checkpoint.store, checkpoint.files.merged, checked=True)
     names = frame.collect_schema().names()

@@ -29,16 +29,23 @@ def overlapping_groups(path: str, index: int, count: int, id_column: str = "tick
 
 def groups_read(path: str) -> set[int]:
     """The row groups whose column chunks were read (byte ranges recorded by the filesystem)."""
+    read: set[int] = set()
+    for offset, length in ReadCountingFileSystem.reads.get(path, []):
+        read |= groups_in(path, offset, length)
+    return read
+
+
+def groups_in(path: str, offset: int, length: int) -> set[int]:
+    """The row groups whose column chunks a read of ``length`` bytes at ``offset`` touches
+    (none for a read of the footer: the metadata, with whatever precedes it in 64 KiB)."""
+    if offset + length == Path(path).stat().st_size and length <= FOOTER_READ:
+        return set()
     meta = pq.read_metadata(path)
-    spans = []
+    found = set()
     for g in range(meta.num_row_groups):
         columns = [meta.row_group(g).column(c) for c in range(meta.num_columns)]
         start = min(c.dictionary_page_offset or c.data_page_offset for c in columns)
-        spans.append((g, start, start + sum(c.total_compressed_size for c in columns)))
-    size = Path(path).stat().st_size
-    read = set()
-    for offset, length in ReadCountingFileSystem.reads.get(path, []):
-        if offset + length == size and length <= FOOTER_READ:
-            continue  # the footer (metadata), read with whatever precedes it in 64 KiB
-        read |= {g for g, a, b in spans if offset < b and offset + length > a}
-    return read
+        end = start + sum(c.total_compressed_size for c in columns)
+        if offset < end and offset + length > start:
+            found.add(g)
+    return found

@@ -8,6 +8,7 @@ time.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import polars as pl
 import pytest
 from helpers.jobs import ids_in_shard, route, tickets
 from helpers.read_counting_fs import PROTOCOL, ReadCountingFileSystem
-from helpers.row_groups import groups_read, overlapping_groups
+from helpers.row_groups import groups_in, groups_read, overlapping_groups
 
 from checkpoint_assets import (
     CheckpointIOManager,
@@ -25,6 +26,7 @@ from checkpoint_assets import (
     shard_partitions,
 )
 from checkpoint_assets.engine import keyed
+from checkpoint_assets.engine.hashing import shard_of
 
 ROWS = 40_000
 DAYS = ["day1", "day2", "day3"]
@@ -212,3 +214,65 @@ def test_a_ranged_run_reads_its_source_once_and_gives_each_shard_exactly_its_row
         key = f"{index}-of-4"
         stored = io_manager.checkpoint(dg.AssetKey("routed4"), None, key).load("ticket_id").rows
         assert sorted(stored["ticket_id"]) == ids_in_shard(rows, index, 4)
+
+
+def test_a_ranged_run_reads_each_shards_rows_only_once_the_shard_before_is_checkpointed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(keyed, "ROW_GROUP_ROWS", 1024)  # about 10 row groups a shard of 4
+    rows = tickets(ROWS)
+    events: list[tuple[str, int]] = []  # ("call", shard) and ("read", shard), in order
+    stored: list[bool] = []  # at each read: was the shard before it stored?
+    io_manager = CheckpointIOManager(base_dir=f"{PROTOCOL}://{tmp_path}")
+    source = str(tmp_path / "tickets.parquet")
+
+    def merged(index: int) -> str:
+        checkpoint = io_manager.checkpoint(dg.AssetKey("routed4"), None, f"{index}-of-4")
+        return checkpoint.files.merged
+
+    @dg.asset(name="tickets")
+    def upstream() -> pl.DataFrame:
+        return rows
+
+    @checkpointed_asset(
+        source="tickets",
+        id_column="ticket_id",
+        name="routed4",
+        partitions_def=shard_partitions(4),
+        backfill_policy=dg.BackfillPolicy.multi_run(3),
+    )
+    def routed4(batch: pl.DataFrame) -> pl.DataFrame:
+        (shard,) = set(shard_of(batch.get_column("ticket_id"), 4).tolist())
+        events.append(("call", int(shard)))
+        return route(batch)
+
+    assets = [upstream, routed4]
+    run(assets, {"io_manager": io_manager}, "tickets")
+    own = [overlapping_groups(source, i, 4) for i in range(4)]
+    only = [own[i] - set().union(*(own[:i] + own[i + 1 :])) for i in range(4)]
+    record = ReadCountingFileSystem.record.__func__  # type: ignore[attr-defined]
+
+    def recording(cls: type, path: str, start: int, length: int) -> None:
+        record(cls, path, start, length)
+        if path == source:
+            for index, groups in enumerate(only):
+                if groups & groups_in(source, start, length):
+                    events.append(("read", index))
+                    stored.append(index == 0 or os.path.exists(merged(index - 1)))
+
+    monkeypatch.setattr(ReadCountingFileSystem, "record", classmethod(recording))
+    tags = {
+        "dagster/asset_partition_range_start": "0-of-4",
+        "dagster/asset_partition_range_end": "2-of-4",
+    }
+
+    assert run(assets, {"io_manager": io_manager}, "routed4", tags=tags).success
+
+    # Shard by shard: each one's row groups read after every call of the one before.
+    order = [shard for _, shard in events]
+    assert sorted(set(order)) == [0, 1, 2]
+    for index in (1, 2):
+        first_read = events.index(("read", index))
+        last_call = len(events) - 1 - events[::-1].index(("call", index - 1))
+        assert last_call < first_read, events
+    assert all(stored)

@@ -57,7 +57,8 @@ def test_a_materialization_records_dagsters_standard_keys_beside_ours(storage: S
     ]
 
     requests = {k: v for k, v in plain.items() if k.startswith("storage_requests")}
-    assert set(requests) == {f"storage_requests/{k}" for k in ("put", "get", "list", "delete")}
+    kinds = ("put", "get", "list", "delete", "head")
+    assert set(requests) == {f"storage_requests/{k}" for k in kinds}
     assert all(isinstance(n, int) for n in requests.values())
     assert requests["storage_requests/put"] >= 3  # at least the lock, a part or merged, the meta
     assert plain["rows_per_second"] > 0

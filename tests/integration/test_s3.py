@@ -10,6 +10,7 @@ processes run on S3, GCS and Azure alike: test_clouds.py.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -21,15 +22,31 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import numpy as np
 import polars as pl
 import pytest
 import s3fs
 from dagster_aws.s3 import S3Resource
-from helpers.jobs import ASSET, Storage, build_job, parts_by_partition, route, stats, tickets
+from helpers.jobs import (
+    ASSET,
+    Storage,
+    build_job,
+    ids_in_shard,
+    parts_by_partition,
+    route,
+    stats,
+    tickets,
+)
 
-from checkpoint_assets import CheckpointError, CheckpointIOManager, StorageError
+from checkpoint_assets import (
+    CheckpointError,
+    CheckpointIOManager,
+    StorageError,
+    checkpointed_asset,
+    shard_partitions,
+)
 from checkpoint_assets.cli import main as cli
-from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare
+from checkpoint_assets.engine import Checkpoint, Settings, keyed, open_store, prepare
 from checkpoint_assets.engine import run as run_engine
 
 NewStorage = Callable[[], Storage]
@@ -76,6 +93,101 @@ def test_reported_storage_requests_are_what_the_server_served(
     assert dict(served) == reported
     # Every write is one PUT: no server-side copies ("renames"), no multipart uploads.
     assert "COPY" not in served and "MULTIPART" not in served
+
+
+def test_a_shards_reads_of_a_stored_source_on_s3_are_counted_and_fetch_only_its_slice(
+    new_s3_storage: NewStorage, moto_s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(keyed, "ROW_GROUP_ROWS", 512)  # 80 row groups, about 10 a shard of 8
+    base_dir, options = new_s3_storage()
+    bucket = _bucket((base_dir, options))
+    raw = np.frombuffer(np.random.default_rng(0).bytes(40_000 * 100), dtype="S100")
+    rows = tickets(40_000).with_columns(body=pl.Series(raw).bin.encode("hex"))  # incompressible
+
+    @dg.asset(name="tickets")
+    def upstream() -> pl.DataFrame:  # stored on S3 in the keyed layout
+        return rows
+
+    def routed(name: str, partitions: dg.PartitionsDefinition | None) -> dg.AssetsDefinition:
+        @checkpointed_asset(
+            source="tickets", id_column="ticket_id", name=name, partitions_def=partitions
+        )
+        def asset(batch: pl.DataFrame) -> pl.DataFrame:
+            return route(batch)
+
+        return asset
+
+    assets = [upstream, routed("sharded", shard_partitions(8)), routed("whole", None)]
+    io_manager = CheckpointIOManager(base_dir=base_dir, storage_options=options)
+    job = dg.Definitions(assets=assets, resources={"io_manager": io_manager})
+    run = job.resolve_implicit_global_asset_job_def().execute_in_process
+    run(asset_selection=[dg.AssetKey("tickets")])
+    size = s3fs.S3FileSystem(**options).size(f"{base_dir}/tickets.parquet")
+
+    def served_while(name: str, partition: str | None) -> tuple[dict[str, int], dict[str, Any]]:
+        before, sent = moto_s3.requests(bucket), moto_s3.sent(bucket)
+        result = run(asset_selection=[dg.AssetKey(name)], partition_key=partition)
+        (event,) = result.asset_materializations_for_node(name)
+        served = moto_s3.requests(bucket)
+        served.subtract(before)
+        served["BYTES"] = moto_s3.sent(bucket) - sent
+        return dict(+served), {k: v.value for k, v in event.metadata.items()}
+
+    shard_served, shard = served_while("sharded", "3-of-8")
+    whole_served, whole = served_while("whole", None)
+
+    for served, metadata in ((shard_served, shard), (whole_served, whole)):
+        reported = {
+            key.removeprefix("storage_requests/").upper(): n
+            for key, n in metadata.items()
+            if key.startswith("storage_requests/") and n
+        }
+        assert {**reported, "BYTES": metadata["storage_bytes_read"]} == served
+    # The shard's ranged GETs fetch about its eighth of the source, not the whole file.
+    assert shard["storage_bytes_read"] < size / 4 < size <= whole["storage_bytes_read"]
+    assert shard["rows_total"] == len(ids_in_shard(rows, 3, 8))
+
+
+def test_a_ranged_run_reports_the_requests_the_server_served_for_its_shards(
+    new_s3_storage: NewStorage, moto_s3: Any
+) -> None:
+    storage = new_s3_storage()
+    job = build_job(storage, tickets(200), partitions_def=shard_partitions(4), min_flush_seconds=0)
+    tags = {
+        "dagster/asset_partition_range_start": "0-of-4",
+        "dagster/asset_partition_range_end": "2-of-4",
+    }
+
+    result = dg.materialize(
+        [job.source, job.asset], instance=job.instance, resources=job.resources(), tags=tags
+    )
+
+    first, *_ = result.asset_materializations_for_node(ASSET)  # each shard's: the run's
+    reported = {
+        key.removeprefix("storage_requests/").upper(): value.value
+        for key, value in first.metadata.items()
+        if key.startswith("storage_requests/") and value.value
+    }
+    served = moto_s3.requests(_bucket(storage))
+    del served["BUCKET PUT"]
+    assert dict(served) == reported  # three shards' requests, each counted once
+
+
+def test_a_large_file_goes_up_in_parts_of_16_mib_each_request_counted(
+    new_s3_storage: NewStorage, moto_s3: Any
+) -> None:
+    storage = new_s3_storage()
+    store = open_store(*storage)
+    data = os.urandom(40 * 1024**2)  # a stored source or global resume table, written locally
+
+    with store.put_file(store.path("tickets.parquet")) as local:
+        Path(local).write_bytes(data)
+
+    served = moto_s3.requests(_bucket(storage))
+    # A multipart upload (create, three parts, complete), each request counted as a PUT.
+    assert served["MULTIPART"] == 5 == store.requests["PUT"]
+    assert moto_s3.largest[_bucket(storage)] <= 16 * 1024**2  # no request holds more than a part
+    assert store.get(store.path("tickets.parquet")) == data
 
 
 def test_min_flush_seconds_bounds_the_requests_of_a_fast_run(

@@ -4,8 +4,9 @@
 ``get``, ``list`` and ``delete``; one file per backend implements them (``local.py``,
 ``objects.py``), and the same test suite runs against each.
 
-Request budget. Every store counts the requests it makes (``requests``: PUT, GET, LIST, DELETE),
-which the asset reports as materialization metadata: object stores charge and rate-limit per
+Request budget. Every store counts the requests it makes (``requests``: PUT, GET, LIST, DELETE,
+HEAD) and the bytes its GETs fetched (``bytes_read``), which the asset reports as materialization
+metadata: object stores charge and rate-limit per
 request (S3: about 3,500 writes per second per prefix). On S3 a run into a new checkpoint makes 13
 requests to start and finish (lock, meta, merged file, listings), one PUT per flush, a PUT and a
 DELETE per compaction (at most one per seven parts beyond 55: parts are merged from memory, and a
@@ -18,7 +19,8 @@ rows. Per million rows that is about ``13 + 1.3 * min(62,500, duration / 5 s)`` 
 2,000 whenever a shard computes at least ~150 rows per second, against up to about 80,000 for a
 flush every 16 rows. Measured on a moto server (``python -m bench.run --only s3_requests``): 21
 requests for a million fast rows in 56 s; ``tests/engine/test_request_budget.py`` holds runs to
-the budget.
+the budget. Reading a stored source or result lazily is a GET per byte range pyarrow asks for
+(``arrow.py``), counted the same way.
 """
 
 from __future__ import annotations
@@ -36,6 +38,20 @@ from typing import Any, ClassVar
 import fsspec
 
 from checkpoint_assets.engine.storage.errors import translate
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a store was asked for: requests by kind, and the bytes its GETs fetched."""
+
+    requests: Mapping[str, int]
+    bytes_read: int
+
+    def since(self, earlier: Usage) -> Usage:
+        """What was asked for after ``earlier`` (a snapshot of the same store)."""
+        requests = Counter(self.requests)
+        requests.subtract(earlier.requests)
+        return Usage(+requests, self.bytes_read - earlier.bytes_read)
 
 
 @dataclass(frozen=True)
@@ -66,6 +82,7 @@ class Store:
         self.root = root.rstrip("/")
         self.url = url.rstrip("/")
         self.requests: Counter[str] = Counter()
+        self.bytes_read = 0
         self._count_lock = threading.Lock()  # the lock's heartbeat thread writes too
 
     # -- paths ---------------------------------------------------------------------------
@@ -82,6 +99,16 @@ class Store:
         with self._count_lock:
             self.requests[kind] += n
 
+    def _read(self, data: bytes) -> bytes:
+        with self._count_lock:
+            self.bytes_read += len(data)
+        return data
+
+    def usage(self) -> Usage:
+        """What this store was asked for so far (``Usage.since`` an earlier one: in between)."""
+        with self._count_lock:
+            return Usage(Counter(self.requests), self.bytes_read)
+
     # -- operations ----------------------------------------------------------------------
     def put(self, path: str, data: bytes) -> None:
         """Write ``data`` to ``path`` atomically, replacing any previous content."""
@@ -95,11 +122,14 @@ class Store:
         os.close(fd)
         try:
             yield local
-            self._count("PUT")
             with translate(self, path, "writing"):
-                self.fs.put_file(local, path)
+                self._upload(local, path)
         finally:
             os.remove(local)
+
+    def _upload(self, local: str, path: str) -> None:
+        self._count("PUT")
+        self.fs.put_file(local, path)
 
     def put_if_absent(self, path: str, data: bytes) -> bool:
         """Create ``path`` with ``data`` unless it exists; False when it already existed."""
@@ -109,7 +139,25 @@ class Store:
         """The whole content of ``path`` (FileNotFoundError when absent)."""
         self._count("GET")
         with translate(self, path, "reading"):
-            return bytes(self.fs.cat_file(path))
+            return self._read(bytes(self.fs.cat_file(path)))
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``start`` to ``end`` (exclusive) of ``path``: one ranged GET."""
+        self._count("GET")
+        with translate(self, path, "reading"):
+            return self._read(bytes(self.fs.cat_file(path, start=start, end=end)))
+
+    def size(self, path: str) -> int:
+        """The size of ``path`` in bytes (FileNotFoundError when absent): one HEAD."""
+        self._count("HEAD")
+        with translate(self, path, "reading"):
+            return int(self.fs.size(path))
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` is a file: one HEAD."""
+        self._count("HEAD")
+        with translate(self, path, "reading"):
+            return bool(self.fs.isfile(path))
 
     def get_or_none(self, path: str) -> bytes | None:
         try:

@@ -1,4 +1,4 @@
-"""Object stores: a PUT of one object is atomic by itself, so every write is exactly one PUT.
+"""Object stores: a PUT of one object is atomic by itself, so a checkpoint file write is one PUT.
 
 - ``ObjectStore``: any non-local fsspec filesystem (GCS, Azure...). No temporary object, no
   copy-then-delete "rename". Directory-listing caches are off so a resume sees what the previous
@@ -10,12 +10,17 @@
   is a PUT with ``If-None-Match: *``, which the server refuses when the object exists, so two
   writers racing for a lock never both win. Listings and deletes are plain S3 calls (one request
   per 1,000 keys): s3fs's own ``ls`` of an empty folder lists the parent too, and its ``find``
-  adds a HEAD.
+  adds a HEAD. A file written whole from a local file (a stored source, the global resume
+  table) larger than two parts goes up as a multipart upload of ``_PART_BYTES`` parts,
+  ``_PARTS_AT_ONCE`` at a time. s3fs's default (ten parts of 50 MiB at once) raised the peak
+  RSS of uploading a 1.2 GiB file by 1,020 MiB, these parts by 148 MiB (and took 25 s instead
+  of 30 s, against a moto server).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -24,6 +29,9 @@ from checkpoint_assets.engine.storage.base import FileInfo, Listing, Store, mtim
 from checkpoint_assets.engine.storage.errors import error_codes, translate, why_code
 
 _DELETE_BATCH = 1000  # keys per S3 DeleteObjects request
+_PART_BYTES = 16 * 1024**2  # a multipart upload's parts (larger past S3's 10,000 parts)
+_MAX_PARTS = 10_000
+_PARTS_AT_ONCE = 4
 
 
 class ObjectStore(Store):
@@ -70,7 +78,14 @@ class S3Store(ObjectStore):
         with translate(self, path, "reading"):
             # max_concurrency=1: otherwise s3fs sends a HEAD first (to split large downloads),
             # and a HEAD plus a LIST for a file that does not exist.
-            return bytes(self.fs.cat_file(path, max_concurrency=1))
+            return self._read(bytes(self.fs.cat_file(path, max_concurrency=1)))
+
+    def _upload(self, local: str, path: str) -> None:
+        size = os.path.getsize(local)
+        part = max(_PART_BYTES, -(-size // _MAX_PARTS))
+        # s3fs sends one PUT below two parts; above, a multipart upload: create, parts, complete.
+        self._count("PUT", 1 if size < 2 * part else -(-size // part) + 2)
+        self.fs.put_file(local, path, chunksize=part, max_concurrency=_PARTS_AT_ONCE)
 
     def list(self, folder: str) -> Listing:
         return self._list(folder, recursive=False)
