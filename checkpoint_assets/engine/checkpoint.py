@@ -228,16 +228,23 @@ class Checkpoint:
 
     # -- writing -------------------------------------------------------------------------
     def write_part(
-        self, frame: pl.DataFrame, first: int, last: int | None = None, *, data: bytes | None = None
+        self,
+        frame: pl.DataFrame,
+        first: int,
+        last: int | None = None,
+        *,
+        data: bytes | None = None,
+        id_column: str | None = None,
     ) -> Part:
         """Write ``frame`` (``_seq`` already set) as the part covering ``first``..``last``.
 
         ``data``: the rows as ``encode_part`` gave them, when the caller encoded them already.
+        ``id_column``: the ids, encoded as ids (see ``encode_part``).
         """
         last = first if last is None else last
         path = self.files.new_part(first, last)
         if data is None:
-            data = self.encode_part(frame)
+            data = self.encode_part(frame, id_column)
         self.store.put(path, data)
         self.cache.remember(path, frame)
         part = Part(path, first, last, len(data))
@@ -245,9 +252,11 @@ class Checkpoint:
         return part
 
     @staticmethod
-    def encode_part(frame: pl.DataFrame) -> bytes:
-        """The Parquet bytes of a part holding ``frame``."""
-        return parquet.encode(frame, part=True)
+    def encode_part(frame: pl.DataFrame, id_column: str | None = None) -> bytes:
+        """The Parquet bytes of a part holding ``frame``; integer ids are delta-encoded when
+        ``id_column`` is given (a quarter smaller, and cheaper to write)."""
+        distinct = [id_column] if id_column else []
+        return parquet.encode(frame, part=True, distinct=distinct, hashes=[INPUT_HASH])
 
     def compact(self, parts: list[Part], id_column: str) -> list[Part]:
         """Merge runs of same-level parts while too many exist (see ``compaction.py``).
@@ -262,7 +271,8 @@ class Checkpoint:
             merged = rows.concat(
                 [f if f is not None else self.read_file(p.path) for f, p in pairs], self.url
             ).rechunk()  # one chunk: a part made of thousands of tiny ones is slow to use
-            part = self.write_part(rows.pick_winners(merged, id_column), run[0].first, run[-1].last)
+            winners = rows.pick_winners(merged, id_column)
+            part = self.write_part(winners, run[0].first, run[-1].last, id_column=id_column)
             self._delete(run)
             parts[start : start + COMPACT_FANOUT] = [part]
         return parts
@@ -307,7 +317,7 @@ class Checkpoint:
             frame = frame.with_columns(pl.lit(True).alias(CURRENT))
         if changed:
             watermarked = {parquet.WATERMARK_KEY: str(watermark)}
-            data = parquet.encode(frame, watermarked, distinct=[id_column, INPUT_HASH])
+            data = parquet.encode(frame, watermarked, distinct=[id_column], hashes=[INPUT_HASH])
             self.store.put(self.files.merged, data)
         # Everything this load saw is now merged: delete it without listing again.
         self._delete([*stored.parts, *stored.leftover])

@@ -253,7 +253,7 @@ def _import(
         pl.col(ATTEMPTS).fill_null(0).cast(pl.Int32),
         pl.lit(seq, pl.Int64).alias(SEQ),
     )
-    part = checkpoint.write_part(found, seq)
+    part = checkpoint.write_part(found, seq, id_column=id_column)
     opened.next_seq += 1
     opened.known = None
     opened.parts = checkpoint.compact([*opened.parts, part], id_column)

@@ -269,7 +269,7 @@ class PartWriter(Sink):
         frame = rows.stamped(self.buffered(), seq)
         data = None
         if self._writing is not None and not self._writing.done():
-            data = self.checkpoint.encode_part(frame)  # the writer is busy: use the wait
+            data = self.checkpoint.encode_part(frame, self.id_column)  # use the wait
         self.wait_for_writes()  # its error leaves the buffer as it is
         if self.lease is not None:
             self.lease.check()  # a writer that lost its lock writes nothing more
@@ -288,7 +288,7 @@ class PartWriter(Sink):
     def _write(self, frame: pl.DataFrame, seq: int, data: bytes | None) -> None:
         """The writer thread's job: one part (``data``, if encoded already), then compaction."""
         try:
-            part = self.checkpoint.write_part(frame, seq, data=data)
+            part = self.checkpoint.write_part(frame, seq, data=data, id_column=self.id_column)
         except BaseException:
             self._unwritten = frame  # written again before leaving: those calls are paid for
             raise
@@ -317,7 +317,9 @@ class PartWriter(Sink):
             self.wait_for_writes()
         if self._unwritten is not None:
             frame = self._unwritten
-            self.checkpoint.write_part(frame, int(frame.get_column(SEQ)[0]))
+            self.checkpoint.write_part(
+                frame, int(frame.get_column(SEQ)[0]), id_column=self.id_column
+            )
             self._unwritten = None
         self.flush()
         self.wait_for_writes()
@@ -350,7 +352,8 @@ class PartWriter(Sink):
         except BaseException:
             if tail is not None:
                 with contextlib.suppress(Exception):  # finalize's error is the one to report
-                    self.checkpoint.write_part(tail, int(tail.get_column(SEQ)[0]))
+                    seq = int(tail.get_column(SEQ)[0])
+                    self.checkpoint.write_part(tail, seq, id_column=self.id_column)
             raise
         if not stored.get_column(CURRENT).all():
             stored = stored.filter(pl.col(CURRENT))
