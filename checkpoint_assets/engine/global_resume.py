@@ -105,18 +105,26 @@ def write_table(store: Store, folder: str, id_column: str, path: str) -> tuple[i
                     pl.lit(order, pl.Int32).alias(_ORDER),
                 )
 
-    rows = write_keyed(batches(), key, path, pl.Schema(), _newest(id_column))
+    newest = _newest(id_column, [checkpoint for checkpoint, _ in metas])
+    rows = write_keyed(batches(), key, path, pl.Schema(), newest)
     return rows, found
 
 
-def _newest(id_column: str) -> Callable[[pl.DataFrame], pl.DataFrame]:
-    """One row per id of a bucket: that of the newest finalized checkpoint (ids are unique
-    within each one)."""
+def _newest(id_column: str, by_order: list[Checkpoint]) -> Callable[[pl.DataFrame], pl.DataFrame]:
+    """One row per id of a bucket: that of the newest finalized checkpoint (``by_order``: the
+    checkpoints by ``_ORDER``). Ids are unique within each one: one that is not is corrupt,
+    said as ``load`` says it (its merged file was read a row group at a time, unchecked)."""
 
     def resolve(rows: pl.DataFrame) -> pl.DataFrame:
         rows = rows.sort(_ORDER, maintain_order=True)
         ids = rows.get_column(id_column)
         if ids.n_unique() != rows.height:
+            twice = rows.select(id_column, _ORDER).is_duplicated()
+            if twice.any():
+                order = int(rows.filter(twice).get_column(_ORDER)[0])
+                checkpoint = by_order[order]
+                mine = rows.filter(pl.col(_ORDER) == order)
+                checkpoint.damage.check_file(mine, id_column, checkpoint.files.merged)
             rows = rows.filter(ids.is_last_distinct())
         return rows.drop(_ORDER)
 
