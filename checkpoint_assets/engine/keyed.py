@@ -153,7 +153,9 @@ class Buckets:
                 self._write(index, bucket.drop(_BUCKET))
 
     def _write(self, index: int, rows: pl.DataFrame) -> None:
-        table = rows.to_arrow(compat_level=pl.CompatLevel.newest())
+        # Plain strings, not views: a bucket's views point into the buffers of every row split
+        # with it, which an IPC writer would write whole into each bucket's file.
+        table = rows.to_arrow()
         files = self.files.setdefault(index, [])
         file = next((f for f in files if f.schema.equals(table.schema)), None)
         if file is None:

@@ -124,3 +124,15 @@ def test_rows_sorted_at_once_stay_within_the_buffer_however_large_the_table(
     assert written == stored.height == rows and stored[KEY].is_sorted()
     assert stored.sort("id").equals(pl.concat(parts).sort("id"))
     assert max(held) * row_bytes < 2 * keyed.BUFFER_BYTES
+
+
+def test_bucket_files_hold_about_the_bytes_of_their_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(keyed, "BUFFER_BYTES", 64 * 1024)
+    parts = [b.with_columns(pl.col("text").str.pad_end(200, "x")) for b in batches(20_000, 5_000)]
+    with Buckets(pl.col(KEY) // (1 << 56) + 128) as buckets:
+        for batch in parts:
+            buckets.add(batch)
+        assert buckets.in_memory() is None and buckets.folder is not None
+        spilled = sum(f.stat().st_size for f in Path(buckets.folder).iterdir())
+
+    assert spilled < 1.5 * sum(b.estimated_size() for b in parts)
