@@ -16,7 +16,7 @@ missing from a listing that lags behind writes (gaps in the flush numbers) are `
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import polars as pl
@@ -146,6 +146,22 @@ class Checkpoint:
             return None, 0
         frame = self.read_file(self.files.merged, raw)  # reads the footer: watermark() can too
         return frame, parquet.watermark(raw)
+
+    def merged_groups(self, base_seq: int = 0) -> Iterator[pl.DataFrame] | None:
+        """The stored rows a row group of the merged file at a time, for a reader that needs
+        no more than one row group in memory: None when parts are left to merge into them
+        (``load`` resolves those). The file is fetched whole, so a finalize that replaces it
+        meanwhile cannot mix two versions; an unreadable one raises as in ``load``."""
+        live, redundant = self.list_parts()
+        raw = None if live or redundant else self.store.get_or_none(self.files.merged)
+        return None if raw is None else self._groups(raw, base_seq)
+
+    def _groups(self, raw: bytes, base_seq: int) -> Iterator[pl.DataFrame]:
+        try:
+            for frame in parquet.decode_groups(raw):
+                yield _since(frame, base_seq)
+        except Exception as e:
+            raise self.damage.unreadable(self.files.merged, e) from e
 
     def load(
         self,

@@ -82,8 +82,9 @@ def _names(store: Store, folder: str, slashes: int) -> list[str]:
 def write_table(store: Store, folder: str, id_column: str, path: str) -> tuple[int, Found]:
     """Write the global table of one tag's folder to the local file ``path``: one successful
     row per id from every checkpoint in ``folder``, in the keyed layout of ``id_column`` (a
-    shard's lookup reads only its row groups). Streamed a checkpoint at a time, so memory
-    follows the largest checkpoint, not the table. Returns the rows written."""
+    shard's lookup reads only its row groups). Streamed a row group of a checkpoint at a time
+    (``_finished``) through the bounded writer of ``keyed.py``, so memory follows neither the
+    table nor its largest checkpoint. Returns the rows written."""
     found = Found()
     metas: list[tuple[Checkpoint, Meta]] = []
     for name in checkpoint_names(store, folder):
@@ -96,8 +97,7 @@ def write_table(store: Store, folder: str, id_column: str, path: str) -> tuple[i
 
     def batches() -> Iterator[pl.DataFrame]:
         for order, (checkpoint, meta) in enumerate(metas):
-            rows = _finished(checkpoint, meta, found)
-            if rows.height:
+            for rows in _finished(checkpoint, meta, found):
                 # Categorical: one fingerprint per checkpoint, 4 bytes a row, not a 32-byte text.
                 yield rows.with_columns(
                     pl.lit(meta.job_fingerprint, pl.Categorical).alias(JOB),
@@ -105,18 +105,26 @@ def write_table(store: Store, folder: str, id_column: str, path: str) -> tuple[i
                     pl.lit(order, pl.Int32).alias(_ORDER),
                 )
 
-    rows = write_keyed(batches(), key, path, pl.Schema(), _newest(id_column))
+    newest = _newest(id_column, [checkpoint for checkpoint, _ in metas])
+    rows = write_keyed(batches(), key, path, pl.Schema(), newest)
     return rows, found
 
 
-def _newest(id_column: str) -> Callable[[pl.DataFrame], pl.DataFrame]:
-    """One row per id of a bucket: that of the newest finalized checkpoint (ids are unique
-    within each one)."""
+def _newest(id_column: str, by_order: list[Checkpoint]) -> Callable[[pl.DataFrame], pl.DataFrame]:
+    """One row per id of a bucket: that of the newest finalized checkpoint (``by_order``: the
+    checkpoints by ``_ORDER``). Ids are unique within each one: one that is not is corrupt,
+    said as ``load`` says it (its merged file was read a row group at a time, unchecked)."""
 
     def resolve(rows: pl.DataFrame) -> pl.DataFrame:
         rows = rows.sort(_ORDER, maintain_order=True)
         ids = rows.get_column(id_column)
         if ids.n_unique() != rows.height:
+            twice = rows.select(id_column, _ORDER).is_duplicated()
+            if twice.any():
+                order = int(rows.filter(twice).get_column(_ORDER)[0])
+                checkpoint = by_order[order]
+                mine = rows.filter(pl.col(_ORDER) == order)
+                checkpoint.damage.check_file(mine, id_column, checkpoint.files.merged)
             rows = rows.filter(ids.is_last_distinct())
         return rows.drop(_ORDER)
 
@@ -147,8 +155,8 @@ def shard_rows(
     found = Found()
     sources: list[tuple[Meta, pl.DataFrame]] = []
     for name, old in candidates:
-        checkpoint = Checkpoint(store, name)
-        meta = checkpoint.read_meta()
+        c = Checkpoint(store, name)
+        meta = c.read_meta()
         if not _same_job(meta, id_column, job_fingerprint):
             continue
         assert meta is not None
@@ -157,10 +165,10 @@ def shard_rows(
             return None  # written by the mod rule: its rows may belong to any shard
         if old.count == count:
             continue  # the run's own checkpoint: the run loads it anyway
-        rows = _finished(checkpoint, meta, found)
-        mine = np.isin(hashing.shard_of(rows.get_column(id_column), count), indexes)
-        rows = rows.filter(pl.Series(mine))
+        mine = [_of_shards(rows, id_column, count, indexes) for rows in _finished(c, meta, found)]
+        rows = pl.concat(mine) if mine else pl.DataFrame()
         if rows.height:
+            _check_unique(rows, id_column, c)
             sources.append((meta, rows))
     return _winners(sources, id_column), found
 
@@ -173,18 +181,30 @@ def _same_job(meta: Meta | None, id_column: str, job_fingerprint: str) -> bool:
     )
 
 
-def _finished(checkpoint: Checkpoint, meta: Meta, found: Found) -> pl.DataFrame:
-    """The successful rows of one checkpoint (one per id), counted in ``found``."""
-    rows = checkpoint.load(meta.id_column, meta.base_seq).rows
+def _finished(checkpoint: Checkpoint, meta: Meta, found: Found) -> Iterator[pl.DataFrame]:
+    """The successful rows of one checkpoint (one per id), counted in ``found``: a row group of
+    its merged file at a time, or all at once when it holds parts left to merge."""
     found.checkpoints.append(checkpoint.url)
     found.schemes.append(meta.scheme.label if meta.scheme else "unknown")
-    found.rows_read += rows.height
     recorded = json.dumps(meta.function_fingerprint) if meta.function_fingerprint else None
-    return (
-        rows.filter(pl.col(ERROR).is_null())
-        .drop(CURRENT, strict=False)
-        .with_columns(pl.lit(recorded, pl.Categorical).alias(FUNCTION))
-    )
+    groups = checkpoint.merged_groups(meta.base_seq)
+    if groups is None:
+        groups = iter([checkpoint.load(meta.id_column, meta.base_seq).rows])
+    for rows in groups:
+        found.rows_read += rows.height
+        done = rows.filter(pl.col(ERROR).is_null()).drop(CURRENT, strict=False)
+        if done.height:
+            yield done.with_columns(pl.lit(recorded, pl.Categorical).alias(FUNCTION))
+
+
+def _of_shards(rows: pl.DataFrame, id_column: str, count: int, indexes: list[int]) -> pl.DataFrame:
+    """The rows of ``rows`` in the shards ``indexes`` of ``count``."""
+    return rows.filter(pl.Series(np.isin(hashing.shard_of(rows[id_column], count), indexes)))
+
+
+def _check_unique(rows: pl.DataFrame, id_column: str, checkpoint: Checkpoint) -> None:
+    """Raise unless the ids read from ``checkpoint`` are unique, as ``load`` checks them."""
+    checkpoint.damage.check_file(rows, id_column, checkpoint.files.merged)
 
 
 def _winners(sources: list[tuple[Meta, pl.DataFrame]], id_column: str) -> pl.DataFrame:

