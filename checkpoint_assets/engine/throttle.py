@@ -29,6 +29,10 @@ so a single refusal decides nothing:
   wait holding their slots, so a shard a few calls over it sees few refusals and loses little:
   a round with more refusals than usual above the last level that had none steps back to that
   level (no trial), and tries again after twice as many rounds each time, within 2 s at most.
+  Refused at that good level itself, with a refused level within an eighth above it, the shard
+  steps an eighth lower once before any trial: the level a client holds against a limit drifts
+  with its own CPU (calls being sent or read count on its side only), and a trial would cost
+  half the answers of a round.
   Limits that move back up are found again within seconds.
 - **The whole shard pauses only when it is over the limit as a whole**: when at least half the
   calls of a round (or of a streak) were refused, no call starts before the latest
@@ -111,6 +115,7 @@ class Throttle:
         # Before a trial: the level, answers per second, share refused.
         self._trial: tuple[int, float, float] | None = None
         self._ceiling: tuple[int, float] | None = None  # (level refused for concurrency, when)
+        self._nudged = False  # stepped just below a near refused level since the last trial
         self._calm = 0  # rounds a background verdict holds off the next trial (doubling)
         self._calm_left = 0
         self._streak = 0  # refusals in a row
@@ -312,12 +317,19 @@ class Throttle:
         if excess:
             if self._good is not None and self.limit > self._good:
                 self._step_back(now)  # refused just past the last good level
+            elif not self._nudged and self._ceiling_within(max(2, self.limit // 8)):
+                # Refused at a good level just below one refused for concurrency: that limit.
+                # An eighth lower, once; refused again there, a trial tells (module docstring).
+                self._nudged = True
+                self._ceiling, self._good = (self.limit, now), None
+                self._lower(self.limit - max(1, self.limit // 8))
             else:
                 # Refused at a level that was clean: the endpoint's doing or a new limit?
                 # Half the calls for one round will tell.
                 level = self.limit
                 if self._lower(level // 2):
                     self._trial = (level, self._rate, share)
+                    self._nudged = False
             return
         # The background follows clean rounds, never above what trials found (refusals of
         # a shard creeping past a limit are not the endpoint's own).
@@ -339,6 +351,9 @@ class Throttle:
         if self._ceiling is not None:
             grown = max(self.limit + 1, min(grown, self._ceiling[0] - 1))
         self._set_limit(grown)
+
+    def _ceiling_within(self, calls: int) -> bool:
+        return self._ceiling is not None and self._ceiling[0] <= self.limit + calls
 
     def _step_back(self, now: float) -> None:
         """Back to the last good level, and probe past it again later (each failed probe of

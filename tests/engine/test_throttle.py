@@ -207,6 +207,41 @@ def _clean_round(gate: Throttle) -> None:
         gate.release(True)
 
 
+def _refused_round(gate: Throttle, every: int = 7) -> None:
+    """A round with every ``every``-th call refused: more than usual, never a streak."""
+    for i in range(max(16, 2 * gate.limit)):
+        gate.acquire()
+        if i % every == every - 1:
+            gate.throttle(Throttled(0.0, "HTTP 429"))
+            gate.release(False)
+        else:
+            gate.release(True)
+
+
+def test_refused_just_below_a_refused_level_a_shard_steps_down_an_eighth_before_a_trial() -> None:
+    # The level a client holds against a server's limit drifts with its own CPU (calls being
+    # sent or read count on its side only), so a level that passed can be refused later. Just
+    # below a level refused for concurrency, that is the limit: an eighth lower, not half the
+    # calls for a round (a trial, which costs answers and leaves connections idle).
+    gate, _ = _gate(36)
+    for _ in range(36):
+        gate.acquire()
+    for _ in range(8):  # a streak: over a limit, halve at once
+        gate.throttle(Throttled(0.0, "HTTP 429"))
+    for _ in range(36):
+        gate.release(False)
+    while gate.limit < 35:  # clean rounds: up to just below the refused level
+        _clean_round(gate)
+    _refused_round(gate)  # refused at 35, past the last good level (33): back to it
+    assert gate.limit == 33
+
+    _refused_round(gate)  # refused at the good level itself, 35 just above it
+    assert gate.limit == 33 - 33 // 8
+
+    _refused_round(gate)  # and again: now a trial tells a limit from the endpoint's refusals
+    assert gate.limit == 29 // 2
+
+
 def test_growth_stops_below_a_refused_level_until_it_is_forgotten_after_30_seconds() -> None:
     gate, clock = _gate(32)
     for _ in range(32):
