@@ -168,7 +168,7 @@ def shard_rows(
         mine = [_of_shards(rows, id_column, count, indexes) for rows in _finished(c, meta, found)]
         rows = pl.concat(mine) if mine else pl.DataFrame()
         if rows.height:
-            _check_unique(rows, id_column, c)
+            c.damage.check_file(rows, id_column, c.files.merged)  # as ``load`` checks ids
             sources.append((meta, rows))
     return _winners(sources, id_column), found
 
@@ -200,11 +200,6 @@ def _finished(checkpoint: Checkpoint, meta: Meta, found: Found) -> Iterator[pl.D
 def _of_shards(rows: pl.DataFrame, id_column: str, count: int, indexes: list[int]) -> pl.DataFrame:
     """The rows of ``rows`` in the shards ``indexes`` of ``count``."""
     return rows.filter(pl.Series(np.isin(hashing.shard_of(rows[id_column], count), indexes)))
-
-
-def _check_unique(rows: pl.DataFrame, id_column: str, checkpoint: Checkpoint) -> None:
-    """Raise unless the ids read from ``checkpoint`` are unique, as ``load`` checks them."""
-    checkpoint.damage.check_file(rows, id_column, checkpoint.files.merged)
 
 
 def _winners(sources: list[tuple[Meta, pl.DataFrame]], id_column: str) -> pl.DataFrame:
