@@ -112,7 +112,7 @@ def _sorted(store: Store, folder: str) -> pl.DataFrame:
     frames = []
     for order, name in enumerate(global_resume.checkpoint_names(store, folder)):
         checkpoint = Checkpoint(store, name)
-        meta = checkpoint.read_meta()
+        meta = checkpoint.meta_file.read()
         assert meta is not None
         rows = checkpoint.load(data.ID, meta.base_seq).rows
         ok = rows.filter(pl.col(ERROR).is_null()).drop(CURRENT, strict=False)

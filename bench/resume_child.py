@@ -51,7 +51,7 @@ def main(input_path: str, base_dir: str, name: str) -> dict[str, Any]:
     phases: dict[str, float] = {}
     checkpoint = Checkpoint(store, name)
     t = time.perf_counter()
-    meta = checkpoint.read_meta()
+    meta = checkpoint.meta_file.read()
     checkpoint.list_parts()
     phases["listing"] = time.perf_counter() - t
     t = time.perf_counter()

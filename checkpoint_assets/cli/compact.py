@@ -38,7 +38,7 @@ def compact(base_dir: str, name: str | None, options: dict[str, Any]) -> int:
 
 def _compact_one(checkpoint: Checkpoint) -> int:
     """Merge the parts of ``checkpoint`` under its lock; returns how many were merged."""
-    meta = checkpoint.required_meta()
+    meta = checkpoint.meta_file.required()
     with shared.locked(checkpoint):
         stored = checkpoint.load(meta.id_column, meta.base_seq)
         checkpoint.finalize(meta.id_column, None, meta.base_seq, known=stored)

@@ -29,7 +29,7 @@ def inspect(base_dir: str, name: str, failed: bool, options: dict[str, Any]) -> 
     """Meta, schema, counts, most common errors and sample rows of one checkpoint."""
     store = open_store(base_dir, options)
     checkpoint = Checkpoint(store, name)
-    meta = checkpoint.required_meta()
+    meta = checkpoint.meta_file.required()
     stored = checkpoint.load(meta.id_column, meta.base_seq)
     current = shared.result_rows(stored.rows)
     errors = current.filter(pl.col(ERROR).is_not_null()) if ERROR in current.columns else None

@@ -97,7 +97,7 @@ def _summary(store: Store, name: str, files: Sequence[FileInfo]) -> dict[str, An
     usage: dict[str, float] = {}
     error: str | None = None
     try:
-        meta = checkpoint.read_meta()
+        meta = checkpoint.meta_file.read()
         if meta is None:
             raise CheckpointError(f"No checkpoint {name!r} under {store.url} (no meta file).")
         usage = dict(meta.usage)  # the usage_columns' sums at the last finalize

@@ -27,7 +27,7 @@ from checkpoint_assets.engine.damage import Damage, Logger
 from checkpoint_assets.engine.errors import CorruptCheckpointError
 from checkpoint_assets.engine.gaps import Flushes, PartListing
 from checkpoint_assets.engine.layout import Files
-from checkpoint_assets.engine.meta import Meta
+from checkpoint_assets.engine.meta import Meta, MetaFile
 from checkpoint_assets.engine.rows import CURRENT, ERROR, INPUT_HASH, SEQ
 from checkpoint_assets.engine.storage import FileInfo, Store
 
@@ -50,7 +50,8 @@ class Checkpoint:
     """The files of one checkpoint under a store. Readers need no lock; writers hold one.
 
     What happens to damaged files is ``self.damage``'s (``damage.py``); listing the parts,
-    checked for gaps, is ``self.listing``'s (``gaps.py``).
+    checked for gaps, is ``self.listing``'s (``gaps.py``); the meta file is ``self.meta_file``
+    (``meta.py``).
     """
 
     def __init__(self, store: Store, name: str) -> None:
@@ -60,42 +61,11 @@ class Checkpoint:
         self.cache = PartCache()
         self.damage = Damage(store, name, self.files)
         self.listing = PartListing(self.damage)
+        self.meta_file = MetaFile(store, self.files, self.damage, self.data_files)
 
     @property
     def url(self) -> str:
         return self.store.display(self.files.merged)
-
-    # -- meta ----------------------------------------------------------------------------
-    def read_meta(self) -> Meta | None:
-        """The meta file (None when there is none); ``CorruptCheckpointError`` if unreadable."""
-        data = self.store.get_or_none(self.files.meta)
-        if data is None:
-            return None
-        try:
-            return Meta.from_json(data, self.store.display(self.files.meta))
-        except CorruptCheckpointError as e:
-            raise e.advise(self.damage.remedy_without_meta()) from e.__cause__
-
-    def without_meta(self, files: int) -> CorruptCheckpointError:
-        """The error of a checkpoint whose meta file is gone while ``files`` data files remain."""
-        return CorruptCheckpointError(
-            self.store.display(self.files.meta),
-            f"is missing, but {files} other file(s) of the checkpoint remain: the job that wrote "
-            "their rows cannot be checked, so they are not used",
-            self.damage.remedy_without_meta(),
-        )
-
-    def required_meta(self) -> Meta:
-        """The meta file, for a command that needs it; else a ``CheckpointError`` saying what
-        is missing and what to do (restore it or ``repair``; or that there is no checkpoint)."""
-        meta = self.read_meta()
-        if meta is None:
-            data = self.data_files()
-            raise self.without_meta(len(data)) if data else self.damage.no_checkpoint()
-        return meta
-
-    def write_meta(self, meta: Meta) -> None:
-        self.store.put(self.files.meta, meta.to_json())
 
     # -- damaged files -------------------------------------------------------------------
     def set_aside(self, path: str, log: Logger | None = None) -> str:
@@ -365,7 +335,7 @@ class Checkpoint:
 
         ``meta``: the checkpoint's meta when the caller has read it already.
         """
-        meta = meta if meta is not None else self.read_meta()
+        meta = meta if meta is not None else self.meta_file.read()
         base_seq = meta.base_seq if meta else 0
         frame = self.load(id_column, base_seq).rows
         if CURRENT in frame.columns:

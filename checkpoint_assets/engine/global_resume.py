@@ -89,7 +89,7 @@ def write_table(store: Store, folder: str, id_column: str, path: str) -> tuple[i
     metas: list[tuple[Checkpoint, Meta]] = []
     for name in checkpoint_names(store, folder):
         checkpoint = Checkpoint(store, name)
-        meta = checkpoint.read_meta()
+        meta = checkpoint.meta_file.read()
         if meta is not None and meta.id_column == id_column:
             metas.append((checkpoint, meta))
     metas.sort(key=lambda m: m[1].finalized_at or 0.0)  # oldest first: the newest wins
@@ -144,7 +144,7 @@ def shard_rows(
         partition = split_name(name)[2]
         old = Shard.parse(partition) if partition != UNPARTITIONED else None
         if old is None:
-            if _same_job(Checkpoint(store, name).read_meta(), id_column, job_fingerprint):
+            if _same_job(Checkpoint(store, name).meta_file.read(), id_column, job_fingerprint):
                 return None  # an unpartitioned or other-key checkpoint holds rows of any shard
             continue
         if old.count not in wanted:
@@ -156,7 +156,7 @@ def shard_rows(
     sources: list[tuple[Meta, pl.DataFrame]] = []
     for name, old in candidates:
         c = Checkpoint(store, name)
-        meta = c.read_meta()
+        meta = c.meta_file.read()
         if not _same_job(meta, id_column, job_fingerprint):
             continue
         assert meta is not None

@@ -1,14 +1,21 @@
-"""``<name>.parquet.meta.json``: what a checkpoint is (its job, ids, outputs, scheme) and holds."""
+"""``<name>.parquet.meta.json``: what a checkpoint is (its job, ids, outputs, scheme) and holds,
+and the file itself on its store (``MetaFile``)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from checkpoint_assets.engine.errors import CorruptCheckpointError, NewerFormatError
 from checkpoint_assets.engine.hashing import HASH_FORMAT
 from checkpoint_assets.engine.scheme import Scheme
+
+if TYPE_CHECKING:
+    from checkpoint_assets.engine.damage import Damage
+    from checkpoint_assets.engine.layout import Files
+    from checkpoint_assets.engine.storage import Store
 
 # Bumped with every new key (2: function_fingerprint): a reader refuses a newer format by name
 # (``NewerFormatError``) instead of calling it corrupt, or dropping keys it does not know when it
@@ -64,3 +71,51 @@ class Meta:
                 "If it was edited by hand, restore it; otherwise start over with resume=False "
                 "or a new checkpoint tag.",
             ) from e
+
+
+class MetaFile:
+    """A checkpoint's meta file on its store: read, written, and what is said when it is missing
+    or unreadable (the remedies are ``damage.py``'s)."""
+
+    def __init__(
+        self,
+        store: Store,
+        files: Files,
+        damage: Damage,
+        data_files: Callable[[], list[str]],
+    ) -> None:
+        self.store = store
+        self.path = files.meta
+        self.damage = damage
+        self.data_files = data_files  # the checkpoint's other files, listed when meta is missing
+
+    def read(self) -> Meta | None:
+        """The meta file (None when there is none); ``CorruptCheckpointError`` if unreadable."""
+        data = self.store.get_or_none(self.path)
+        if data is None:
+            return None
+        try:
+            return Meta.from_json(data, self.store.display(self.path))
+        except CorruptCheckpointError as e:
+            raise e.advise(self.damage.remedy_without_meta()) from e.__cause__
+
+    def missing(self, files: int) -> CorruptCheckpointError:
+        """The error of a checkpoint whose meta file is gone while ``files`` data files remain."""
+        return CorruptCheckpointError(
+            self.store.display(self.path),
+            f"is missing, but {files} other file(s) of the checkpoint remain: the job that wrote "
+            "their rows cannot be checked, so they are not used",
+            self.damage.remedy_without_meta(),
+        )
+
+    def required(self) -> Meta:
+        """The meta file, for a command that needs it; else a ``CheckpointError`` saying what
+        is missing and what to do (restore it or ``repair``; or that there is no checkpoint)."""
+        meta = self.read()
+        if meta is None:
+            data = self.data_files()
+            raise self.missing(len(data)) if data else self.damage.no_checkpoint()
+        return meta
+
+    def write(self, meta: Meta) -> None:
+        self.store.put(self.path, meta.to_json())

@@ -88,7 +88,7 @@ def open_run(
             stored = _import(start, stored, imported, inputs, settings, checkpoint, log, label)
         if reshard and start.meta is not None:
             start.meta.scheme = scheme  # its rows are resharded now: record the current rule
-            checkpoint.write_meta(start.meta)
+            checkpoint.meta_file.write(start.meta)
     earlier_hashes = start.meta is not None and start.meta.input_hash_format < 2
     found = plan(
         inputs,
@@ -122,7 +122,7 @@ def _load(
     """Check the stored job and load its rows; a new generation when they are not to be used."""
     id_column = settings.id_column
     id_dtype = str(inputs.schema[id_column])
-    meta = checkpoint.read_meta()
+    meta = checkpoint.meta_file.read()
     if meta is not None:
         _check_job(meta, job, id_column, id_dtype, settings.resume, checkpoint.url)
     same_job = meta is not None and meta.job_fingerprint == job.fingerprint
@@ -130,7 +130,7 @@ def _load(
     # The run holds the lock: unreadable parts are moved aside, and their rows computed again.
     loaded = checkpoint.load(id_column, meta.base_seq if meta else 0, outputs, quarantine=log)
     if meta is None and loaded.files:
-        raise checkpoint.without_meta(loaded.files)
+        raise checkpoint.meta_file.missing(loaded.files)
     opened.next_seq = loaded.next_seq
     opened.parts = list(loaded.parts)
     stored = loaded.rows
@@ -159,7 +159,7 @@ def _load(
             base_seq=opened.base_seq,
             function_fingerprint=dict(job.function) if job.function else None,
         )
-        checkpoint.write_meta(meta)
+        checkpoint.meta_file.write(meta)
     opened.meta = meta
     return stored
 
@@ -240,7 +240,7 @@ def _import(
     outputs = {c: str(wanted.schema[c]) for c in rows.outputs_of(wanted, id_column)}
     if not opened.meta.output_schema:
         opened.meta.output_schema = outputs
-        checkpoint.write_meta(opened.meta)
+        checkpoint.meta_file.write(opened.meta)
     elif list(outputs) != list(opened.meta.output_schema):
         raise JobMismatchError(
             checkpoint.url,

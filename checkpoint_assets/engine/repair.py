@@ -91,7 +91,7 @@ def repair(checkpoint: Checkpoint) -> Repaired:
     try:
         done = Repaired(checkpoint.name)
         try:  # first: a meta of a newer format stops repair before any file is touched
-            meta = checkpoint.read_meta()
+            meta = checkpoint.meta_file.read()
             lost = None if meta is not None else "it is missing"
         except CorruptCheckpointError as e:
             meta, lost = None, f"it {e.problem}"
@@ -164,4 +164,4 @@ def _rebuild(checkpoint: Checkpoint, meta: Meta, done: Repaired) -> None:
     done.rows_ok, done.rows_failed = current.height - failed, failed
     if done.moved and meta.rows:
         meta.rows = {**meta.rows, "ok": done.rows_ok, "failed": done.rows_failed}
-        checkpoint.write_meta(meta)
+        checkpoint.meta_file.write(meta)

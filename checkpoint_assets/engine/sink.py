@@ -255,7 +255,7 @@ class PartWriter(Sink):
         parquet.check_storable(sample.head(1))
         if self.meta is not None:
             self.meta.output_schema = outputs
-            self.checkpoint.write_meta(self.meta)
+            self.checkpoint.meta_file.write(self.meta)
 
     def busy(self) -> bool:
         return self._writing is not None and not self._writing.done()
@@ -370,7 +370,7 @@ class PartWriter(Sink):
             self.meta.usage = usage
             if self.function_fingerprint is not None:
                 self.meta.function_fingerprint = self.function_fingerprint
-            self.checkpoint.write_meta(self.meta)
+            self.checkpoint.meta_file.write(self.meta)
 
     def close(self) -> None:
         if self._pool is not None:

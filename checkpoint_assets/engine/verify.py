@@ -27,7 +27,7 @@ def problems(checkpoint: Checkpoint) -> list[str]:
         found = problems(Checkpoint(open_store("s3://bucket/checkpoints"), "a/default/all"))
     """
     try:
-        meta = checkpoint.required_meta()
+        meta = checkpoint.meta_file.required()
     except CheckpointError as e:
         return [str(e)]
     found: list[str] = []

@@ -225,7 +225,7 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
     ) -> pl.DataFrame | pl.LazyFrame:
         tag = _latest_tag(context, partition)
         checkpoint = self.checkpoint(context.asset_key, tag, partition, store)
-        meta = checkpoint.read_meta()
+        meta = checkpoint.meta_file.read()
         if meta is None:
             raise CheckpointError(
                 f"No checkpoint for {context.asset_key.to_user_string()}"

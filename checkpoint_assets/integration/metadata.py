@@ -235,7 +235,7 @@ def report_saved(
     label = context.asset_key.to_user_string() + (f" {partition}" if partition else "")
     why = type(error).__name__
     try:
-        meta = checkpoint.read_meta()
+        meta = checkpoint.meta_file.read()
         stored = checkpoint.load(id_column, meta.base_seq if meta else 0).rows
         if CURRENT in stored.columns:
             stored = stored.filter(pl.col(CURRENT).fill_null(True))

@@ -68,7 +68,7 @@ def _rows_checkpointed(base_dir: str, keys: Sequence[str]) -> int | None:
     for key in keys:
         checkpoint = Checkpoint(store, checkpoint_name(ASSET.path, None, key))
         try:
-            meta = checkpoint.read_meta()
+            meta = checkpoint.meta_file.read()
             if meta is not None:
                 total += checkpoint.load("ticket_id", meta.base_seq).rows.height
         except (OSError, CheckpointError):

@@ -267,7 +267,7 @@ class Sandbox:
 
     def stored(self) -> pl.DataFrame:
         checkpoint = self.checkpoint()
-        meta = checkpoint.read_meta()
+        meta = checkpoint.meta_file.read()
         if meta is None:
             return pl.DataFrame()
         return checkpoint.read_result(ID, list(meta.output_schema or {}), meta=meta)
@@ -655,7 +655,7 @@ def _as_written_by_hash_format_1(box: Sandbox, df: pl.DataFrame, s: runner.Setti
     inside nested values were all JSON's null). The rows are stored as one more part, written by
     the engine's own writer; the checkpoint stays valid (``verify`` passes)."""
     checkpoint = box.checkpoint()
-    meta = checkpoint.read_meta()
+    meta = checkpoint.meta_file.read()
     assert meta is not None and meta.input_hash_format == 2
     raw = json.loads(meta.to_json())
     del raw["input_hash_format"]
@@ -673,7 +673,7 @@ def _as_written_by_hash_format_1(box: Sandbox, df: pl.DataFrame, s: runner.Setti
         .drop("__earlier")
     )
     checkpoint.write_part(rows, stored.next_seq)
-    assert checkpoint.read_meta().input_hash_format == 1  # type: ignore[union-attr]
+    assert checkpoint.meta_file.read().input_hash_format == 1  # type: ignore[union-attr]
 
 
 FORMAT_1_BEFORE = [[1.5, 2.0], [NAN], [NAN], [INF], [None], [1.5], [-INF]]
@@ -705,7 +705,7 @@ def test_a_format_1_checkpoint_recomputes_once_exactly_the_rows_it_cannot_tell_a
     assert "earlier version" in caplog.text
     assert "whose input changed" not in caplog.text
     assert again.error is None and again.calls == 0
-    assert box.checkpoint().read_meta().input_hash_format == 1  # type: ignore[union-attr]
+    assert box.checkpoint().meta_file.read().input_hash_format == 1  # type: ignore[union-attr]
     box.verify()
     shown = io.StringIO()
     with contextlib.redirect_stdout(shown):

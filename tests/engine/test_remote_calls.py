@@ -39,7 +39,7 @@ def local(tmp_path: Any) -> Storage:
 def _stored(storage: Storage, name: str = "job") -> pl.DataFrame:
     base_dir, options = storage
     checkpoint = Checkpoint(open_store(base_dir, options), name)
-    meta = checkpoint.read_meta()
+    meta = checkpoint.meta_file.read()
     assert meta is not None
     return checkpoint.read_result(ID, list(meta.output_schema or {}), meta=meta)
 
@@ -197,7 +197,7 @@ def test_usage_columns_are_summed_for_this_run_and_for_every_stored_row(local: S
     _, second = _run(fn, 40, local, checkpoint_interval=4, usage_columns=usage)
     assert second.usage == {"tokens": float(sum(i % 3 + 1 for i in range(30, 40))), "cost": 5.0}
     assert second.usage_total == {"tokens": float(sum(i % 3 + 1 for i in range(40))), "cost": 20.0}
-    meta = Checkpoint(open_store(*local), "job").read_meta()
+    meta = Checkpoint(open_store(*local), "job").meta_file.read()
     assert meta is not None and meta.usage == second.usage_total
 
     out = io.StringIO()

@@ -66,7 +66,7 @@ def test_finalize_on_s3_leaves_the_merged_file_and_meta_only(new_s3_storage: New
     checkpoint = job.checkpoint()
     names = sorted(p.removeprefix(checkpoint.store.root + "/") for p in job.files())
     assert names == [f"{ASSET}/default/all.parquet", f"{ASSET}/default/all.parquet.meta.json"]
-    meta = checkpoint.read_meta()
+    meta = checkpoint.meta_file.read()
     assert meta is not None and meta.finalized_at is not None
     assert meta.rows == {"total": 100, "ok": 100, "failed": 0}
     assert checkpoint.read_result("ticket_id", ["route"]).height == 100
@@ -402,7 +402,7 @@ def test_a_missing_bucket_says_so_instead_of_reading_as_no_checkpoint_yet(
     with pytest.raises(StorageError, match="the bucket does not exist"):
         build_job(storage, tickets(5)).materialize()
     with pytest.raises(StorageError, match="the bucket does not exist"):
-        Checkpoint(open_store(*storage), "routed").read_meta()
+        Checkpoint(open_store(*storage), "routed").meta_file.read()
 
 
 def test_an_unreachable_endpoint_says_so_and_stored_work_survives(

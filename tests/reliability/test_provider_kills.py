@@ -44,7 +44,7 @@ def test_a_kill_at_each_point_pays_nothing_twice_and_stores_each_row_once(
         killed = child(url, base_dir, point, provider)
         assert killed.returncode == -9, killed.stderr[-2000:]
         checkpoint = Checkpoint(open_store(base_dir), provider_kill_child.NAME)
-        before = checkpoint.load("id").rows.height if checkpoint.read_meta() else 0
+        before = checkpoint.load("id").rows.height if checkpoint.meta_file.read() else 0
         run = provider_kill_child.run_shard(url, base_dir, ROWS, provider=provider)
         counted = stats(url)
         assert counted["processed"] == ROWS  # no request submitted twice
