@@ -252,7 +252,7 @@ class Caller:
                 fresh = batch.fresh  # a row never tried before
                 return self.last_error if self._finish(False, number, fresh) else None
             self._pay(got[0])  # before its slot is free: no call starts on a stale spend
-            self.throttle.release(True, started)
+            self.throttle.release(True)
             outcome.calls += 1
             self._finish(True, number)  # a result paid for is kept, outage or not
             return got

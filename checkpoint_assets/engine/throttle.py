@@ -34,12 +34,6 @@ so a single refusal decides nothing:
   with its own CPU (calls being sent or read count on its side only), and a trial would cost
   half the answers of a round.
   Limits that move back up are found again within seconds.
-- **Growth must be answered.** Calls added by a growth of an eighth or more that only wait (the
-  median call takes longer in proportion to the calls added: the endpoint queues them, or the
-  client itself is too busy to send them) are given back, and growth stops there for 30 s: they
-  would buy no answers and cost connections and CPU. Servers that queue rather than refuse
-  (vLLM, a proxy, a provider under load), and a client a few calls past a limit whose refused
-  calls wait holding their slots, both look like this.
 - **The whole shard pauses only when it is over the limit as a whole**: when at least half the
   calls of a round (or of a streak) were refused, no call starts before the latest
   ``Retry-After``.
@@ -53,7 +47,6 @@ for endpoints whose limit is known (refused calls still wait, and the shard stil
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable
 
@@ -66,7 +59,7 @@ _SIGMAS = 3.0  # how far above the background a round's refusals must be to mean
 _MIN_MARGIN = 0.02
 _KEPT = 0.75  # half the calls in flight kept this share of the answers: a limit, not noise
 _EXPECTED_REFUSALS = 4  # a trial round without refusal says something only past this many
-_FORGET_SECONDS = 30.0  # a level refused for concurrency (or past which calls only waited): kept
+_FORGET_SECONDS = 30.0  # a level refused because of concurrency is remembered this long
 _PAUSE_STREAK = 8  # refusals in a row that pause the whole shard
 _HOLD_ROUNDS = 8  # clean rounds without growth after the refusals proved to be the endpoint's
 _FIRST_PROBE_WAIT = 2  # rounds before a refused level is tried again, doubled per refusal
@@ -94,7 +87,6 @@ class Throttle(Gate):
         self.refusals = 0
         self._answered = 0  # calls answered in this round
         self._refused = 0  # of which refused
-        self._took: list[float] = []  # seconds each answered call of this round took
         self._background = 0.0  # the share of calls the endpoint refuses whatever we do
         self._learned = 0.0  # the highest background a trial found (slowly forgotten)
         self._rate = 0.0  # answers per second over recent rounds
@@ -108,9 +100,6 @@ class Throttle(Gate):
         self._trial: tuple[int, float, float] | None = None
         self._ceiling: tuple[int, float] | None = None  # (level refused for concurrency, when)
         self._nudged = False  # stepped just below a near refused level since the last trial
-        # The level before the last growth, the time its calls took, rounds at the new level.
-        self._grew: tuple[int, float, int] | None = None
-        self._plateau: tuple[int, float] | None = None  # (level growth stops at, since when)
         self._calm = 0  # rounds a background verdict holds off the next trial (doubling)
         self._calm_left = 0
         self._streak = 0  # refusals in a row
@@ -118,15 +107,14 @@ class Throttle(Gate):
         self._silent_since: float | None = None  # first refusal since the last success
 
     # -- around each call (acquire: ``Gate``) ------------------------------------------------
-    def release(self, succeeded: bool, started: float | None = None) -> None:
-        """A call ended (``succeeded``: the endpoint answered, whatever the rows' fate;
-        ``started``: what :meth:`acquire` returned for it, for the time it took)."""
+    def release(self, succeeded: bool) -> None:
+        """A call ended (``succeeded``: the endpoint answered, whatever the rows' fate)."""
         with self._cond:
             self.in_flight -= 1
             if succeeded:
                 self._silent_since = None
                 self._streak = 0
-                self._count(refused=False, took=None if started is None else self.clock() - started)
+                self._count(refused=False)
             self._wake(1)
 
     def throttle(self, asked: Throttled, refusals: int = 0) -> float:
@@ -161,7 +149,7 @@ class Throttle(Gate):
         return self._background
 
     # -- inside the lock -------------------------------------------------------------------
-    def _count(self, refused: bool, took: float | None = None) -> None:
+    def _count(self, refused: bool) -> None:
         """One answered call towards the round; judge the round when it is complete."""
         if self._settling:
             if self.in_flight > self.limit:
@@ -170,8 +158,6 @@ class Throttle(Gate):
             self._new_round()
         self._answered += 1
         self._refused += refused
-        if took is not None:
-            self._took.append(took)
         streak = max(2, min(_PAUSE_STREAK, self.limit))
         level = self.limit if self._trial is None else self._trial[0]  # a trial as long as before
         if self._answered >= max(_MIN_ROUND, 2 * level) or self._streak >= streak:
@@ -181,7 +167,6 @@ class Throttle(Gate):
         # A streak counts within a round: refusals that ended the last one (or came back from
         # calls started before the limit was lowered) must not lower it again at once.
         self._answered = self._refused = self._streak = 0
-        self._took = []
         self._round_began = self.clock()
 
     def _end_round(self, over: bool) -> None:
@@ -201,9 +186,6 @@ class Throttle(Gate):
         if self._ceiling is not None and now - self._ceiling[1] > _FORGET_SECONDS:
             self._ceiling = None
             self._probe_wait = _FIRST_PROBE_WAIT
-        if self._plateau is not None and now - self._plateau[1] > _FORGET_SECONDS:
-            self._plateau = None
-        grew, self._grew = self._grew, None  # judged below, after clean rounds only
         if self._trial is not None:
             level, before, before_share = self._trial
             self._trial = None
@@ -277,47 +259,15 @@ class Throttle(Gate):
             self._good = self.limit
             if self._ceiling is not None and self.limit > self._ceiling[0]:
                 self._ceiling = None  # a level once refused now passes: the limit moved up
-        # The median: a pause of the client's own (its garbage collector, a busy machine)
-        # makes a few calls slow, calls that wait in a queue make all of them slow.
-        took = statistics.median(self._took) if self._took else None
-        if grew is not None and took is not None and self._queued(grew, took):
-            return
         if self._hold and now < self._probe_by:
             self._hold -= 1
             return
         self._hold = 0
-        # A quarter more per round; near a level refused for concurrency, one more; not past
-        # a level from which more calls only waited.
+        # A quarter more per round; near a level refused for concurrency, one more.
         grown = self.limit + max(1, self.limit // 4)
         if self._ceiling is not None:
             grown = max(self.limit + 1, min(grown, self._ceiling[0] - 1))
-        if self._plateau is not None:
-            grown = min(grown, max(self.limit, self._plateau[0]))
-        grown = min(self.max, grown)
-        if took is not None and grown - self.limit >= max(2, self.limit // 8):
-            self._grew = (self.limit, took, 0)  # a step large enough to tell from noise
         self._set_limit(grown)
-
-    def _queued(self, grew: tuple[int, float, int], took: float) -> bool:
-        """After growing from ``grew``'s level: did the added calls only wait? Then back.
-
-        Calls that take longer in proportion to the calls added mean the endpoint (or the
-        client itself) queues them, and calls that only wait cost connections and CPU. In the
-        first round at the new level, about half the calls started before the growth, so half
-        the slowdown shows: slower by a quarter of the share added there, then by half of it in
-        the next round (one slow round of short calls can be noise), and the level goes back and
-        grows no further from there while this is remembered. Until then it holds.
-        """
-        level, before, rounds = grew
-        added = self.limit / level - 1
-        if took <= before * (1 + added / (4 if rounds == 0 else 2)):
-            return False  # the added calls were answered: growth goes on
-        if rounds == 0:
-            self._grew = (level, before, 1)
-            return True
-        self._plateau = (level, self.clock())
-        self._lower(level)
-        return True
 
     def _ceiling_within(self, calls: int) -> bool:
         return self._ceiling is not None and self._ceiling[0] <= self.limit + calls

@@ -106,7 +106,7 @@ class Simulated:
                 self._waiting.append(self.now + delay)
             else:
                 self.answered += 1
-                self.gate.release(True, start)
+                self.gate.release(True)
         self.now = start + self.latency
         self.limits.append(self.gate.limit)
 
@@ -240,57 +240,6 @@ def test_refused_just_below_a_refused_level_a_shard_steps_down_an_eighth_before_
 
     _refused_round(gate)  # and again: now a trial tells a limit from the endpoint's refusals
     assert gate.limit == 29 // 2
-
-
-def _timed_round(gate: Throttle, clock: list[float], took: float) -> None:
-    """A clean round whose calls each take ``took`` seconds."""
-    for _ in range(max(16, 2 * gate.limit)):
-        started = gate.acquire()
-        clock[0] += took
-        gate.release(True, started)
-
-
-def _halved_from_64_to_32() -> tuple[Throttle, list[float]]:
-    gate, clock = _gate(64)
-    for _ in range(64):
-        gate.acquire()
-    for _ in range(8):  # a streak: over a limit, halve at once
-        gate.throttle(Throttled(0.0, "HTTP 429"))
-    for _ in range(64):
-        gate.release(False)
-    assert gate.limit == 32
-    return gate, clock
-
-
-def test_growth_whose_calls_only_wait_is_given_back_for_30_seconds() -> None:
-    # An endpoint that queues the calls past what it serves (vLLM at saturation, a proxy, a
-    # client a few calls past a limit whose refused calls hold their slots) refuses nothing:
-    # the calls added show only as calls that take longer, in proportion.
-    gate, clock = _halved_from_64_to_32()
-    _timed_round(gate, clock, 0.05)
-    assert gate.limit == 40  # a quarter more, to be judged
-    _timed_round(gate, clock, 0.05 * 40 / 32)  # the first round: calls of before end in it
-    assert gate.limit == 40
-    _timed_round(gate, clock, 0.05 * 40 / 32)  # slower in proportion again: only waiting
-    assert gate.limit == 32
-
-    for _ in range(5):
-        _timed_round(gate, clock, 0.05)
-    assert gate.limit == 32, "no growth past a level whose added calls only waited"
-    clock[0] += 30
-    _timed_round(gate, clock, 0.05)
-    assert gate.limit == 40, "tried again once forgotten"
-
-
-def test_growth_whose_calls_are_answered_goes_on() -> None:
-    gate, clock = _halved_from_64_to_32()
-    _timed_round(gate, clock, 0.05)
-    _timed_round(gate, clock, 0.052)  # a little slower: not in proportion to the calls added
-    assert gate.limit == 50
-    _timed_round(gate, clock, 0.052 * 1.1)  # slower by a tenth in the first round: held to see
-    assert gate.limit == 50
-    _timed_round(gate, clock, 0.05)  # then answered as fast as before: on
-    assert gate.limit == 62
 
 
 def test_growth_stops_below_a_refused_level_until_it_is_forgotten_after_30_seconds() -> None:
