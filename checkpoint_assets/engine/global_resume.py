@@ -155,8 +155,8 @@ def shard_rows(
     found = Found()
     sources: list[tuple[Meta, pl.DataFrame]] = []
     for name, old in candidates:
-        c = Checkpoint(store, name)
-        meta = c.meta_file.read()
+        checkpoint = Checkpoint(store, name)
+        meta = checkpoint.meta_file.read()
         if not _same_job(meta, id_column, job_fingerprint):
             continue
         assert meta is not None
@@ -165,10 +165,11 @@ def shard_rows(
             return None  # written by the mod rule: its rows may belong to any shard
         if old.count == count:
             continue  # the run's own checkpoint: the run loads it anyway
-        mine = [_of_shards(rows, id_column, count, indexes) for rows in _finished(c, meta, found)]
+        groups = _finished(checkpoint, meta, found)
+        mine = [_of_shards(rows, id_column, count, indexes) for rows in groups]
         rows = pl.concat(mine) if mine else pl.DataFrame()
-        if rows.height:
-            c.damage.check_file(rows, id_column, c.files.merged)  # as ``load`` checks ids
+        if rows.height:  # ids checked as ``load`` checks them
+            checkpoint.damage.check_file(rows, id_column, checkpoint.files.merged)
             sources.append((meta, rows))
     return _winners(sources, id_column), found
 

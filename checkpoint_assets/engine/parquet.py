@@ -15,7 +15,7 @@ always notice), so it is treated as damaged rather than as done. Files written w
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import polars as pl
@@ -123,28 +123,32 @@ def decode(raw: bytes) -> pl.DataFrame:
     it. A file without statistics (parts), or of fewer than ``CONSTANT_MIN_ROWS`` rows, is read
     as it is.
     """
-    file = pq.ParquetFile(pa.BufferReader(raw), pre_buffer=False, page_checksum_verification=True)
-    names = file.schema_arrow.names
-    constants = _constants(raw, file)
-    frame = _read(file, [c for c in names if c not in constants])
-    if not constants:
-        return frame
-    schema = _frame(file.schema_arrow.empty_table()).schema
-    values = [pl.lit(value, schema[c]).alias(c) for c, value in constants.items()]
-    return frame.with_columns(values).select(names)
+    file, columns, complete = _open(raw)
+    return complete(_read(file, columns))
 
 
 def decode_groups(raw: bytes) -> Iterator[pl.DataFrame]:
     """``decode``, a row group at a time: memory holds one row group's rows, not the file's."""
+    file, columns, complete = _open(raw)
+    for group in _groups(file, columns):
+        yield complete(group)
+
+
+def _open(
+    raw: bytes,
+) -> tuple[pq.ParquetFile, list[str], Callable[[pl.DataFrame], pl.DataFrame]]:
+    """The file of ``raw`` (its pages checked as read), the columns to read from it, and what
+    completes a frame of them: the constant columns (``decode``), in the file's order."""
     file = pq.ParquetFile(pa.BufferReader(raw), pre_buffer=False, page_checksum_verification=True)
     names = file.schema_arrow.names
     constants = _constants(raw, file)
-    schema = _frame(file.schema_arrow.empty_table()).schema
+    schema = _frame(file.schema_arrow.empty_table()).schema if constants else pl.Schema()
     values = [pl.lit(value, schema[c]).alias(c) for c, value in constants.items()]
-    columns = [c for c in names if c not in constants]
-    for g in range(file.num_row_groups):
-        frame = _frame(file.read_row_group(g, columns=columns, use_threads=False))
-        yield frame.with_columns(values).select(names) if values else frame
+
+    def complete(frame: pl.DataFrame) -> pl.DataFrame:
+        return frame.with_columns(values).select(names) if values else frame
+
+    return file, [c for c in names if c not in constants], complete
 
 
 def watermark(raw: bytes) -> int:
@@ -190,11 +194,12 @@ def _read(file: pq.ParquetFile, columns: list[str]) -> pl.DataFrame:
     than the whole table at once."""
     if file.num_row_groups == 0:
         return _frame(file.schema_arrow.empty_table()).select(columns)
-    groups = (
-        file.read_row_group(g, columns=columns, use_threads=False)
-        for g in range(file.num_row_groups)
-    )
-    return pl.concat([_frame(group) for group in groups], rechunk=False)
+    return pl.concat(list(_groups(file, columns)), rechunk=False)
+
+
+def _groups(file: pq.ParquetFile, columns: list[str]) -> Iterator[pl.DataFrame]:
+    for g in range(file.num_row_groups):
+        yield _frame(file.read_row_group(g, columns=columns, use_threads=False))
 
 
 def _constants(raw: bytes, file: pq.ParquetFile) -> dict[str, object]:
