@@ -13,22 +13,29 @@ so a single refusal decides nothing:
   (``retry_delay_seconds`` doubled per refusal in a row) when the endpoint does not say.
 - **Concurrency follows the endpoint, judged over rounds.** A round is the next
   ``max(16, 2 × limit)`` answered calls. When more of a round's calls were refused than is usual
-  for this endpoint (its background share) by more than chance explains, the shard halves the
-  calls it allows in flight for one round, a trial. If the endpoint then answers at least three
-  quarters as many calls per second, the extra calls bought only refusals: the shard is over a
-  limit and stays there. If the answers fell and the refusals went with them, the limit lies
-  between the two levels, where the answers say (as many calls as were answered per second
-  before, times the time a call takes now). If the answers fell and the refusals stayed, they
-  are the endpoint's background: concurrency goes back up, the background share is learned so
-  that it does not trigger again, and the next such rounds are taken as background for longer
-  each time a trial says so again. Eight refusals in a row (fewer when fewer calls are allowed)
-  halve at once, unless the level is just past the last good one: then back to it.
+  for this endpoint (its background share) by more than chance explains, and such rounds at this
+  level add up to four refusals at least (with fewer, a round at the endpoint's own share would
+  as likely show none), the shard halves the calls it allows in flight for as many calls, a
+  trial. If the refusals went with the other half (to an eighth or fewer) and the endpoint
+  answers at least three quarters as many calls per second, the extra calls bought only
+  refusals: the shard is over a limit and stays there. If the refusals went and the answers
+  fell, the limit lies between the two levels, where the answers say (as many calls as were
+  answered per second before, times the time a call takes now). If the refusals stayed, they are
+  the endpoint's background, whatever the answers did (a client short of CPU answers about as
+  many calls with half of them in flight): concurrency goes back up, the background share is
+  learned so that it does not trigger again, and the next such rounds are taken as background
+  for longer each time a trial says so again. Eight refusals in a row (fewer when fewer calls
+  are allowed) halve at once, unless the level is just past the last good one: then back to it.
 - **Growth probes, and steps back only as far as needed.** Clean rounds grow concurrency by a
-  quarter, up to ``max_concurrency``; while a level refused for concurrency less than 30 s ago
-  is remembered, only up to just below it, then one more per round. Calls refused past a limit
-  wait holding their slots, so a shard a few calls over it sees few refusals and loses little:
-  a round with more refusals than usual above the last level that had none steps back to that
-  level (no trial), and tries again after twice as many rounds each time, within 2 s at most.
+  quarter, up to ``max_concurrency``. While a level refused for concurrency less than 30 s ago
+  is remembered, a level is good after two clean rounds in a row, and growth goes half way to
+  the refused level at most, then one more; past it, once it passes, one, two, four... more
+  at a time. Calls refused past a limit wait holding their slots, and a server that queues
+  what it cannot take (a vLLM, a proxy, a server short of CPU) refuses only now and then, so
+  a shard a few calls over a limit sees few refusals: a round with more than usual, even too
+  few to mean something alone, is no ground to grow on. One with clearly more than usual
+  above the last good level steps back to that level (no trial), and tries again after twice
+  as many rounds each time, within 2 s at most.
   Refused at that good level itself, with a refused level within an eighth above it, the shard
   steps an eighth lower once before any trial: the level a client holds against a limit drifts
   with its own CPU (calls being sent or read count on its side only), and a trial would cost
@@ -58,7 +65,8 @@ _MIN_ROUND = 16  # answered calls per round, at least
 _SIGMAS = 3.0  # how far above the background a round's refusals must be to mean something
 _MIN_MARGIN = 0.02
 _KEPT = 0.75  # half the calls in flight kept this share of the answers: a limit, not noise
-_EXPECTED_REFUSALS = 4  # a trial round without refusal says something only past this many
+_TRIAL_REFUSALS = 4  # refusals in a round that a trial can tell from the background's
+_CONFIRM = 2  # clean rounds in a row that make a level good, past a refusal
 _FORGET_SECONDS = 30.0  # a level refused because of concurrency is remembered this long
 _PAUSE_STREAK = 8  # refusals in a row that pause the whole shard
 _HOLD_ROUNDS = 8  # clean rounds without growth after the refusals proved to be the endpoint's
@@ -96,9 +104,12 @@ class Throttle(Gate):
         self._good: int | None = None  # the last level refused no more than usual
         self._probe_wait = _FIRST_PROBE_WAIT  # rounds before probing a refused level again
         self._probe_by = math.inf  # and at the latest then (clock time)
-        # Before a trial: the level, answers per second, share refused.
-        self._trial: tuple[int, float, float] | None = None
+        # Before a trial: the level, answers per second, share refused; calls it lasts.
+        self._trial: tuple[int, float, float, int] | None = None
+        self._weak = (0, 0, 0)  # rounds refused too few times for a trial: level, calls, refused
         self._ceiling: tuple[int, float] | None = None  # (level refused for concurrency, when)
+        self._stride = 1  # twice the probe's step past a refused level that passed (doubling)
+        self._clean = (self.max, 0)  # (level, clean rounds in a row there)
         self._nudged = False  # stepped just below a near refused level since the last trial
         self._calm = 0  # rounds a background verdict holds off the next trial (doubling)
         self._calm_left = 0
@@ -159,8 +170,8 @@ class Throttle(Gate):
         self._answered += 1
         self._refused += refused
         streak = max(2, min(_PAUSE_STREAK, self.limit))
-        level = self.limit if self._trial is None else self._trial[0]  # a trial as long as before
-        if self._answered >= max(_MIN_ROUND, 2 * level) or self._streak >= streak:
+        size = max(_MIN_ROUND, 2 * self.limit) if self._trial is None else self._trial[3]
+        if self._answered >= size or self._streak >= streak:
             self._end_round(over=self._streak >= streak)
 
     def _new_round(self) -> None:
@@ -187,30 +198,37 @@ class Throttle(Gate):
             self._ceiling = None
             self._probe_wait = _FIRST_PROBE_WAIT
         if self._trial is not None:
-            level, before, before_share = self._trial
+            level, before, before_share, _ = self._trial
             self._trial = None
-            # Refusals gone with half the calls: the endpoint admitted about as many calls
-            # before as the answers per second then, times the time one takes now (Little).
-            gone = share <= before_share / 4
+            # Refusals gone with half the calls (an eighth left at most: a round of a fixed
+            # background share keeps that few by chance only one time in 25 or so): the
+            # endpoint admitted about as many calls before as the answers per second then,
+            # times the time one takes now (Little).
+            gone = share <= before_share / 8
             admitted = round(self.limit * before / rate) if gone and rate > 0 else level
-            if rate >= _KEPT * before:
-                # As many answers with half the calls: a limit, below that level. Stay.
-                self._ceiling, self._good, self._hold = (level, now), None, 0
+            if gone and rate >= _KEPT * before:
+                # As many answers with half the calls, and the refusals gone with the other
+                # half: a limit, below that level. Stay. (As many answers and as many refusals:
+                # a client short of CPU answers as many calls with half in flight; the
+                # refusals are the endpoint's, below.)
+                self._refused_at(level, now)
+                self._good, self._hold = None, 0
                 self._calm = 0
             elif admitted < level:
                 # Fewer answers, hardly refused: a limit between the two levels, where the
                 # answers say. (The background, had it been one, would cost the few calls
                 # between that estimate and the level: the probes go back up to it.)
-                self._ceiling, self._good, self._hold = (level, now), admitted, 0
+                self._refused_at(level, now)
+                self._good, self._hold = admitted, 0
                 self._calm = 0
                 self._set_limit(admitted)
                 return
             else:
-                # Fewer answers and as many refusals: the calls were useful, the refusals
-                # are the endpoint's background. Back up, learn the background from this
-                # round (the round that started the trial was picked for its refusals, a
-                # biased sample), and stay at that level for a few rounds, taking the
-                # refusals as the background's for longer each time a trial says so again.
+                # The refusals stayed: they are the endpoint's background. Back up, learn the
+                # background from this round (the round that started the trial was picked for
+                # its refusals, a biased sample), and stay at that level for a few rounds,
+                # taking the refusals as the background's for longer each time a trial says
+                # so again.
                 self._learned = max(self._learned, share)
                 self._background = max(self._background, share)
                 self._set_limit(level)
@@ -222,7 +240,8 @@ class Throttle(Gate):
             if self._good is not None and self.limit > self._good:
                 self._step_back(now)  # just past the last good level: back to it
             else:
-                self._ceiling, self._good = (self.limit, now), None
+                self._refused_at(self.limit, now)
+                self._good = None
                 self._lower(self.limit // 2)
             return
         spread = math.sqrt(max(self._background, 0.01) * (1 - self._background) / answered)
@@ -238,36 +257,69 @@ class Throttle(Gate):
                 # Refused at a good level just below one refused for concurrency: that limit.
                 # An eighth lower, once; refused again there, a trial tells (module docstring).
                 self._nudged = True
-                self._ceiling, self._good = (self.limit, now), None
+                self._refused_at(self.limit, now)
+                self._good = None
                 self._lower(self.limit - max(1, self.limit // 8))
             else:
                 # Refused at a level that was clean: the endpoint's doing or a new limit?
-                # Half the calls for one round will tell.
+                # Half the calls for as long will tell, once there were enough refusals for
+                # it to: with fewer, half the calls at the endpoint's own share would as
+                # likely show none. Until then such rounds add up, and the level holds.
                 level = self.limit
-                if self._lower(level // 2):
-                    self._trial = (level, self._rate, share)
+                _, calls, refused = self._weak if self._weak[0] == level else (0, 0, 0)
+                calls, refused = calls + answered, refused + self._refused
+                self._weak = (level, calls, refused)
+                self._stride = 1
+                if refused >= _TRIAL_REFUSALS and self._lower(level // 2):
+                    self._trial = (level, self._rate, refused / calls, calls)
+                    self._weak = (0, 0, 0)
                     self._nudged = False
             return
         # The background follows clean rounds, never above what trials found (refusals of
         # a shard creeping past a limit are not the endpoint's own).
         self._background = min(self._learned, self._background + (share - self._background) / 4)
         self._learned -= max(0.0, self._learned - share) / 16  # forgotten as refusals stop
-        if share <= self._background + spread:
-            # A level is good when refusals there were no more than usual. Calls refused past a
-            # limit wait their Retry-After holding their slots, so a shard just over the limit
-            # sees few refusals: those rounds go on without being taken for good.
-            self._good = self.limit
-            if self._ceiling is not None and self.limit > self._ceiling[0]:
-                self._ceiling = None  # a level once refused now passes: the limit moved up
+        if share > self._background + spread:
+            # More refusals than usual, though not so many that they mean something alone.
+            # Calls refused past a limit wait their Retry-After holding their slots, and a
+            # server that queues what it cannot take refuses only now and then: a shard a few
+            # calls over either sees few refusals. Such a level is not taken for good, and
+            # the shard does not grow past it.
+            self._stride = 1
+            self._clean = (self.limit, 0)
+            return
+        # Clean. Past a refusal (a level refused for concurrency is remembered), a level is
+        # good after _CONFIRM clean rounds in a row: a server that queues refuses a few calls
+        # over its limit so seldom that one clean round there proves little.
+        clean = self._clean[1] + 1 if self._clean[0] == self.limit else 1
+        self._clean = (self.limit, clean)
+        if self._ceiling is not None and clean < _CONFIRM:
+            return
+        self._good = self.limit
+        if self._ceiling is not None and self.limit >= self._ceiling[0]:
+            # A level once refused now passes: the limit moved up, or its refusals were a
+            # server's queue overflowing now and then. Probe on from here, one more, then
+            # twice as many per clean round (a quarter more at once would send a burst of
+            # refusals, and open connections that then idle), until refused again or until
+            # the refused level is forgotten.
+            self._ceiling = (self.limit + 1, self._ceiling[1])
+            self._stride *= 2
         if self._hold and now < self._probe_by:
             self._hold -= 1
             return
         self._hold = 0
-        # A quarter more per round; near a level refused for concurrency, one more.
+        # A quarter more per round; below a level refused for concurrency, half way to it at
+        # most: the range where the endpoint starts refusing is halved at each step.
         grown = self.limit + max(1, self.limit // 4)
         if self._ceiling is not None:
-            grown = max(self.limit + 1, min(grown, self._ceiling[0] - 1))
+            halfway = (self.limit + self._ceiling[0]) // 2
+            grown = max(self.limit + max(1, self._stride // 2), min(grown, halfway))
         self._set_limit(grown)
+
+    def _refused_at(self, level: int, now: float) -> None:
+        """``level`` was refused for concurrency: growth stops below it for a while."""
+        self._ceiling = (level, now)
+        self._stride = 1
 
     def _ceiling_within(self, calls: int) -> bool:
         return self._ceiling is not None and self._ceiling[0] <= self.limit + calls
@@ -276,7 +328,7 @@ class Throttle(Gate):
         """Back to the last good level, and probe past it again later (each failed probe of
         this limit waits twice as many rounds, 2 s at most)."""
         assert self._good is not None
-        self._ceiling = (self.limit, now)
+        self._refused_at(self.limit, now)
         self._hold = self._probe_wait
         self._probe_by = now + _MAX_PROBE_SECONDS
         self._probe_wait = min(2 * self._probe_wait, _MAX_PROBE_WAIT)
