@@ -98,7 +98,9 @@ def test_a_shard_classifies_through_the_openai_client_and_sums_its_tokens(
     assert meta["usage/prompt_tokens"] == served["prompt_tokens"]
     assert meta["usage/completion_tokens"] == served["completion_tokens"]
     assert meta["usage_total/prompt_tokens"] == served["prompt_tokens"]
-    assert served["rate_limited"] > 0 and meta["throttle_events"] >= 1
+    # Every 429 the server sent reached the package (no hidden retries in the client), which
+    # waited and sent the call again; 4% sporadic refusals lower no concurrency.
+    assert meta["throttled_calls"] == served["rate_limited"] > 0
     assert served["server_error"] > 0 and meta["calls"] > meta["rows_computed"]
 
 
@@ -167,5 +169,6 @@ def test_the_anthropic_example_classifies_a_shard_and_sums_its_tokens(
     assert set(stored["department"]) <= set(DEPARTMENTS)
     assert meta["usage/input_tokens"] == served["prompt_tokens"]
     assert meta["usage/output_tokens"] == served["completion_tokens"] == stored.height
-    assert served["rate_limited"] > 0 and meta["throttle_events"] >= 1
-    assert served["overloaded"] > 0 and served["server_error"] > 0
+    # Every 429 and 529 reached the package, which waited and sent the call again.
+    assert meta["throttled_calls"] == served["rate_limited"] + served["overloaded"]
+    assert served["rate_limited"] > 0 and served["overloaded"] > 0 and served["server_error"] > 0
