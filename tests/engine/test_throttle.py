@@ -76,7 +76,8 @@ class Simulated:
 
     ``queued``: a server that queues what it cannot take (a vLLM, a proxy, a server short of
     CPU reading its socket late) instead of refusing it: calls above ``capacity(t)`` wait for a
-    later step, and only that share of them is refused."""
+    later step, and only that share of them is refused. ``queued=0.0`` with a low capacity is
+    also a client short of CPU: the calls past what it can handle wait their turn."""
 
     gate: Throttle
     capacity: Callable[[float], int] = lambda t: 10**9
@@ -110,7 +111,8 @@ class Simulated:
             for i in range(admitted, waiting + sent):
                 if i >= waiting and rng.random() < self.queued:
                     self.refused += 1
-                    self._waiting.append(start + self.gate.throttle(Throttled(0.2, "HTTP 429")))
+                    asked = Throttled(self.retry_after, "HTTP 429")
+                    self._waiting.append(start + self.gate.throttle(asked))
                 else:
                     self._queue += 1
             sent = min(admitted, waiting + sent)
