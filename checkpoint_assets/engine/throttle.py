@@ -108,7 +108,7 @@ class Throttle(Gate):
         self._trial: tuple[int, float, float, int] | None = None
         self._weak = (0, 0, 0)  # rounds refused too few times for a trial: level, calls, refused
         self._ceiling: tuple[int, float] | None = None  # (level refused for concurrency, when)
-        self._stride = 1  # twice the probe's step past a refused level that passed (doubling)
+        self._step = 1  # calls a probe past a refused level adds; doubles with each that passes
         self._clean = (self.max, 0)  # (level, clean rounds in a row there)
         self._nudged = False  # stepped just below a near refused level since the last trial
         self._calm = 0  # rounds a background verdict holds off the next trial (doubling)
@@ -269,7 +269,7 @@ class Throttle(Gate):
                 _, calls, refused = self._weak if self._weak[0] == level else (0, 0, 0)
                 calls, refused = calls + answered, refused + self._refused
                 self._weak = (level, calls, refused)
-                self._stride = 1
+                self._step = 1
                 if refused >= _TRIAL_REFUSALS and self._lower(level // 2):
                     self._trial = (level, self._rate, refused / calls, calls)
                     self._weak = (0, 0, 0)
@@ -285,7 +285,7 @@ class Throttle(Gate):
             # server that queues what it cannot take refuses only now and then: a shard a few
             # calls over either sees few refusals. Such a level is not taken for good, and
             # the shard does not grow past it.
-            self._stride = 1
+            self._step = 1
             self._clean = (self.limit, 0)
             return
         # Clean. Past a refusal (a level refused for concurrency is remembered), a level is
@@ -296,30 +296,31 @@ class Throttle(Gate):
         if self._ceiling is not None and clean < _CONFIRM:
             return
         self._good = self.limit
-        if self._ceiling is not None and self.limit >= self._ceiling[0]:
+        if self._hold and now < self._probe_by:
+            self._hold -= 1
+            return
+        self._hold = 0
+        if self._ceiling is None:
+            self._set_limit(self.limit + max(1, self.limit // 4))  # a quarter more per round
+        elif self.limit >= self._ceiling[0]:
             # A level once refused now passes: the limit moved up, or its refusals were a
             # server's queue overflowing now and then. Probe on from here, one more, then
             # twice as many per clean round (a quarter more at once would send a burst of
             # refusals, and open connections that then idle), until refused again or until
             # the refused level is forgotten.
             self._ceiling = (self.limit + 1, self._ceiling[1])
-            self._stride *= 2
-        if self._hold and now < self._probe_by:
-            self._hold -= 1
-            return
-        self._hold = 0
-        # A quarter more per round; below a level refused for concurrency, half way to it at
-        # most: the range where the endpoint starts refusing is halved at each step.
-        grown = self.limit + max(1, self.limit // 4)
-        if self._ceiling is not None:
+            self._set_limit(self.limit + self._step)
+            self._step *= 2
+        else:
+            # Below a level refused for concurrency: a quarter more, half way to it at most
+            # (the range where the endpoint starts refusing is halved at each step), then it.
             halfway = (self.limit + self._ceiling[0]) // 2
-            grown = max(self.limit + max(1, self._stride // 2), min(grown, halfway))
-        self._set_limit(grown)
+            self._set_limit(max(self.limit + 1, min(self.limit + self.limit // 4, halfway)))
 
     def _refused_at(self, level: int, now: float) -> None:
         """``level`` was refused for concurrency: growth stops below it for a while."""
         self._ceiling = (level, now)
-        self._stride = 1
+        self._step = 1
 
     def _ceiling_within(self, calls: int) -> bool:
         return self._ceiling is not None and self._ceiling[0] <= self.limit + calls
