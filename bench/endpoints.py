@@ -3,7 +3,7 @@
 Every scenario calls the local OpenAI-compatible server (``examples/llm_openai/server.py``, in a
 process of its own, 50 ms per answer, 429s with ``Retry-After: 0.2`` sent as
 ``retry-after-ms: 200``) with the real ``openai.AsyncOpenAI`` client, ``max_retries=0``, both
-sides in this process, each against a fresh server so both meet the same 429s, in three pairs
+sides in this process, each against a fresh server so both meet the same 429s, in five pairs
 of runs whose first side alternates (this shared machine's rates drift by a third from one run
 to the next; the limit change: one pair): the ratio reported is the median pair's, the lowest
 and highest beside it:
@@ -30,7 +30,7 @@ CPU than the loop's one, which flatters the package.
 A smoke run (fewer than 1,000 rows) serves from threads of this process and runs the limit
 change 20 times faster: it checks the code, its figures mean nothing.
 
-    python -m bench.remote --only endpoints             # about 6 minutes when the package keeps up
+    python -m bench.remote --only endpoints             # about 13 minutes
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ REFUSED = ("rate_limited", "throttled")  # the server's two kinds of 429
 SCHEDULE = (4.0, 10.0, 25.0)  # the limit drops to 8, returns to 32, the run ends (seconds)
 BACK = 0.8  # the share of the loop's rows/s that counts as back
 HELD = 5  # windows it must last
-PAIRS = 3  # runs of each side per scenario with a target
+PAIRS = 5  # runs of each side per scenario (a run's rate moves by a third with the machine)
 SETTLED = 3.0  # seconds after the first request from which a side is taken as settled
 
 
