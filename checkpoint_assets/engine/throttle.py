@@ -30,10 +30,12 @@ so a single refusal decides nothing:
   quarter, up to ``max_concurrency``. While a level refused for concurrency less than 30 s ago
   is remembered, a level is good after two clean rounds in a row, and growth goes half way to
   the refused level at most, then one more; past it, once it passes, one, two, four... more
-  at a time. Calls refused past a limit wait holding their slots, and a server that queues
-  what it cannot take (a vLLM, a proxy, a server short of CPU) refuses only now and then, so
-  a shard a few calls over a limit sees few refusals: a round with more than usual, even too
-  few to mean something alone, is no ground to grow on. One with clearly more than usual
+  at a time. Calls refused past a limit wait holding their slots, an endpoint that queues
+  what it cannot take (a vLLM, a proxy) refuses only now and then, and so does one called by
+  a client short of CPU (answers wait in the client's own sockets, so the endpoint sees fewer
+  calls than the client has in flight): a shard a few calls over a limit sees few refusals,
+  and a round with more than usual, even too few to mean something alone, is no ground to
+  grow on. One with clearly more than usual
   above the last good level steps back to that level (no trial), and tries again after twice
   as many rounds each time, within 2 s at most.
   Refused at that good level itself, with a refused level within an eighth above it, the shard
@@ -282,15 +284,16 @@ class Throttle(Gate):
         if share > self._background + spread:
             # More refusals than usual, though not so many that they mean something alone.
             # Calls refused past a limit wait their Retry-After holding their slots, and a
-            # server that queues what it cannot take refuses only now and then: a shard a few
-            # calls over either sees few refusals. Such a level is not taken for good, and
-            # the shard does not grow past it.
+            # server that queues what it cannot take (or one called by a client short of CPU)
+            # refuses only now and then: a shard a few calls over either sees few refusals.
+            # Such a level is not taken for good, and the shard does not grow past it.
             self._step = 1
             self._clean = (self.limit, 0)
             return
         # Clean. Past a refusal (a level refused for concurrency is remembered), a level is
-        # good after _CONFIRM clean rounds in a row: a server that queues refuses a few calls
-        # over its limit so seldom that one clean round there proves little.
+        # good after _CONFIRM clean rounds in a row: an endpoint that queues (or one called by
+        # a client short of CPU) refuses a few calls over its limit so seldom that one clean
+        # round there proves little.
         clean = self._clean[1] + 1 if self._clean[0] == self.limit else 1
         self._clean = (self.limit, clean)
         if self._ceiling is not None and clean < _CONFIRM:
