@@ -35,9 +35,8 @@ so a single refusal decides nothing:
   a client short of CPU (answers wait in the client's own sockets, so the endpoint sees fewer
   calls than the client has in flight): a shard a few calls over a limit sees few refusals,
   and a round with more than usual, even too few to mean something alone, is no ground to
-  grow on. One with clearly more than usual
-  above the last good level steps back to that level (no trial), and tries again after twice
-  as many rounds each time, within 2 s at most.
+  grow on. One with clearly more than usual above the last good level steps back to that
+  level (no trial), and tries again after twice as many rounds each time, within 2 s at most.
   Refused at that good level itself, with a refused level within an eighth above it, the shard
   steps an eighth lower once before any trial: the level a client holds against a limit drifts
   with its own CPU (calls being sent or read count on its side only), and a trial would cost
