@@ -306,10 +306,10 @@ class Throttle(Gate):
             self._set_limit(self.limit + max(1, self.limit // 4))  # a quarter more per round
         elif self.limit >= self._ceiling[0]:
             # A level once refused now passes: the limit moved up, or its refusals were a
-            # server's queue overflowing now and then. Probe on from here, one more, then
-            # twice as many per clean round (a quarter more at once would send a burst of
-            # refusals, and open connections that then idle), until refused again or until
-            # the refused level is forgotten.
+            # queue overflowing now and then (the endpoint's, or a client's short of CPU).
+            # Probe on from here, one more, then twice as many per clean round (a quarter more
+            # at once would send a burst of refusals, and open connections that then idle),
+            # until refused again or until the refused level is forgotten.
             self._ceiling = (self.limit + 1, self._ceiling[1])
             self._set_limit(self.limit + self._step)
             self._step *= 2

@@ -74,9 +74,9 @@ class Simulated:
     are sent; those above ``capacity(t)`` or refused at random (``p``) are refused with
     ``retry_after`` (held slots wait it out), the rest are answered.
 
-    ``queued``: a server that queues what it cannot take (a vLLM, a proxy, a server short of
-    CPU reading its socket late) instead of refusing it: calls above ``capacity(t)`` wait for a
-    later step, and only that share of them is refused. ``queued=0.0`` with a low capacity is
+    ``queued``: a server that queues what it cannot take (a vLLM, a proxy) instead of refusing
+    it: calls above ``capacity(t)`` wait for a later step, and only that share of them is
+    refused. ``queued=0.0`` with a low capacity is
     also a client short of CPU: the calls past what it can handle wait their turn."""
 
     gate: Throttle
