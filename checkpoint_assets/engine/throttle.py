@@ -24,8 +24,10 @@ so a single refusal decides nothing:
   the endpoint's background, whatever the answers did (a client short of CPU answers about as
   many calls with half of them in flight): concurrency goes back up, the background share is
   learned so that it does not trigger again, and the next such rounds are taken as background
-  for longer each time a trial says so again. Eight refusals in a row (fewer when fewer calls
-  are allowed) halve at once, unless the level is just past the last good one: then back to it.
+  for longer each time a trial says so again. The share learned then follows the rounds that
+  were not refused more than usual, up and down, never above what the trials found (with what
+  chance hides in one round). Eight refusals in a row (fewer when fewer calls are allowed)
+  halve at once, unless the level is just past the last good one: then back to it.
 - **Growth probes, and steps back only as far as needed.** Clean rounds grow concurrency by a
   quarter, up to ``max_concurrency``. While a level refused for concurrency less than 30 s ago
   is remembered, a level is good after two clean rounds in a row, and growth goes half way to
@@ -97,7 +99,8 @@ class Throttle(Gate):
         self._answered = 0  # calls answered in this round
         self._refused = 0  # of which refused
         self._background = 0.0  # the share of calls the endpoint refuses whatever we do
-        self._learned = 0.0  # the highest background a trial found (slowly forgotten)
+        self._learned = 0.0  # the background clean rounds show, at most what trials found
+        self._found = 0.0  # the highest background a trial found (with its round's spread)
         self._rate = 0.0  # answers per second over recent rounds
         self._round_began = clock()
         self._settling = False  # lowered: the round starts once the calls in flight fit
@@ -229,7 +232,10 @@ class Throttle(Gate):
                 # background from this round (the round that started the trial was picked for
                 # its refusals, a biased sample), and stay at that level for a few rounds,
                 # taking the refusals as the background's for longer each time a trial says
-                # so again.
+                # so again. What is learned later may go as far as this round's share and
+                # what chance hides in a round of its size: one round is a small sample.
+                spread = math.sqrt(max(share, 0.01) * (1 - share) / answered)
+                self._found = max(self._found, share + spread)
                 self._learned = max(self._learned, share)
                 self._background = max(self._background, share)
                 self._set_limit(level)
@@ -276,10 +282,12 @@ class Throttle(Gate):
                     self._weak = (0, 0, 0)
                     self._nudged = False
             return
-        # The background follows clean rounds, never above what trials found (refusals of
-        # a shard creeping past a limit are not the endpoint's own).
+        # The background follows clean rounds, up and down, never above what trials found
+        # (refusals of a shard creeping past a limit are not the endpoint's own). Followed
+        # only down, it would settle below the endpoint's share, rounds at that share would
+        # look like a few refusals too many, and the shard would hardly grow again.
         self._background = min(self._learned, self._background + (share - self._background) / 4)
-        self._learned -= max(0.0, self._learned - share) / 16  # forgotten as refusals stop
+        self._learned = min(self._found, self._learned + (share - self._learned) / 16)
         if share > self._background + spread:
             # More refusals than usual, though not so many that they mean something alone.
             # Calls refused past a limit wait their Retry-After holding their slots, and a
@@ -320,9 +328,11 @@ class Throttle(Gate):
             self._set_limit(max(self.limit + 1, min(self.limit + self.limit // 4, halfway)))
 
     def _refused_at(self, level: int, now: float) -> None:
-        """``level`` was refused for concurrency: growth stops below it for a while."""
+        """``level`` was refused for concurrency: growth stops below it for a while. A hold
+        at a level the refusals were the endpoint's own at ends: it was for that level."""
         self._ceiling = (level, now)
         self._step = 1
+        self._hold, self._probe_by = 0, math.inf
 
     def _ceiling_within(self, calls: int) -> bool:
         return self._ceiling is not None and self._ceiling[0] <= self.limit + calls

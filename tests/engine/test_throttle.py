@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import math
 import random
 import statistics
 import threading
@@ -233,6 +234,52 @@ def test_a_limit_that_drops_and_returns_is_found_again() -> None:
     steps = next(i for i, limit in enumerate(back) if limit >= 0.8 * 32)
     assert steps * sim.latency < 3.0, "back near the limit within seconds of its return"
     assert sum(back[-100:]) / 100 >= 28
+
+
+@pytest.mark.parametrize(("latency", "median", "worst"), [(0.05, 3.0, 10.0), (0.25, 15.0, 59.0)])
+def test_a_limit_that_drops_and_returns_is_found_again_through_the_endpoints_own_refusals(
+    latency: float, median: float, worst: float
+) -> None:
+    # The endpoint refuses 5 % of calls whatever the shard does. What the shard learns of that
+    # share follows the rounds both ways: if it only went down, it would settle below the true
+    # share, every round at the endpoint's own share would look like a few refusals too many,
+    # and the shard would hardly grow again. (The code before: medians of 5 s and 30 s; the
+    # slowest seed back after 32 s at 50 ms calls, and never within the 60 s at 250 ms.)
+    back = []
+    for seed in range(8):
+        sim = _simulated(
+            32, capacity=lambda t: 8 if 10 <= t < 20 else 32, p=0.05, latency=latency, seed=seed
+        )
+        sim.run(20)
+        limits = sim.run(60)
+        steps = next((i for i, limit in enumerate(limits) if limit >= 0.8 * 32), None)
+        back.append(math.inf if steps is None else steps * latency)
+
+    assert statistics.median(back) <= median, back
+    assert max(back) <= worst, back
+
+
+def test_a_level_held_for_the_endpoints_refusals_is_not_held_below_a_limit_found_later() -> None:
+    # A trial said the refusals were the endpoint's own: the level holds for a few rounds. A
+    # streak then shows a limit below it. The hold was for that level, not for half of it:
+    # growth resumes as soon as the lower level is good.
+    gate, _ = _gate(32)
+    _refused_round(gate)  # 9 of 64 refused at a clean level: a trial at 16
+    assert gate.limit == 16
+    _refused_round(gate)
+    _refused_round(gate)  # as many refused with half the calls: the endpoint's own; back to 32
+    assert gate.limit == 32
+    for _ in range(32):
+        gate.acquire()
+    for _ in range(8):  # then a streak: over a limit, halve at once
+        gate.throttle(Throttled(0.0, "HTTP 429"))
+    for _ in range(32):
+        gate.release(False)
+    assert gate.limit == 16
+
+    for _ in range(3):  # two clean rounds make it good (a level was refused), the third grows
+        _clean_round(gate)
+    assert gate.limit == 20
 
 
 def test_sporadic_refusals_on_top_of_a_limit_are_learned_not_chased_down() -> None:
