@@ -21,8 +21,17 @@ a limit of 32 requests in flight (429 beyond it) with the package started at ``m
 than a job does; both sides' rate from 3 s on is reported beside); that limit changing 32 -> 8 ->
 32 at 4 s and 10 s after the first request, the loop sending for 25 s and the package then given as
 many rows, reported in 1-second windows with how long after the limit returns the package is back
-to 0.8 of the loop (in that window, and over the rest of the run, 5 windows at least); no 429 at
-all. Figures per side: rows/s, 429s the server answered (its ``/stats``); for the package its
+to 0.8 of the loop (in that window, and over the rest of the run, 5 windows at least); the same
+with 5 % of calls also refused at random all along; no 429 at all.
+
+At 50 ms an answer, 32 calls in flight take about one core of this client (the plain loop's own
+event loop is the bound), so on a machine of 2 cores these figures weigh the CPU a side spends
+as much as how it adapts. Two scenarios answer in 250 ms instead, so that the endpoint is the
+bound, as it is with real models (they answer in seconds): the limit of 32 started at 64 (2,400
+rows), and the limit change (no target for its time back: 10 s there is 40 answers' time of one
+call, not 200).
+
+Figures per side: rows/s, 429s the server answered (its ``/stats``); for the package its
 throttle events, throttled seconds and concurrency at the end. The CPU per row of each side and the
 load average go to the details: on a busy machine the package's threads get a larger share of the
 CPU than the loop's one, which flatters the package.
@@ -30,7 +39,7 @@ CPU than the loop's one, which flatters the package.
 A smoke run (fewer than 1,000 rows) serves from threads of this process and runs the limit
 change 20 times faster: it checks the code, its figures mean nothing.
 
-    python -m bench.remote --only endpoints             # about 15 minutes
+    python -m bench.remote --only endpoints             # about 25 minutes
 """
 
 from __future__ import annotations
@@ -66,6 +75,8 @@ HELD = 5  # windows it must last
 PAIRS = 5  # runs of each side per scenario (a run's rate moves by a third with the machine)
 CHANGE_PAIRS = 3  # of the limit change, 25 s each side
 SETTLED = 3.0  # seconds after the first request from which a side is taken as settled
+SLOW_MS = 250.0  # answers slow enough that the endpoint, not this client's CPU, is the bound
+SLOW_ROWS = 2400  # about 20 s at 32 in flight
 
 
 @dataclass(frozen=True)
@@ -250,7 +261,7 @@ def _rows_for(server: Server, seconds: float, unit: float) -> int:
     """Rows the loop could answer in ``seconds`` at most, at the server's limits."""
     steps = round(seconds / unit)
     limits = (server.limit_at(i * unit) or WORKERS for i in range(steps))
-    return sum(round(min(limit, WORKERS) * unit * 1000 / LATENCY_MS) for limit in limits)
+    return sum(round(min(limit, WORKERS) * unit * 1000 / server.latency_ms) for limit in limits)
 
 
 def _back_after(loop: list[float], ours: list[float], start: int) -> float:
@@ -263,21 +274,36 @@ def _back_after(loop: list[float], ours: list[float], start: int) -> float:
     return math.inf
 
 
-def limit_change(workdir: str, unit: float, in_thread: bool = False, pairs: int = 1) -> Result:
+def limit_change(
+    workdir: str,
+    unit: float,
+    in_thread: bool = False,
+    pairs: int = 1,
+    latency_ms: float = LATENCY_MS,
+    rate_429: float = 0.0,
+    target: bool = True,
+) -> Result:
     """The limit drops to 8 and returns to 32; rows/s of both sides in windows of ``unit`` s.
+    ``rate_429``: the endpoint also refuses that share of calls at random, all along.
 
     ``pairs`` > 1: that many pairs (the loop first: its answers set the package's rows); the
     figures are those of the pair whose package came back in the median time, the quickest and
-    slowest beside them."""
+    slowest beside them. ``target``: hold the time back to the 10 windows the issue asks."""
     drop, back, end = (t * unit for t in SCHEDULE)
     server = Server(
-        latency_ms=LATENCY_MS,
+        latency_ms=latency_ms,
+        rate_429=rate_429,
         retry_after_seconds=RETRY_AFTER,
         max_in_flight=WORKERS,
         limit_schedule=((drop, 8), (back, WORKERS)),
     )
     title = f"in flight limit 32, 8 from {drop:g} s, 32 from {back:g} s; {unit:g} s windows"
-    endpoint = Endpoint("limit 32>8>32", title, server, in_thread=in_thread)
+    key = "limit 32>8>32"
+    if latency_ms != LATENCY_MS:
+        key, title = f"{key}, {latency_ms:g} ms", f"{title}; {latency_ms:g} ms answers"
+    if rate_429:
+        key, title = f"{key}, {rate_429:.0%} 429", f"{title}; {rate_429:.0%} refused at random"
+    endpoint = Endpoint(key, title, server, in_thread=in_thread)
     texts = prompts(_rows_for(server, end, unit))
     returned = round(back / unit)
     runs: list[tuple[float, Result, list[float], list[float]]] = []
@@ -289,9 +315,8 @@ def limit_change(workdir: str, unit: float, in_thread: bool = False, pairs: int 
         runs.append((_back_after(theirs, mine, returned) * unit, result, theirs, mine))
     runs.sort(key=lambda run: run[0])
     since, result, theirs, mine = runs[len(runs) // 2]
-    result.add(
-        f"back to >= {BACK} of the loop after the limit returns", since, "s", limit=10 * unit
-    )
+    within = {"limit": 10 * unit} if target else {}
+    result.add(f"back to >= {BACK} of the loop after the limit returns", since, "s", **within)
     after = list(zip(theirs, mine, strict=True))[returned:]
     result.add(
         f"windows after it at >= {BACK} of the loop, of {len(after)}",
@@ -329,6 +354,14 @@ def endpoints(rows: int, workdir: str, smoke: bool = False, pairs: int = PAIRS) 
         target=0.8,
     )
     no_429 = Endpoint("no 429", "every request answered", Server(**base), target=0.85)
+    slow = {**base, "latency_ms": SLOW_MS}
+    limit_32_slow = Endpoint(
+        f"limit 32 from 64, {SLOW_MS:g} ms",
+        f"the same limit, answers in {SLOW_MS:g} ms: the endpoint is the bound, not this client",
+        Server(max_in_flight=WORKERS, **slow),
+        max_concurrency=2 * WORKERS,
+        target=0.8,
+    )
     texts = prompts(rows)
 
     def both(endpoint: Endpoint, texts: list[str] = texts) -> Result:
@@ -344,5 +377,22 @@ def endpoints(rows: int, workdir: str, smoke: bool = False, pairs: int = PAIRS) 
             in_thread=smoke,
             pairs=1 if smoke else CHANGE_PAIRS,
         ),
+        limit_change(
+            workdir,
+            unit=0.05 if smoke else 1.0,
+            in_thread=smoke,
+            pairs=1 if smoke else CHANGE_PAIRS,
+            rate_429=0.05,
+            target=False,
+        ),
         both(no_429),
+        both(limit_32_slow, prompts(rows if smoke else SLOW_ROWS)),
+        limit_change(
+            workdir,
+            unit=0.05 if smoke else 1.0,
+            in_thread=smoke,
+            pairs=1 if smoke else CHANGE_PAIRS,
+            latency_ms=SLOW_MS,
+            target=False,
+        ),
     ]
