@@ -328,8 +328,9 @@ class Throttle(Gate):
             self._set_limit(max(self.limit + 1, min(self.limit + self.limit // 4, halfway)))
 
     def _refused_at(self, level: int, now: float) -> None:
-        """``level`` was refused for concurrency: growth stops below it for a while. A hold
-        at a level the refusals were the endpoint's own at ends: it was for that level."""
+        """``level`` was refused for concurrency: growth stops below it for a while. Any hold
+        ends: a level held because its refusals were the endpoint's own says nothing of a
+        lower one."""
         self._ceiling = (level, now)
         self._step = 1
         self._hold, self._probe_by = 0, math.inf
