@@ -288,7 +288,7 @@ def limit_change(
 
     ``pairs`` > 1: that many pairs (the loop first: its answers set the package's rows); the
     figures are those of the pair whose package came back in the median time, the quickest and
-    slowest beside them. ``target``: hold the time back to the 10 windows the issue asks."""
+    slowest beside them. ``target``: hold the time back to 10 windows at most."""
     drop, back, end = (t * unit for t in SCHEDULE)
     server = Server(
         latency_ms=latency_ms,
