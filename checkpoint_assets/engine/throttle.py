@@ -234,8 +234,7 @@ class Throttle(Gate):
                 # taking the refusals as the background's for longer each time a trial says
                 # so again. What is learned later may go as far as this round's share and
                 # what chance hides in a round of its size: one round is a small sample.
-                spread = math.sqrt(max(share, 0.01) * (1 - share) / answered)
-                self._found = max(self._found, share + spread)
+                self._found = max(self._found, share + _spread(share, answered))
                 self._learned = max(self._learned, share)
                 self._background = max(self._background, share)
                 self._set_limit(level)
@@ -251,7 +250,7 @@ class Throttle(Gate):
                 self._good = None
                 self._lower(self.limit // 2)
             return
-        spread = math.sqrt(max(self._background, 0.01) * (1 - self._background) / answered)
+        spread = _spread(self._background, answered)
         excess = share > self._background + max(_MIN_MARGIN, _SIGMAS * spread)
         if self._calm_left:
             self._calm_left -= 1
@@ -356,3 +355,9 @@ class Throttle(Gate):
         self.events += 1
         self._settling = True
         return True
+
+
+def _spread(share: float, calls: int) -> float:
+    """How far chance moves the share refused in a round of ``calls`` (one standard deviation;
+    a share under 1 % counts as 1 %, so that a round with none still allows a few)."""
+    return math.sqrt(max(share, 0.01) * (1 - share) / calls)
