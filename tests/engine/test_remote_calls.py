@@ -1,6 +1,6 @@
 """Calls to a remote model: rows per call apart from rows per flush, group commit, broken
-functions and usage sums (rate limits: test_throttle.py). The engine runs for real on real
-checkpoints (local disk and the moto S3 server where storage matters)."""
+functions and usage sums (rate limits: test_throttle.py, test_throttle_policy.py). The engine
+runs for real on real checkpoints (local disk and the moto S3 server where storage matters)."""
 
 from __future__ import annotations
 
