@@ -368,31 +368,16 @@ def endpoints(rows: int, workdir: str, smoke: bool = False, pairs: int = PAIRS) 
         ran = dataclasses.replace(endpoint, in_thread=smoke)
         return measure(ran, texts, workdir, pairs=1 if smoke else pairs)[0]
 
+    def change(**server: Any) -> Result:
+        unit, change_pairs = (0.05, 1) if smoke else (1.0, CHANGE_PAIRS)
+        return limit_change(workdir, unit, in_thread=smoke, pairs=change_pairs, **server)
+
     return [
         *(both(e) for e in (random_429(0.01, None), random_429(0.05, 0.8), random_429(0.2, 0.7))),
         both(limit_32, prompts(2 * rows)),  # how soon it settles weighs less than in 5 s
-        limit_change(
-            workdir,
-            unit=0.05 if smoke else 1.0,
-            in_thread=smoke,
-            pairs=1 if smoke else CHANGE_PAIRS,
-        ),
-        limit_change(
-            workdir,
-            unit=0.05 if smoke else 1.0,
-            in_thread=smoke,
-            pairs=1 if smoke else CHANGE_PAIRS,
-            rate_429=0.05,
-            target=False,
-        ),
+        change(),
+        change(rate_429=0.05, target=False),
         both(no_429),
         both(limit_32_slow, prompts(rows if smoke else SLOW_ROWS)),
-        limit_change(
-            workdir,
-            unit=0.05 if smoke else 1.0,
-            in_thread=smoke,
-            pairs=1 if smoke else CHANGE_PAIRS,
-            latency_ms=SLOW_MS,
-            target=False,
-        ),
+        change(latency_ms=SLOW_MS, target=False),
     ]
