@@ -1,5 +1,7 @@
-"""Write the image's constraints file: every distribution `checkpoint-assets[k8s,postgres]` needs,
-pinned to the version installed in this environment (the versions the test suite ran against).
+"""Write the image's constraints file.
+
+It lists every distribution `checkpoint-assets[k8s,postgres,s3,ui]` needs, pinned to the
+version installed in this environment (the versions the test suite ran against).
 
     .venv/bin/python scripts/constraints.py > deploy/kubernetes/constraints.txt
 
@@ -16,7 +18,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 PROJECT = "checkpoint-assets"
-EXTRAS = ("k8s", "postgres")
+EXTRAS = ("k8s", "postgres", "s3", "ui")
 
 
 def _needed(name: str, extras: tuple[str, ...]) -> list[Requirement]:

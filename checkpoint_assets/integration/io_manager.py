@@ -22,13 +22,12 @@ import io
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 import fsspec
 import polars as pl
 import pyarrow as pa
-from dagster_aws.s3 import S3Resource
 from pydantic import Field, PrivateAttr
 
 from checkpoint_assets.engine import layout
@@ -39,6 +38,16 @@ from checkpoint_assets.engine.storage.base import Usage
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration import source
 from checkpoint_assets.integration.source import scan_result, store_output, user_columns
+
+if TYPE_CHECKING:
+    from dagster_aws.s3 import S3Resource
+else:
+    try:
+        from dagster_aws.s3 import S3Resource
+    except ModuleNotFoundError:  # the `s3` extra is not installed
+
+        class S3Resource(dg.ConfigurableResource):
+            """Stands in for dagster-aws' S3Resource: install `checkpoint-assets[s3]` for it."""
 
 
 def resolve_env(value: Any) -> Any:

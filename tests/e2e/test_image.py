@@ -154,7 +154,11 @@ def test_constraints_pin_the_tested_dagster_and_satisfy_pyproject() -> None:
     assert pins["dagster"] == DAGSTER
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    needed = [Requirement(r) for r in project["dependencies"] + extras["k8s"] + extras["postgres"]]
+    needed = [
+        Requirement(r)
+        for r in project["dependencies"]
+        + [r for e in ("k8s", "postgres", "s3", "ui") for r in extras[e]]
+    ]
     for req in needed:
         name = canonicalize_name(req.name)
         assert name in pins, f"{req.name} is a requirement but not in {CONSTRAINTS.name}"
