@@ -1,0 +1,116 @@
+"""The built wheel installs beside the Dagster a team already runs.
+
+A fresh venv gets the newest Dagster 1.13 release the registry serves; the wheel then goes in.
+pip must change no Dagster package, no command may warn of a version mismatch, and a
+checkpointed asset must materialize there from the `dagster` CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+DEFS = """
+import dagster as dg
+import polars as pl
+
+from checkpoint_assets import CheckpointIOManager, checkpointed_asset, shard_partitions
+
+
+@dg.asset
+def numbers() -> pl.DataFrame:
+    return pl.DataFrame({"id": list(range(100)), "x": list(range(100))})
+
+
+@checkpointed_asset(partitions_def=shard_partitions(2), id_column="id", source="numbers")
+def doubled(batch: pl.DataFrame) -> pl.DataFrame:
+    return batch.select("id", (pl.col("x") * 2).alias("y"))
+
+
+defs = dg.Definitions(
+    assets=[numbers, doubled],
+    resources={"io_manager": CheckpointIOManager(base_dir=%r)},
+)
+"""
+
+
+def _run(*cmd: str | Path, **kwargs: object) -> str:
+    done = subprocess.run(
+        [str(c) for c in cmd], capture_output=True, text=True, timeout=600, **kwargs
+    )
+    assert done.returncode == 0, f"{cmd}: {done.stdout[-3000:]}{done.stderr[-3000:]}"
+    return done.stdout + done.stderr
+
+
+def _dagster_versions(python: Path) -> dict[str, str]:
+    frozen = _run(python, "-m", "pip", "freeze", "--disable-pip-version-check")
+    pins = dict(line.split("==", 1) for line in frozen.splitlines() if "==" in line)
+    return {name: v for name, v in pins.items() if name.lower().startswith("dagster")}
+
+
+def test_the_wheel_installs_beside_the_newest_dagster_and_changes_none_of_it(
+    tmp_path: Path,
+) -> None:
+    wheels = tmp_path / "wheels"
+    _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", wheels, ROOT)
+    (wheel,) = wheels.glob("checkpoint_assets-*.whl")
+
+    venv = tmp_path / "venv"
+    _run(sys.executable, "-m", "venv", venv)
+    python = venv / "bin" / "python"
+    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    _run(*pip, "--upgrade", "pip")
+    _run(*pip, "dagster>=1.13.27,<1.14")
+    before = _dagster_versions(python)
+    assert before["dagster"].startswith("1.13.")
+
+    _run(*pip, wheel)
+    assert _dagster_versions(python) == before
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "defs.py").write_text(DEFS % str(tmp_path / "checkpoints"))
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    env = {**os.environ, "DAGSTER_HOME": str(home)}
+    dagster = venv / "bin" / "dagster"
+    logs = [
+        _run(
+            dagster,
+            "asset",
+            "materialize",
+            "-f",
+            "defs.py",
+            "--select",
+            "numbers",
+            **_at(project, env),
+        ),
+        _run(
+            dagster,
+            "asset",
+            "materialize",
+            "-f",
+            "defs.py",
+            "--select",
+            "doubled",
+            "--partition",
+            "0-of-2",
+            **_at(project, env),
+        ),
+    ]
+    for log in logs:
+        assert "RUN_SUCCESS" in log
+        assert "version mismatch" not in log.lower()
+    assert list((tmp_path / "checkpoints").rglob("*.parquet"))
+
+
+def _at(cwd: Path, env: dict[str, str]) -> dict[str, object]:
+    return {"cwd": cwd, "env": env}
