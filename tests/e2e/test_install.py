@@ -8,6 +8,7 @@ checkpointed asset must materialize there from the `dagster` CLI.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,8 +59,14 @@ def _dagster_versions(python: Path) -> dict[str, str]:
 def test_the_wheel_installs_beside_the_newest_dagster_and_changes_none_of_it(
     tmp_path: Path,
 ) -> None:
+    # Built from a copy: setuptools leaves a build/ folder beside the sources it builds.
+    source = tmp_path / "source"
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(ROOT / "checkpoint_assets", source / "checkpoint_assets", ignore=ignore)
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
     wheels = tmp_path / "wheels"
-    _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", wheels, ROOT)
+    _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", wheels, source)
     (wheel,) = wheels.glob("checkpoint_assets-*.whl")
 
     venv = tmp_path / "venv"
