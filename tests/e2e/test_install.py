@@ -89,35 +89,16 @@ def test_the_wheel_installs_beside_the_newest_dagster_and_changes_none_of_it(
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     env = {**os.environ, "DAGSTER_HOME": str(home)}
     dagster = venv / "bin" / "dagster"
+
+    def materialize(*args: str) -> str:
+        cmd = [dagster, "asset", "materialize", "-f", "defs.py", *args]
+        return _run(*cmd, cwd=project, env=env)
+
     logs = [
-        _run(
-            dagster,
-            "asset",
-            "materialize",
-            "-f",
-            "defs.py",
-            "--select",
-            "numbers",
-            **_at(project, env),
-        ),
-        _run(
-            dagster,
-            "asset",
-            "materialize",
-            "-f",
-            "defs.py",
-            "--select",
-            "doubled",
-            "--partition",
-            "0-of-2",
-            **_at(project, env),
-        ),
+        materialize("--select", "numbers"),
+        materialize("--select", "doubled", "--partition", "0-of-2"),
     ]
     for log in logs:
         assert "RUN_SUCCESS" in log
         assert "version mismatch" not in log.lower()
     assert list((tmp_path / "checkpoints").rglob("*.parquet"))
-
-
-def _at(cwd: Path, env: dict[str, str]) -> dict[str, object]:
-    return {"cwd": cwd, "env": env}
