@@ -1,6 +1,6 @@
 """The benchmark runs end to end at tiny sizes and records every scenario (no timings asserted).
 
-``bench/run.py`` is how the performance figures of the README are produced; this keeps it working
+``bench/run.py`` is how the figures of docs/performance.md are produced; this keeps it working
 as the engine changes. It runs the real thing in a subprocess, as a user would.
 """
 
