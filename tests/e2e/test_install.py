@@ -1,6 +1,6 @@
 """The built wheel installs beside the Dagster a team already runs.
 
-A fresh venv gets the newest Dagster 1.13 release the registry serves; the wheel then goes in.
+A fresh venv gets the newest Dagster the package's range allows; the wheel then goes in.
 pip must change no Dagster package, no command may warn of a version mismatch, and a
 checkpointed asset must materialize there from the `dagster` CLI.
 """
@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,7 @@ def test_the_wheel_installs_beside_the_newest_dagster_and_changes_none_of_it(
     python = venv / "bin" / "python"
     pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     _run(*pip, "--upgrade", "pip")
-    _run(*pip, "dagster>=1.13.27,<1.14")
+    _run(*pip, _dagster_requirement())
     before = _dagster_versions(python)
     assert before["dagster"].startswith("1.13.")
 
@@ -102,3 +103,9 @@ def test_the_wheel_installs_beside_the_newest_dagster_and_changes_none_of_it(
         assert "RUN_SUCCESS" in log
         assert "version mismatch" not in log.lower()
     assert list((tmp_path / "checkpoints").rglob("*.parquet"))
+
+
+def _dagster_requirement() -> str:
+    """The package's own `dagster` requirement, read from pyproject.toml."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return next(r for r in project["dependencies"] if r.split(">")[0].split("=")[0] == "dagster")
