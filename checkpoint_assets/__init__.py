@@ -23,6 +23,7 @@ from checkpoint_assets.engine.errors import (
     NewerFormatError,
     OutageError,
     QuotaExhaustedError,
+    RunStoppedError,
     StorageError,
     TooManyFailuresError,
 )
@@ -104,6 +105,7 @@ __all__ = [
     "ProviderBatchRunConfig",
     "QuotaExhaustedError",
     "RetryAfter",
+    "RunStoppedError",
     "StorageError",
     "TooManyFailuresError",
     "checkpoint_checks",

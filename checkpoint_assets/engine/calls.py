@@ -87,6 +87,7 @@ class Caller:
         outage_after: int | None = None,
         throttle: Throttle | None = None,
         spend: Spend | None = None,
+        halt: Callable[[], str | None] | None = None,
     ) -> None:
         self.per_row = isinstance(fn, PerRow)
         self.fn: Callable[[Any], Any] = fn.fn if isinstance(fn, PerRow) else fn
@@ -97,6 +98,7 @@ class Caller:
         self.outage_after = outage_after  # consecutive failed calls that mean an outage
         self.throttle = throttle or Throttle(1, max_seconds=math.inf)
         self.spend = spend  # a budget's tally: no call starts once it is spent
+        self.halt = halt  # why no call may start (the lock lost, the run over), or None
         self.outage = False  # declared once; every batch in flight then stops
         self.broken: str | None = None  # what is wrong with the function, once seen
         self.last_error = ""  # of the latest failed call, for messages
@@ -112,9 +114,12 @@ class Caller:
 
     @property
     def stopping(self) -> bool:
-        """The shard stops: an outage, a broken function, the quota looks spent, or the budget."""
+        """The shard stops: an outage, a broken function, the quota looks spent, the budget,
+        or ``halt`` says so."""
         spent = self.spend is not None and self.spend.stopped
-        return self.outage or self.broken is not None or self.throttle.spent is not None or spent
+        if self.outage or self.broken is not None or self.throttle.spent is not None or spent:
+            return True
+        return self.halt is not None and self.halt() is not None
 
     def batches(self, todo: pl.DataFrame, size: int) -> Iterator[Batch]:
         """The batches of ``todo`` as this function takes them (see batches.py)."""

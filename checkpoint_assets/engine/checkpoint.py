@@ -16,7 +16,7 @@ missing from a listing that lags behind writes (gaps in the flush numbers) are `
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import polars as pl
@@ -24,7 +24,7 @@ import polars as pl
 from checkpoint_assets.engine import parquet, rows
 from checkpoint_assets.engine.compaction import COMPACT_FANOUT, Part, PartCache, mergeable_run
 from checkpoint_assets.engine.damage import Damage, Logger
-from checkpoint_assets.engine.errors import CorruptCheckpointError
+from checkpoint_assets.engine.errors import CorruptCheckpointError, LockHeldError
 from checkpoint_assets.engine.gaps import Flushes, PartListing
 from checkpoint_assets.engine.layout import Files
 from checkpoint_assets.engine.meta import Meta, MetaFile
@@ -49,6 +49,9 @@ class Stored:
 class Checkpoint:
     """The files of one checkpoint under a store. Readers need no lock; writers hold one.
 
+    ``fence``: called before every write and delete (the writer's ``Lease.check``), so a writer
+    that lost its lock changes nothing more.
+
     What happens to damaged files is ``self.damage``'s (``damage.py``); listing the parts,
     checked for gaps, is ``self.listing``'s (``gaps.py``); the meta file is ``self.meta_file``
     (``meta.py``).
@@ -62,6 +65,12 @@ class Checkpoint:
         self.damage = Damage(store, name, self.files)
         self.listing = PartListing(self.damage)
         self.meta_file = MetaFile(store, self.files, self.damage, self.data_files)
+        self.fence: Callable[[], None] | None = None
+
+    def fenced(self) -> None:
+        """Raise unless this writer may still write (see ``fence``)."""
+        if self.fence is not None:
+            self.fence()
 
     @property
     def url(self) -> str:
@@ -71,6 +80,7 @@ class Checkpoint:
     def set_aside(self, path: str, log: Logger | None = None) -> str:
         """Move the damaged file ``path`` into the quarantine folder (``Damage.set_aside``);
         returns where it went. Only the lock holder calls it."""
+        self.fenced()
         to = self.damage.set_aside(path, log)
         self.listing.forget([path])
         return to
@@ -103,7 +113,15 @@ class Checkpoint:
 
     def read_file(self, path: str, data: bytes | None = None) -> pl.DataFrame:
         """One stored Parquet file (``data``, if already fetched); unreadable means corrupt."""
-        raw = self.store.get(path) if data is None else data
+        try:
+            raw = self.store.get(path) if data is None else data
+        except FileNotFoundError:
+            raise LockHeldError(
+                f"Checkpoint file {self.store.display(path)} vanished while it was read: "
+                f"another writer compacted or finalized {self.url} at the same time.",
+                "Make sure one run writes each checkpoint; then run it again: it resumes from "
+                "what is stored.",
+            ) from None
         try:
             return parquet.decode(raw)
         except Exception as e:
@@ -231,6 +249,7 @@ class Checkpoint:
         path = self.files.new_part(first, last)
         if data is None:
             data = self.encode_part(frame, id_column)
+        self.fenced()
         self.store.put(path, data)
         self.cache.remember(path, frame)
         part = Part(path, first, last, len(data))
@@ -304,6 +323,7 @@ class Checkpoint:
         if changed:
             watermarked = {parquet.WATERMARK_KEY: str(watermark)}
             data = parquet.encode(frame, watermarked, distinct=[id_column], hashes=[INPUT_HASH])
+            self.fenced()
             self.store.put(self.files.merged, data)
         # Everything this load saw is now merged: delete it without listing again.
         self._delete([*stored.parts, *stored.leftover])
@@ -312,6 +332,7 @@ class Checkpoint:
         return frame
 
     def _delete(self, parts: Sequence[Part]) -> None:
+        self.fenced()
         self.store.delete(p.path for p in parts)
         self.listing.forget(p.path for p in parts)
 

@@ -140,6 +140,21 @@ class LockHeldError(CheckpointError):
         self.holder: str | None = None  # who holds it, when known
 
 
+class RunStoppedError(CheckpointError):
+    """The run stopped by itself while it held the lock: its run is over, or the process
+    that launched it is gone. What it computed is stored and the lock released."""
+
+    def __init__(self, label: str, reason: str, done: int) -> None:
+        self.label = label
+        self.reason = reason
+        self.done = done
+        super().__init__(
+            f"{label}: stopped by itself: {reason}. It stored the {done:,} rows it computed "
+            "and released the lock.",
+            "Run it again: it resumes.",
+        )
+
+
 class StorageError(CheckpointError):
     """The storage backend cannot be reached or used (missing package, bucket, permission)."""
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import polars as pl
@@ -40,7 +40,7 @@ from checkpoint_assets.engine.errors import (
     OutageError,
     QuotaExhaustedError,
 )
-from checkpoint_assets.engine.lock import Lease
+from checkpoint_assets.engine.lock import Lease, RunWatch
 from checkpoint_assets.engine.opening import Job, Opened, open_run
 from checkpoint_assets.engine.resume import canonical_ids, validate_ids
 from checkpoint_assets.engine.rows import ERROR, INPUT_HASH
@@ -74,7 +74,7 @@ def run(
     job: Mapping[str, Any],
     scheme: Scheme | None = None,
     run_id: str | None = None,
-    is_run_finished: Callable[[str], bool] | None = None,
+    watch: RunWatch | None = None,
     logger: Logger | None = None,
     label: str = "",
     imported: pl.DataFrame | None = None,
@@ -97,6 +97,9 @@ def run(
     finishes, the checkpoint records this one. None: nothing is compared or recorded.
     ``spend``: the tally of ``settings.budget`` this run adds to (shared by the shards of one
     run; default: a new one); no call starts once it reaches a limit (see engine/budget.py).
+    ``watch``: what the lock's heartbeat asks about runs: whether this one should stop (its run
+    is over, its launcher gone), how a live holder's run ended, a dead holder taken over (see
+    ``lock.py``).
     ``loop``: the work loop, ``Run`` by default (``provider_batches.ProviderRun`` sends the rows
     of a ``ProviderJob`` through a provider's batch API instead of calling ``fn``).
     """
@@ -139,7 +142,7 @@ def run(
         checkpoint.files.lock,
         run_id=run_id,
         lease_seconds=settings.lease_seconds,
-        is_run_finished=is_run_finished,
+        watch=watch,
         logger=log,
     )
     before = checkpoint.store.usage()  # a ranged run's shards share one store
@@ -194,6 +197,7 @@ class Run(ShardRun):
             outage_after=outage_at,
             throttle=self.throttle,
             spend=self.spend,
+            halt=self.sink.halted,
         )
         try:
             for outcomes in self._outcomes(caller, todo):
@@ -210,6 +214,9 @@ class Run(ShardRun):
         self.pending_failed += self.suspect
         self.suspect = []
         self._commit()
+        halted = self.sink.halt_error(self.label, self.done_rows)
+        if halted is not None:
+            return halted
         if caller.broken is not None:
             return FunctionError(self.label, caller.broken, self.done_rows)
         if caller.outage:

@@ -45,7 +45,12 @@ import polars as pl
 
 from checkpoint_assets.engine import parquet, rows
 from checkpoint_assets.engine.checkpoint import Checkpoint
-from checkpoint_assets.engine.errors import JobMismatchError
+from checkpoint_assets.engine.errors import (
+    CheckpointError,
+    JobMismatchError,
+    LockHeldError,
+    RunStoppedError,
+)
 from checkpoint_assets.engine.lock import Lease
 from checkpoint_assets.engine.opening import Start
 from checkpoint_assets.engine.rows import CURRENT, SEQ
@@ -173,6 +178,14 @@ class Sink:
     def flush(self) -> None:
         raise NotImplementedError
 
+    def halted(self) -> str | None:
+        """Why no call may start any more (the lock lost, the run over), or None."""
+        return None
+
+    def halt_error(self, label: str, done: int) -> CheckpointError | None:
+        """The error a run that ``halted`` ends with (``done``: the rows it computed)."""
+        return None
+
     def flush_before_leaving(self, log: Logger) -> None:
         """On an exception: keep what is done, without hiding the exception."""
 
@@ -240,6 +253,8 @@ class PartWriter(Sink):
             max_unflushed=max_unflushed,
         )
         self.checkpoint = checkpoint
+        if lease is not None:
+            checkpoint.fence = lease.check  # a writer that lost its lock writes nothing more
         self.meta = meta
         self.function_fingerprint = start.function_fingerprint
         self.lease = lease
@@ -255,7 +270,19 @@ class PartWriter(Sink):
         parquet.check_storable(sample.head(1))
         if self.meta is not None:
             self.meta.output_schema = outputs
+            self.checkpoint.fenced()
             self.checkpoint.meta_file.write(self.meta)
+
+    def halted(self) -> str | None:
+        return self.lease.halted() if self.lease is not None else None
+
+    def halt_error(self, label: str, done: int) -> CheckpointError | None:
+        lease = self.lease
+        if lease is None or lease.halted() is None:
+            return None
+        if lease.lost is not None:
+            return LockHeldError(lease.lost)
+        return RunStoppedError(label, lease.stopped or "", done)
 
     def busy(self) -> bool:
         return self._writing is not None and not self._writing.done()
@@ -271,8 +298,7 @@ class PartWriter(Sink):
         if self._writing is not None and not self._writing.done():
             data = self.checkpoint.encode_part(frame, self.id_column)  # use the wait
         self.wait_for_writes()  # its error leaves the buffer as it is
-        if self.lease is not None:
-            self.lease.check()  # a writer that lost its lock writes nothing more
+        self.checkpoint.fenced()  # a writer that lost its lock writes nothing more
         self._claim_seq()
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
@@ -307,6 +333,13 @@ class PartWriter(Sink):
     def flush_before_leaving(self, log: Logger) -> None:
         try:
             self.write_what_is_left()
+        except LockHeldError:  # the fence refused every write: this run lost the lock
+            unwritten = self._unwritten.height if self._unwritten is not None else 0
+            log.error(
+                "%d computed row(s) are not stored: this run lost its lock. The writer that "
+                "holds it now computes them again.",
+                self.buffered_rows + unwritten,
+            )
         except Exception as e:  # the original exception matters more
             log.error("Could not flush the last results before stopping: %s", e)
 
@@ -338,8 +371,7 @@ class PartWriter(Sink):
             with contextlib.suppress(Exception):  # the write's error is the one to report
                 self.write_what_is_left()
             raise
-        if self.lease is not None:
-            self.lease.check()
+        self.checkpoint.fenced()
         started = time.perf_counter()
         tail = None
         if self.buffer:
@@ -370,6 +402,7 @@ class PartWriter(Sink):
             self.meta.usage = usage
             if self.function_fingerprint is not None:
                 self.meta.function_fingerprint = self.function_fingerprint
+            self.checkpoint.fenced()
             self.checkpoint.meta_file.write(self.meta)
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
     BatchesPendingError,
     CheckpointError,
+    RunStoppedError,
     TooManyFailuresError,
 )
 from checkpoint_assets.engine.global_resume import JOB, shard_rows
@@ -34,6 +35,7 @@ from checkpoint_assets.integration.global_resume import global_resume_key, table
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
 from checkpoint_assets.integration.pending import end_pending
 from checkpoint_assets.integration.run_config import CheckpointRunConfig
+from checkpoint_assets.integration.run_watch import DagsterRunWatch
 from checkpoint_assets.integration.source import (
     ShardRows,
     as_lazy,
@@ -258,13 +260,8 @@ def _run_partition(
     if config.limit is not None:
         source = source.head(config.limit)
     inputs = runner.prepare(source, settings)
-    instance = context.instance
-
-    def is_run_finished(run_id: str) -> bool:
-        record = instance.get_run_by_id(run_id)
-        return record is not None and record.is_finished
-
     label = context.asset_key.to_user_string() + (f" {partition}" if partition else "")
+    watch = DagsterRunWatch(context.instance, context.run.run_id, label)
     if spend is not None:
         spend.start(partition)
     try:
@@ -276,7 +273,7 @@ def _run_partition(
             job=job,
             scheme=Scheme.of(partition),
             run_id=context.run.run_id,
-            is_run_finished=is_run_finished,
+            watch=watch,
             logger=context.log,  # type: ignore[arg-type]
             label=label,
             imported=imported,
@@ -284,6 +281,9 @@ def _run_partition(
             spend=None if spend is None else spend.spend,
             loop=loop,
         )
+    except RunStoppedError:
+        watch.report_orphaned()  # after the lock is released: a new run may take it at once
+        raise
     finally:
         if spend is not None:
             spend.finish(partition)
