@@ -9,7 +9,8 @@
                  retries, poison rows, broken functions and outages in calls.py) and hand
                  results to the sink, which flushes every ``checkpoint_interval`` rows without
                  holding up the calls (sink.py); on any exception, SIGTERM or SIGINT, flush what
-                 is done before leaving
+                 is done before leaving; no call starts once the lock is lost or the run is over
+                 (lock.py)
     Run.close    finalize through the sink, count the result, apply the stop rules (an outage,
                  a broken function, a spent quota, too many failed rows)
 

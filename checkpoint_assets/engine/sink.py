@@ -31,7 +31,8 @@ With one-row calls, ``checkpoint_interval=64`` and 32 calls in flight on local d
 160 + 160 + 40 = 360 rows at most, and about 64 + 64 + 40 while storage keeps up. On S3
 (``min_flush_seconds`` 5) with a function doing 100 rows per second the buffer holds about 500
 rows, 5 s of work: 500 + 500 + 40 at most. SIGTERM, SIGINT and exceptions flush before leaving
-and lose nothing.
+and lose nothing. A writer that lost its lock (see lock.py) writes nothing more, so it loses
+what a hard kill would; the new holder computes those rows again.
 """
 
 from __future__ import annotations
