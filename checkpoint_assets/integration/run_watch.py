@@ -56,7 +56,9 @@ class DagsterRunWatch:
         return None if record is None else _OVER.get(record.status)
 
     def holder_died(self, holder: Holder, reason: str) -> None:
-        if not holder.run_id or not holder.local or pid_alive(holder.pid):
+        if holder.run_id in (None, self.run_id):
+            return  # a step retried within this run: the run goes on
+        if not holder.local or pid_alive(holder.pid):
             return  # only a death seen on this host is sure
         if holder.launcher is not None and pid_alive(holder.launcher):
             return  # its run worker ends the run
