@@ -3,7 +3,8 @@
 A page asks for a table with an HTML comment on a line of its own:
 
 - ``<!-- config: module.Class -->``: the fields of a pydantic model (run config, a resource, the
-  IO manager), with their type, default and description; ``<!-- config: module.Class -
+  IO manager, a Component), with their type, default and description (a Component's from its
+  YAML schema); ``<!-- config: module.Class -
   module.Base -->`` leaves out the fields of ``Base``.
 - ``<!-- arguments: module.Dataclass -->``: the fields of a dataclass of arguments
   (``checkpointed_asset``'s), with their type, default and ``DOC``.
@@ -51,10 +52,12 @@ def _table(kind: str, what: str) -> str:
     name, _, base = (part.strip() for part in what.partition(" - "))
     model = _load(name)
     inherited = set(_load(base).model_fields) if base else set()
+    # A dg Component describes its attributes in its YAML schema, not in its fields.
+    schema = model.model().model_fields if hasattr(model, "model") else {}
     rows = []
     for key, field in model.model_fields.items():
         if key not in inherited:
-            rows.extend(_field_rows(key, field))
+            rows.extend(_field_rows(key, field, getattr(schema.get(key), "description", None)))
     return _markdown(["key", "type", "default", "meaning"], rows)
 
 
@@ -70,11 +73,16 @@ def _arguments(arguments: Any) -> str:
     return _markdown(["argument", "type", "default", "meaning"], rows)
 
 
-def _field_rows(key: str, field: Any) -> list[tuple[str, ...]]:
+def _field_rows(key: str, field: Any, description: str | None = None) -> list[tuple[str, ...]]:
     """One row per field; a field that is itself a model adds a row per field of it."""
-    text = (field.description or "").replace("|", "\\|").replace("\n", " ")
+    text = (
+        (field.description or description or "")
+        .replace("|", "\\|")
+        .replace("\n", " ")
+        .replace("<", "&lt;")
+    )
     row = (f"`{key}`", f"`{_type(field.annotation)}`", _default(field), text)
-    nested = [a for a in typing.get_args(field.annotation) or (field.annotation,) if _is_model(a)]
+    nested = [a for a in typing.get_args(field.annotation) or (field.annotation,) if _ours(a)]
     rows = [row]
     for sub in nested:
         for name, sub_field in sub.model_fields.items():
@@ -82,12 +90,19 @@ def _field_rows(key: str, field: Any) -> list[tuple[str, ...]]:
     return rows
 
 
-def _is_model(annotation: Any) -> bool:
-    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+def _ours(annotation: Any) -> bool:
+    """A model of this package, whose fields are listed under the field's own."""
+    return (
+        isinstance(annotation, type)
+        and issubclass(annotation, BaseModel)
+        and annotation.__module__.startswith("checkpoint_assets")
+    )
 
 
 def _type(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _type(typing.get_args(annotation)[0])
     if origin in (typing.Union, types.UnionType):
         return " | ".join(_type(a) for a in typing.get_args(annotation))
     if origin is typing.Literal:
