@@ -21,7 +21,15 @@ SHARED_CHECKPOINT = (
 
 
 class CheckpointError(Exception):
-    """Base class of every error raised by checkpoint-assets: what happened, then what to do."""
+    """Base class of every error raised by checkpoint-assets: what happened, then what to do.
+
+    Raised as itself for problems of setup. A batch function whose signature cannot be called.
+    A source that is not a table. An IO manager that is not a ``CheckpointIOManager``.
+    ``global_resume: true`` before ``<asset>_global_resume`` is materialized. An unset variable
+    of a ``{"env": "VAR"}`` storage option. A partition loaded before it was checkpointed.
+    ``usage_columns`` that are not numeric outputs. A run whose checkpoints would live in a
+    temporary Dagster instance. Catch ``CheckpointError`` to handle every error of the package.
+    """
 
     def __init__(self, what: str, remedy: str = "") -> None:
         super().__init__(what)
@@ -49,7 +57,11 @@ def _restore(cls: type[CheckpointError], state: dict[str, Any]) -> CheckpointErr
 
 
 class InvalidIdsError(CheckpointError):
-    """The id column is missing, has nulls, has duplicates or has an unsupported type."""
+    """The id column is missing, has nulls, has duplicates or has an unsupported type.
+
+    Only integers (up to 64 bits) and strings are ids. The message names the column and up to
+    five offending values. It is raised before any call.
+    """
 
     def __init__(self, column: str, problem: str, sample: Sequence[Any] = ()) -> None:
         self.column = column
@@ -66,7 +78,7 @@ class InvalidIdsError(CheckpointError):
 
 
 class MissingColumnsError(CheckpointError):
-    """Input columns the job reads are not in the input."""
+    """Input columns the job reads (``input_columns``) are not in the source."""
 
     def __init__(self, missing: Sequence[str], available: Sequence[str]) -> None:
         self.missing = list(missing)
@@ -78,7 +90,11 @@ class MissingColumnsError(CheckpointError):
 
 
 class InputChangedError(CheckpointError):
-    """Finished rows whose input columns changed since their result was stored."""
+    """Finished rows whose input columns changed since their result was stored.
+
+    The message counts them and gives sample ids. A result is never joined to another input:
+    ``on_input_change: recompute`` computes just those rows again.
+    """
 
     def __init__(self, changed: int, total: int, sample_ids: Sequence[Any]) -> None:
         self.changed = changed
@@ -95,7 +111,11 @@ class InputChangedError(CheckpointError):
 
 
 class JobMismatchError(CheckpointError):
-    """The checkpoint was written by a different job (code version, columns or output schema)."""
+    """The checkpoint was written by a different job.
+
+    Another ``code_version``, id column or input columns, or an output schema that differs from
+    what the function now returns.
+    """
 
     REMEDY = (
         "Use a new checkpoint tag (or code version) for this job, or run with resume=False to "
@@ -108,7 +128,12 @@ class JobMismatchError(CheckpointError):
 
 
 class CorruptCheckpointError(CheckpointError):
-    """A stored file is unreadable or violates the checkpoint's invariants."""
+    """A stored file is unreadable or violates the checkpoint's invariants.
+
+    Duplicate ids in the merged file, missing output columns, a Parquet file that cannot be
+    read. Usually two jobs share one tag, or a file was changed by hand.
+    ``checkpoint-assets verify`` lists every problem.
+    """
 
     def __init__(self, path: str, problem: str, remedy: str = SHARED_CHECKPOINT) -> None:
         self.path = path
@@ -133,7 +158,12 @@ class NewerFormatError(CheckpointError):
 
 
 class LockHeldError(CheckpointError):
-    """Another live writer holds the checkpoint's lock."""
+    """Another live writer holds the checkpoint's lock.
+
+    The message names its run id, host, pid and since when. It is also raised when this run's
+    lease was taken over after its process was paused past the lease: the run then stops at its
+    next flush without writing more. A dead holder's lock is taken over with a warning.
+    """
 
     def __init__(self, what: str, remedy: str = "") -> None:
         super().__init__(what, remedy)
@@ -141,7 +171,13 @@ class LockHeldError(CheckpointError):
 
 
 class StorageError(CheckpointError):
-    """The storage backend cannot be reached or used (missing package, bucket, permission)."""
+    """The storage cannot be reached or used.
+
+    A missing filesystem package (``s3fs``, ``gcsfs``, ``adlfs``), a missing bucket, denied
+    access, an unreachable endpoint, or a ``base_dir`` that is a file or read-only. Also a listing
+    of the parts that stays stale: it misses parts the run wrote or saw, or leaves out flushes
+    that later parts follow. Nothing is computed, merged or deleted then.
+    """
 
 
 class TooManyFailuresError(CheckpointError):
@@ -216,7 +252,11 @@ def _ran(done: int) -> str:
 
 
 class OutageError(CheckpointError):
-    """Every row of several consecutive batches failed: the endpoint looks down."""
+    """Every row of several consecutive batches failed: the endpoint looks down.
+
+    The run stopped early. The rows done before are checkpointed, and the failures of the streak
+    are not stored as row failures. A rerun when the endpoint is back resumes.
+    """
 
     def __init__(self, label: str, calls: int, last_error: str, done: int) -> None:
         self.calls = calls
@@ -232,7 +272,11 @@ class OutageError(CheckpointError):
 
 class QuotaExhaustedError(CheckpointError):
     """The endpoint kept rate limiting the shard for ``max_throttle_seconds``: the quota looks
-    spent."""
+    spent.
+
+    The shard had no successful call in that time. Everything done is checkpointed, and no row
+    was marked failed.
+    """
 
     def __init__(self, label: str, why: str, done: int) -> None:
         self.why = why
@@ -246,8 +290,14 @@ class QuotaExhaustedError(CheckpointError):
 
 
 class FunctionError(CheckpointError):
-    """The function itself is broken (a bad signature, a result that is not a table for its
-    batch): retrying cannot help, so the run stops at the first occurrence."""
+    """The function itself is broken: retrying cannot help, so the run stops at the first
+    occurrence, after checkpointing what is done.
+
+    It was called with arguments it does not take (``TypeError``), or raised an
+    ``AttributeError`` on a real object, a ``NameError`` or an ``ImportError``. Or its result is
+    not a table, lacks the id column, repeats ids, has null ids, holds ids that were not in the
+    batch, or uses a reserved column name. The message says which.
+    """
 
     def __init__(self, label: str, problem: str, done: int) -> None:
         self.problem = problem

@@ -38,10 +38,10 @@ def end_pending(
             dg.AssetObservation(
                 asset_key=context.asset_key,
                 partition=partition,
-                metadata={
-                    md.BATCHES_PENDING: json.dumps(error.batches),
-                    md.ROWS_PENDING: error.rows,
-                },
+                metadata=md.declared(
+                    {md.BATCHES_PENDING: json.dumps(error.batches), md.ROWS_PENDING: error.rows},
+                    md.OBSERVATION,
+                ),
             )
         )
         context.log.info(str(error))
@@ -55,6 +55,8 @@ def end_pending(
             "collects them once they end (failed_partitions_sensor does not retry this run); "
             "or materialize the partition again later, or with `wait: true` to wait for them."
         ),
-        metadata={md.ROWS_PENDING: rows, md.BATCHES_PENDING: json.dumps(batches)},
+        metadata=md.declared(
+            {md.ROWS_PENDING: rows, md.BATCHES_PENDING: json.dumps(batches)}, md.OBSERVATION
+        ),
         allow_retries=False,
     )
