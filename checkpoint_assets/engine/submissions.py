@@ -82,11 +82,14 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """One request's result: the response body of a success, or why it failed."""
+    """One request's result: the response body of a success, or why it failed. ``retry``: the
+    provider says the same request may succeed when sent again (a server error, an overload, a
+    rate limit, a timeout), as opposed to a request it refuses (an invalid request)."""
 
     custom_id: str
     body: dict[str, Any] | None
     error: str | None = None
+    retry: bool = False
 
 
 @runtime_checkable
@@ -121,7 +124,8 @@ class BatchProvider(Protocol):
 
     def results(self, batch_id: str) -> Iterator[Result]:
         """The results of a batch that is no longer RUNNING, in any order: one per request that
-        ran (a success or an error); none for requests an expiry or cancel left unrun."""
+        ran (a success or an error, ``retry`` set for a transient one); none for requests an
+        expiry or cancel left unrun."""
         ...
 
     def cancel(self, batch_id: str) -> None:

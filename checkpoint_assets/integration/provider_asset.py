@@ -45,6 +45,7 @@ def provider_batch_asset(
     retry_failed: bool = Settings.retry_failed,
     dedupe: bool = Settings.dedupe,
     max_failed_fraction: float = Settings.max_failed_fraction,
+    max_attempts: int = Settings.max_attempts,
     on_input_change: OnInputChange | Literal["fail", "recompute"] = Settings.on_input_change,
     usage_columns: Sequence[str] = (),
     budget: Budget | None = None,
@@ -91,6 +92,9 @@ def provider_batch_asset(
             :func:`checkpointed_asset` (a budget prices the results at the provider's batch
             discount, and stops submitting when a limit would be passed).
         parse: the response body of one row -> its output columns (a dict).
+        max_attempts: requests per row: one that failed in a transient way (a server error, a
+            rate limit, an expired batch) is sent again in a new batch until its row has had
+            this many; an invalid request is a failed row at once.
         provider: the resource key of the provider's resource (``OpenAIResource``,
             ``AnthropicResource``: anything with ``batch_provider(endpoint)``).
         endpoint: the provider's API path of every request (OpenAI: ``/v1/chat/completions``
@@ -127,6 +131,7 @@ def provider_batch_asset(
             retry_failed=retry_failed,
             dedupe=dedupe,
             max_failed_fraction=max_failed_fraction,
+            max_attempts=max_attempts,
             on_input_change=on_input_change,
             usage_columns=tuple(usage_columns),
             budget=budget,
