@@ -66,6 +66,7 @@ from checkpoint_assets.engine.runner import Run
 from checkpoint_assets.engine.sink import PartWriter
 from checkpoint_assets.engine.submission_records import Records, Submission, new_tag
 from checkpoint_assets.engine.submissions import (
+    WINDOW_SECONDS,
     BatchProvider,
     Request,
     Result,
@@ -309,7 +310,8 @@ class ProviderRun(Run):
             rows = sum(len(s.ids) for s in waiting)
             if not self.job.wait:
                 batches = [s.batch_id or s.tag for s in waiting]
-                return BatchesPendingError(self.label, rows, batches, self.done_rows)
+                due = max(s.created_at for s in waiting) + WINDOW_SECONDS
+                return BatchesPendingError(self.label, rows, batches, self.done_rows, due)
             self.log.info(
                 "%s: %d row(s) wait in %d provider batch(es); next poll in %.0f s. %s",
                 self.label,

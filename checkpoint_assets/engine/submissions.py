@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol, runtime_checkable
 
 TAG_KEY: Final = "checkpoint_assets_submission"  # the key of the tag in a batch's metadata
+# Both providers end a batch within 24 hours of its creation (expired, if it is not done).
+WINDOW_SECONDS: Final = 24 * 3600
 
 
 class State(enum.StrEnum):

@@ -57,6 +57,10 @@ FUNCTION_CHANGES = "function_changes"  # what changed, in words (only when it di
 # ``provider_batches_sensor`` follows: the batch ids (JSON list) and the rows.
 BATCHES_PENDING = "batches_pending"
 ROWS_PENDING = "rows_pending"
+# On the failure of a run that submitted and ended: when the provider ends the last of its
+# batches at the latest (their 24 h window), and which sensor collects them.
+RESULTS_DUE_BY = "results_due_by"
+COLLECTED_BY = "collected_by"
 # Dagster's standard keys (shown in the UI's asset overview and columns tab).
 ROW_COUNT = "dagster/row_count"
 COLUMN_SCHEMA = "dagster/column_schema"

@@ -331,7 +331,19 @@ def test_submit_and_end_then_the_sensor_requests_the_collecting_run(setup: Setup
     assert not first.success
     failure = next(e for e in first.all_events if e.is_step_failure)
     assert failure.step_failure_data is not None
-    assert "Submitted, not materialized yet" in str(failure.step_failure_data.error)
+    said = failure.step_failure_data.user_failure_data
+    assert said is not None and said.description is not None
+    assert said.description.startswith("Submitted, not materialized yet: 2,000 row(s) of 0-of-1")
+    assert f"The sensor {ASSET}_provider_batches" in said.description
+    metadata = {k: v.value for k, v in said.metadata.items()}
+    (batch,) = json.loads(str(metadata["batches_pending"]))
+    assert batch in said.description
+    assert (
+        metadata["rows_pending"] == 2_000
+        and metadata["collected_by"] == f"{ASSET}_provider_batches"
+    )
+    # The provider's 24 h window from the submission (its record's time, this machine's clock).
+    assert 0 < float(metadata["results_due_by"]) - time.time() <= 24 * 3600
     run = setup.instance.get_run_by_id(first.run_id)
     assert run is not None and run.tags[PENDING_TAG] == "2000"
     assert setup.provider()["creates"] == 1 and setup.provider()["submitted"] == 2_000
