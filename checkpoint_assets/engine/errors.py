@@ -370,10 +370,13 @@ class BatchesPendingError(CheckpointError):
     """A run that submits and ends (``wait`` off) left rows in provider batches that have not
     ended yet: they are recorded in the checkpoint, and the shard is not finished."""
 
-    def __init__(self, label: str, rows: int, batches: Sequence[str], done: int) -> None:
+    def __init__(
+        self, label: str, rows: int, batches: Sequence[str], done: int, due: float | None = None
+    ) -> None:
         self.rows = rows
         self.batches = list(batches)
         self.done = done
+        self.due = due  # when the provider ends the last of them at the latest (epoch seconds)
         super().__init__(
             f"{label}: {rows:,} row(s) are submitted in {len(self.batches)} provider batch(es) "
             f"that have not ended yet ({', '.join(self.batches[:5])}"

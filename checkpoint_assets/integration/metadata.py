@@ -54,6 +54,10 @@ INPUT_FINGERPRINT = "input_fingerprint"
 TOP_ERRORS = "top_errors"
 FUNCTION_CHANGED = "function_changed"
 FUNCTION_CHANGES = "function_changes"
+# The failure of a run that submitted and ended: when the provider ends the last of its batches
+# at the latest (their 24 h window), and which sensor collects them.
+RESULTS_DUE_BY = "results_due_by"
+COLLECTED_BY = "collected_by"
 # Dagster's standard keys (shown in the UI's asset overview and columns tab).
 ROW_COUNT = "dagster/row_count"
 COLUMN_SCHEMA = "dagster/column_schema"
@@ -139,6 +143,14 @@ OBSERVATION: dict[str, str] = {
     COST_BY_MODEL: "With a `budget`, a run that spent and stopped: `cost_usd` by model.",
     COST_SHARD_TOTAL_USD: "With a `budget`: what the shard cost over every run.",
     COST_ASSET_TOTAL_USD: "With a `budget`, a run that spent and stopped: what the asset cost.",
+}
+
+# The failure of a provider batch run that submitted and ended (``wait: false``).
+PENDING_FAILURE: dict[str, str] = {
+    ROWS_PENDING: "Rows that wait in provider batches.",
+    BATCHES_PENDING: "The provider's ids of those batches (JSON list).",
+    RESULTS_DUE_BY: "When the provider ends the last of them at the latest (its 24 h window).",
+    COLLECTED_BY: "The `provider_batches_sensor` that requests the run collecting them.",
 }
 
 

@@ -45,6 +45,7 @@ def provider_batch_asset(
     retry_failed: bool = Settings.retry_failed,
     dedupe: bool = Settings.dedupe,
     max_failed_fraction: float = Settings.max_failed_fraction,
+    max_attempts: int = Settings.max_attempts,
     on_input_change: OnInputChange | Literal["fail", "recompute"] = Settings.on_input_change,
     usage_columns: Sequence[str] = (),
     budget: Budget | None = None,
@@ -96,6 +97,9 @@ def provider_batch_asset(
     Args:
         parse: The response body of one row -> its output columns (a dict, the same keys for
             every row). An exception makes that row failed with its text.
+        max_attempts: Requests per row. A request that failed in a transient way (a server
+            error, a rate limit, an expired batch) goes again in a new batch, within the run,
+            until its row has had this many. An invalid request is a failed row at once.
         provider: The resource key of the provider's resource: ``OpenAIResource``,
             ``AnthropicResource``, or anything with ``batch_provider(endpoint)``.
         endpoint: The provider's API path of every request. OpenAI: ``/v1/chat/completions`` by
@@ -131,6 +135,7 @@ def provider_batch_asset(
             retry_failed=retry_failed,
             dedupe=dedupe,
             max_failed_fraction=max_failed_fraction,
+            max_attempts=max_attempts,
             on_input_change=on_input_change,
             usage_columns=tuple(usage_columns),
             budget=budget,
