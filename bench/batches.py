@@ -13,15 +13,20 @@ the other, each on fresh checkpoints:
   the pending batches every ``--sensor-seconds`` (one request per batch still running); once a
   shard's batch ended its collecting run starts, stores the results and finishes.
 
-Printed per way: the wall time to all rows stored, the run-slot seconds held (the sum of the
-runs' lifetimes, what a slot-limited Dagster deployment pays, and of their time inside the run
-itself, without the interpreter's start), the provider's calls by kind, the storage
-requests of the runs, peak RSS per shard, and the rows stored and paid (processed) so that
-"paid once" shows. Lifetimes include the interpreter's start (imports), which on a busy machine
-is most of a short run: the load average is printed with them.
+With ``--error-rate`` a share of requests fail with a server error (500), which the waiting run
+sends again in new batches until each row has had ``max_attempts`` (3) requests: each shard is
+still one run, and the provider's ``submitted`` count is the rows plus the requests sent again.
+
+Printed per way: the wall time to all rows stored, the run-slot seconds held (the sum of the runs'
+lifetimes, what a slot-limited Dagster deployment pays, and of their time inside the run itself,
+without the interpreter's start), the runs and those that ended failed (too many failed rows), the
+provider's calls by kind, the storage requests of the runs, peak RSS per shard, and the rows stored
+and paid (processed) so that "paid once" shows. Lifetimes include the interpreter's start
+(imports), which on a busy machine is most of a short run: the load average is printed with them.
 
     python -m bench.batches                          # 200,000 rows, 16 shards, 60 s delay
     python -m bench.batches --rows 20000 --delay 5   # a quick look
+    python -m bench.batches --rows 20000 --shards 4 --delay 5 --error-rate 0.02 --only wait
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and ``examples`
 import polars as pl
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
-from checkpoint_assets.engine.errors import BatchesPendingError
+from checkpoint_assets.engine.errors import BatchesPendingError, TooManyFailuresError
 from checkpoint_assets.engine.provider_batches import ProviderJob, ProviderRun
 from checkpoint_assets.engine.submission_records import Records
 from checkpoint_assets.engine.submissions import State
@@ -92,12 +97,14 @@ def shard_main(args: argparse.Namespace) -> None:
     )
     checkpoint = Checkpoint(open_store(args.base_dir), shard_name(args.shard, args.shards))
     inputs = prepare(shard_rows(args.rows, args.shard, args.shards), settings)
-    pending, entered = False, time.time()
+    pending, failed, entered = False, 0, time.time()
     try:
         _, run_stats = run(job, inputs, checkpoint, settings, job={"bench": 1}, loop=ProviderRun)
         computed = run_stats.rows_computed
     except BatchesPendingError:
         pending, computed = True, 0
+    except TooManyFailuresError as e:  # the run ends failed: its shard needs another run
+        failed, computed = e.failed, 0
     print(
         json.dumps(
             {
@@ -106,6 +113,7 @@ def shard_main(args: argparse.Namespace) -> None:
                 "ended": time.time(),
                 "run_s": time.time() - entered,
                 "pending": pending,
+                "rows_failed": failed,
                 "rows_computed": computed,
                 "storage": dict(checkpoint.store.requests),
                 "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -193,6 +201,7 @@ def figures(
         "slot_seconds": round(held, 1),
         "slot_seconds_in_run": round(sum(d["run_s"] for d in done), 1),
         "runs": len(done),
+        "runs_failed": sum(1 for d in done if d["rows_failed"]),
         "rows_stored": stored,
         "rows_computed": sum(d["rows_computed"] for d in done),
         "storage_requests": storage,
@@ -210,6 +219,7 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=16)
     p.add_argument("--delay", type=float, default=60.0, help="provider processing delay (s)")
     p.add_argument("--sensor-seconds", type=float, default=10.0)
+    p.add_argument("--error-rate", type=float, default=0.0, help="requests failing with 500")
     p.add_argument("--only", default="wait,submit")
     # a shard's run (internal)
     p.add_argument("--shard", type=int)
@@ -221,13 +231,16 @@ def main() -> None:
         shard_main(args)
         return
     print(
-        f"{args.rows:,} rows, {args.shards} shards, provider delay {args.delay:g} s; "
+        f"{args.rows:,} rows, {args.shards} shards, provider delay {args.delay:g} s, "
+        f"{args.error_rate:.0%} request errors; "
         f"load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
     results: dict[str, Any] = {}
     for way in args.only.split(","):
         with (
-            serve_process(ProviderSettings(processing_delay=args.delay)) as url,
+            serve_process(
+                ProviderSettings(processing_delay=args.delay, error_rate=args.error_rate)
+            ) as url,
             tempfile.TemporaryDirectory() as tmp,
         ):
             results[way] = {**(way_wait if way == "wait" else way_submit)(args, url, tmp)}

@@ -77,7 +77,18 @@ def cli() -> None:
 
     BASE_DIR is the IO manager's base_dir: a local path or an fsspec URI
     (s3://bucket/checkpoints). NAME is a checkpoint as `status` lists it:
-    ASSET/TAG/PARTITION, such as ticket_routing/default/3-of-8.
+    ASSET/TAG/PARTITION, such as ticket_routing/default/3-of-8. Credentials come from -o
+    options or the environment, as for the IO manager.
+
+    Tables and results go to stdout; progress and notes go to stderr.
+
+    \b
+    Exit status:
+      0    all is well
+      1    something was found or skipped (verify's problems, a locked checkpoint)
+      2    an error, said as `error: ...` or `NAME: error: ...` on stderr
+      130  interrupted
+      141  stdout closed early (| head)
     """
 
 

@@ -21,7 +21,15 @@ SHARED_CHECKPOINT = (
 
 
 class CheckpointError(Exception):
-    """Base class of every error raised by checkpoint-assets: what happened, then what to do."""
+    """Base class of every error raised by checkpoint-assets: what happened, then what to do.
+
+    Raised as itself for problems of setup. A batch function whose signature cannot be called.
+    A source that is not a table. An IO manager that is not a ``CheckpointIOManager``.
+    ``global_resume: true`` before ``<asset>_global_resume`` is materialized. An unset variable
+    of a ``{"env": "VAR"}`` storage option. A partition loaded before it was checkpointed.
+    ``usage_columns`` that are not numeric outputs. A run whose checkpoints would live in a
+    temporary Dagster instance. Catch ``CheckpointError`` to handle every error of the package.
+    """
 
     def __init__(self, what: str, remedy: str = "") -> None:
         super().__init__(what)
@@ -49,7 +57,11 @@ def _restore(cls: type[CheckpointError], state: dict[str, Any]) -> CheckpointErr
 
 
 class InvalidIdsError(CheckpointError):
-    """The id column is missing, has nulls, has duplicates or has an unsupported type."""
+    """The id column is missing, has nulls, has duplicates or has an unsupported type.
+
+    Only integers (up to 64 bits) and strings are ids. The message names the column and up to
+    five offending values. It is raised before any call.
+    """
 
     def __init__(self, column: str, problem: str, sample: Sequence[Any] = ()) -> None:
         self.column = column
@@ -66,7 +78,7 @@ class InvalidIdsError(CheckpointError):
 
 
 class MissingColumnsError(CheckpointError):
-    """Input columns the job reads are not in the input."""
+    """Input columns the job reads (``input_columns``) are not in the source."""
 
     def __init__(self, missing: Sequence[str], available: Sequence[str]) -> None:
         self.missing = list(missing)
@@ -78,7 +90,11 @@ class MissingColumnsError(CheckpointError):
 
 
 class InputChangedError(CheckpointError):
-    """Finished rows whose input columns changed since their result was stored."""
+    """Finished rows whose input columns changed since their result was stored.
+
+    The message counts them and gives sample ids. A result is never joined to another input:
+    ``on_input_change: recompute`` computes just those rows again.
+    """
 
     def __init__(self, changed: int, total: int, sample_ids: Sequence[Any]) -> None:
         self.changed = changed
@@ -95,7 +111,11 @@ class InputChangedError(CheckpointError):
 
 
 class JobMismatchError(CheckpointError):
-    """The checkpoint was written by a different job (code version, columns or output schema)."""
+    """The checkpoint was written by a different job.
+
+    Another ``code_version``, id column or input columns, or an output schema that differs from
+    what the function now returns.
+    """
 
     REMEDY = (
         "Use a new checkpoint tag (or code version) for this job, or run with resume=False to "
@@ -108,7 +128,12 @@ class JobMismatchError(CheckpointError):
 
 
 class CorruptCheckpointError(CheckpointError):
-    """A stored file is unreadable or violates the checkpoint's invariants."""
+    """A stored file is unreadable or violates the checkpoint's invariants.
+
+    Duplicate ids in the merged file, missing output columns, a Parquet file that cannot be
+    read. Usually two jobs share one tag, or a file was changed by hand.
+    ``checkpoint-assets verify`` lists every problem.
+    """
 
     def __init__(self, path: str, problem: str, remedy: str = SHARED_CHECKPOINT) -> None:
         self.path = path
@@ -133,7 +158,15 @@ class NewerFormatError(CheckpointError):
 
 
 class LockHeldError(CheckpointError):
-    """Another live writer holds the checkpoint's lock."""
+    """Another live writer holds the checkpoint's lock.
+
+    The message names its run id, host, pid and since when. It says when the holder's run is
+    over while its process still runs: such a step stops by itself within seconds. It is also
+    raised when this run lost its lock (its lease ran out while it was paused, or another writer
+    took it over): it started no more calls and wrote nothing more. And when a file vanished
+    while this run read it: a second writer changed the checkpoint. A dead holder's lock (its
+    process gone on its host, or its lease expired) is taken over with a warning.
+    """
 
     def __init__(self, what: str, remedy: str = "") -> None:
         super().__init__(what, remedy)
@@ -141,8 +174,13 @@ class LockHeldError(CheckpointError):
 
 
 class RunStoppedError(CheckpointError):
-    """The run stopped by itself while it held the lock: its run is over, or the process
-    that launched it is gone. What it computed is stored and the lock released."""
+    """The step stopped by itself while it held the lock.
+
+    Its run is over (failed, canceled or succeeded in the instance, as run monitoring marks a
+    run whose worker died), or the process that launched it (a run worker, `dagster asset
+    materialize`) is gone. It stored the rows it computed and released the lock: a rerun
+    resumes.
+    """
 
     def __init__(self, label: str, reason: str, done: int) -> None:
         self.label = label
@@ -156,7 +194,13 @@ class RunStoppedError(CheckpointError):
 
 
 class StorageError(CheckpointError):
-    """The storage backend cannot be reached or used (missing package, bucket, permission)."""
+    """The storage cannot be reached or used.
+
+    A missing filesystem package (``s3fs``, ``gcsfs``, ``adlfs``), a missing bucket, denied
+    access, an unreachable endpoint, or a ``base_dir`` that is a file or read-only. Also a listing
+    of the parts that stays stale: it misses parts the run wrote or saw, or leaves out flushes
+    that later parts follow. Nothing is computed, merged or deleted then.
+    """
 
 
 class TooManyFailuresError(CheckpointError):
@@ -231,7 +275,11 @@ def _ran(done: int) -> str:
 
 
 class OutageError(CheckpointError):
-    """Every row of several consecutive batches failed: the endpoint looks down."""
+    """Every row of several consecutive batches failed: the endpoint looks down.
+
+    The run stopped early. The rows done before are checkpointed, and the failures of the streak
+    are not stored as row failures. A rerun when the endpoint is back resumes.
+    """
 
     def __init__(self, label: str, calls: int, last_error: str, done: int) -> None:
         self.calls = calls
@@ -247,7 +295,11 @@ class OutageError(CheckpointError):
 
 class QuotaExhaustedError(CheckpointError):
     """The endpoint kept rate limiting the shard for ``max_throttle_seconds``: the quota looks
-    spent."""
+    spent.
+
+    The shard had no successful call in that time. Everything done is checkpointed, and no row
+    was marked failed.
+    """
 
     def __init__(self, label: str, why: str, done: int) -> None:
         self.why = why
@@ -261,8 +313,14 @@ class QuotaExhaustedError(CheckpointError):
 
 
 class FunctionError(CheckpointError):
-    """The function itself is broken (a bad signature, a result that is not a table for its
-    batch): retrying cannot help, so the run stops at the first occurrence."""
+    """The function itself is broken: retrying cannot help, so the run stops at the first
+    occurrence, after checkpointing what is done.
+
+    It was called with arguments it does not take (``TypeError``), or raised an
+    ``AttributeError`` on a real object, a ``NameError`` or an ``ImportError``. Or its result is
+    not a table, lacks the id column, repeats ids, has null ids, holds ids that were not in the
+    batch, or uses a reserved column name. The message says which.
+    """
 
     def __init__(self, label: str, problem: str, done: int) -> None:
         self.problem = problem
@@ -335,10 +393,13 @@ class BatchesPendingError(CheckpointError):
     """A run that submits and ends (``wait`` off) left rows in provider batches that have not
     ended yet: they are recorded in the checkpoint, and the shard is not finished."""
 
-    def __init__(self, label: str, rows: int, batches: Sequence[str], done: int) -> None:
+    def __init__(
+        self, label: str, rows: int, batches: Sequence[str], done: int, due: float | None = None
+    ) -> None:
         self.rows = rows
         self.batches = list(batches)
         self.done = done
+        self.due = due  # when the provider ends the last of them at the latest (epoch seconds)
         super().__init__(
             f"{label}: {rows:,} row(s) are submitted in {len(self.batches)} provider batch(es) "
             f"that have not ended yet ({', '.join(self.batches[:5])}"

@@ -13,8 +13,15 @@ as for computed rows. Its steps::
                  ids recorded as they come
     collect      poll with backoff (``poll_seconds`` doubling up to ``max_poll_seconds``); a
                  submission that ended is downloaded, parsed and stored as one part, then marked
-                 collected; rows an expiry or a cancel left without a result are submitted again;
-                 per-request errors become failed rows (computed again by the next run while
+                 collected, or returned when some of its rows are sent again (below)
+    send again   the rows whose request failed in a transient way (the adapter's
+                 ``Result.retry``: a server error, an overload, a rate limit) or that an expiry
+                 or a cancel left without a result, while their attempt is below
+                 ``max_attempts``: each submission records its attempt (1 for fresh rows), and
+                 its rows sent again go in a new submission of the next attempt, recorded after
+                 the part of the results it had is durable and the old one is marked returned.
+                 Other per-request errors (an invalid request) are failed rows at once, as are
+                 transient ones at the last attempt (computed again by the next run while
                  ``retry_failed`` is on)
     end          with ``wait`` off, as soon as every submission is created and what had ended is
                  collected: the run ends with :class:`BatchesPendingError`, the shard unfinished
@@ -59,6 +66,7 @@ from checkpoint_assets.engine.runner import Run
 from checkpoint_assets.engine.sink import PartWriter
 from checkpoint_assets.engine.submission_records import Records, Submission, new_tag
 from checkpoint_assets.engine.submissions import (
+    WINDOW_SECONDS,
     BatchProvider,
     Request,
     Result,
@@ -179,14 +187,14 @@ class ProviderRun(Run):
         )
         return True
 
-    def _submit(self, rows: pl.DataFrame) -> list[Submission]:
+    def _submit(self, rows: pl.DataFrame, attempt: int = 1) -> list[Submission]:
         """Submit ``rows`` in as many submissions as the provider's limits take, until the
         spend budget refuses one (then nothing more is submitted)."""
         made = []
         for split in self._split(rows):
             if self.refused is not None or not self._reserve(split):
                 break
-            made.append(self._send(split))
+            made.append(self._send(split, attempt))
         return made
 
     def _split(self, rows: pl.DataFrame) -> Iterator[_Split]:
@@ -261,9 +269,9 @@ class ProviderRun(Run):
             raise FunctionError(self.label, problem, self.done_rows)
         return body
 
-    def _send(self, split: _Split) -> Submission:
+    def _send(self, split: _Split, attempt: int) -> Submission:
         tag, requests = split.tag, split.requests
-        s = Submission(tag, self.provider.name, split.ids, split.hashes)
+        s = Submission(tag, self.provider.name, split.ids, split.hashes, attempt=attempt)
         self.records.record_intent(s)
         file_id = self.provider.upload(requests, tag)
         if file_id is not None:
@@ -289,14 +297,21 @@ class ProviderRun(Run):
             for s in waiting:
                 assert s.batch_id is not None
                 status = self.provider.poll(s.batch_id)
-                left += [s] if status.state is State.RUNNING else self._collect(s, status)
+                if status.state is State.RUNNING:
+                    left.append(s)
+                    continue
+                again = self._collect(s, status)
+                if again:
+                    delay = self.job.poll_seconds  # new batches: poll them from the start
+                left += again
             waiting = left
             if not waiting:
                 return None
             rows = sum(len(s.ids) for s in waiting)
             if not self.job.wait:
                 batches = [s.batch_id or s.tag for s in waiting]
-                return BatchesPendingError(self.label, rows, batches, self.done_rows)
+                due = max(s.created_at for s in waiting) + WINDOW_SECONDS
+                return BatchesPendingError(self.label, rows, batches, self.done_rows, due)
             self.log.info(
                 "%s: %d row(s) wait in %d provider batch(es); next poll in %.0f s. %s",
                 self.label,
@@ -310,25 +325,26 @@ class ProviderRun(Run):
 
     def _collect(self, s: Submission, status: Status) -> list[Submission]:
         """Store the results of the ended submission ``s`` as one part, then mark it; returns
-        the submissions of its rows that got no result (expired, cancelled)."""
+        the submissions of its rows sent again (see the module docstring)."""
         assert s.batch_id is not None
         seen = [False] * len(s.ids)
         failed: list[tuple[Any, int, str, int]] = []
+        transient: list[int] = []  # indexes of requests that failed in a transient way
+        last = s.attempt >= self.s.max_attempts
         if status.state is not State.FAILED:
             for result in self.provider.results(s.batch_id):
                 index = index_of(result.custom_id, s.tag)
-                if index is not None and index < len(s.ids):  # else not this submission's
-                    seen[index] = True
+                if index is None or index >= len(s.ids):
+                    continue  # not this submission's
+                seen[index] = True
+                if result.retry and result.error is not None and not last:
+                    transient.append(index)
+                else:
                     self._take(result, s.ids[index], s.hashes[index], failed)
         unrun = [i for i, got in enumerate(seen) if not got]
-        if status.state in (State.ENDED, State.FAILED):
-            why = (
-                f"the provider refused the batch {s.batch_id}: {status.detail or 'no detail'}"
-                if status.state is State.FAILED
-                else f"the provider's batch {s.batch_id} ended without a result for this request"
-            )
+        if status.state in (State.ENDED, State.FAILED) or last:
             for i in unrun:
-                self._fail(s.ids[i], s.hashes[i], why, failed)
+                self._fail(s.ids[i], s.hashes[i], self._no_result(s, status), failed)
             unrun = []
         if self.spend is not None:  # its rows' results count now, at the batch price
             self.spend.release(self.reserved.pop(s.tag, 0.0))
@@ -336,21 +352,36 @@ class ProviderRun(Run):
         self._commit()
         self.sink.flush()
         assert isinstance(self.sink, PartWriter)
-        self.sink.wait_for_writes()  # durable before the record says collected
-        if not unrun:
+        self.sink.wait_for_writes()  # durable before the record says collected or returned
+        back = [s.ids[i] for i in transient + unrun if s.ids[i] in self.attempts]
+        if not back:
             self.records.advance(s, "collected")
             return []
-        note = f"{len(unrun)} request(s) got no result: the batch {status.state.value}"
+        for i in transient:  # each was a call the provider answered
+            if s.ids[i] in self.attempts:
+                self.attempts[s.ids[i]] += 1
+        note = _returned(len(transient), len(unrun), status.state)
         self.records.advance(s, "returned", note=note)
         self.log.warning(
-            "%s: provider batch %s %s with %d request(s) unrun; submitting them again.",
+            "%s: provider batch %s: %s; sending them again (attempt %d of %d).",
             self.label,
             s.batch_id,
-            status.state.value,
-            len(unrun),
+            note,
+            s.attempt + 1,
+            self.s.max_attempts,
         )
-        back = [s.ids[i] for i in unrun if s.ids[i] in self.attempts]
-        return self._submit(self.todo.filter(pl.col(self.id).is_in(back)))
+        return self._submit(self.todo.filter(pl.col(self.id).is_in(back)), s.attempt + 1)
+
+    def _no_result(self, s: Submission, status: Status) -> str:
+        """Why a request of the ended submission ``s`` is a failed row without a result."""
+        if status.state is State.FAILED:
+            return f"the provider refused the batch {s.batch_id}: {status.detail or 'no detail'}"
+        if status.state is State.ENDED:
+            return f"the provider's batch {s.batch_id} ended without a result for this request"
+        return (
+            f"the provider's batch {s.batch_id} {status.state.value} before running this "
+            f"request, at attempt {s.attempt} of max_attempts {self.s.max_attempts}"
+        )
 
     def _take(
         self, result: Result, row_id: Any, input_hash: int, failed: list[tuple[Any, int, str, int]]
@@ -384,6 +415,7 @@ class ProviderRun(Run):
         attempts = self.attempts.pop(row_id, None)
         if attempts is not None:  # else stored already
             failed.append((row_id, input_hash, why, attempts + 1))
+            self.last_error = why
 
     def _failures(self, failed: list[tuple[Any, int, str, int]]) -> pl.DataFrame:
         ids, hashes, errors, attempts = zip(*failed, strict=True) if failed else ((),) * 4
@@ -395,3 +427,10 @@ class ProviderRun(Run):
                 ATTEMPTS: pl.Series(list(attempts), dtype=pl.Int32),
             }
         )
+
+
+def _returned(transient: int, unrun: int, state: State) -> str:
+    """What a returned submission's record says of its rows sent again."""
+    said = [f"{transient} request(s) failed in a transient way"] if transient else []
+    said += [f"{unrun} request(s) got no result: the batch {state.value}"] if unrun else []
+    return "; ".join(said)

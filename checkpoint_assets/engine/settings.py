@@ -42,8 +42,8 @@ class AssetSettings:
 
     ``checkpointed_asset`` takes these fields as keyword arguments, ``CheckpointedAssetComponent``
     as attributes, both derived from the fields here (type, default, ``DOC``): a new setting is
-    one field here (and its row in docs/reference.md, which tests/test_docs.py asks for). Values
-    out of range are refused by name, never replaced.
+    one field here, and the docs' reference shows it. Values out of range are refused by name,
+    never replaced.
     """
 
     checkpoint_interval: int = setting(

@@ -10,8 +10,10 @@ and each is durable before the next request to the provider:
     uploaded    the provider's file id (OpenAI), before the batch is created
     created     the provider's batch id
     collected   its results are stored as a part (written after the part is durable)
-    returned    it ended without results for some rows (expired, cancelled): those rows are
-                submitted again in a new submission; the results it had are stored
+    returned    some of its rows are sent again in a new submission (written after the part of
+                its other results is durable, before the new submission's intent): their
+                requests failed in a transient way, or the batch expired or was cancelled
+                before running them
     dropped     nothing of it reached the provider (found by neither its batch nor its file after
                 a crash): its rows are submitted again in a new submission
 
@@ -53,6 +55,7 @@ class Submission:
     ids: list[Any]  # the row ids, in custom_id order
     hashes: list[int]  # their input hashes when submitted
     stage: str = "intent"
+    attempt: int = 1  # 1 for rows submitted fresh; n + 1 for rows of attempt n sent again
     created_at: float = field(default_factory=time.time)
     file_id: str | None = None
     batch_id: str | None = None

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol, runtime_checkable
 
 TAG_KEY: Final = "checkpoint_assets_submission"  # the key of the tag in a batch's metadata
+# Both providers end a batch within 24 hours of its creation (expired, if it is not done).
+WINDOW_SECONDS: Final = 24 * 3600
 
 
 class State(enum.StrEnum):
@@ -82,11 +84,14 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """One request's result: the response body of a success, or why it failed."""
+    """One request's result: the response body of a success, or why it failed. ``retry``: the
+    provider says the same request may succeed when sent again (a server error, an overload, a
+    rate limit, a timeout), as opposed to a request it refuses (an invalid request)."""
 
     custom_id: str
     body: dict[str, Any] | None
     error: str | None = None
+    retry: bool = False
 
 
 @runtime_checkable
@@ -121,7 +126,8 @@ class BatchProvider(Protocol):
 
     def results(self, batch_id: str) -> Iterator[Result]:
         """The results of a batch that is no longer RUNNING, in any order: one per request that
-        ran (a success or an error); none for requests an expiry or cancel left unrun."""
+        ran (a success or an error, ``retry`` set for a transient one); none for requests an
+        expiry or cancel left unrun."""
         ...
 
     def cancel(self, batch_id: str) -> None:

@@ -71,6 +71,21 @@ class AssetArguments(AssetSettings, _Rows):
         "io_manager", "Resource key of the CheckpointIOManager that stores the checkpoints."
     )
     backfill_policy: dg.BackfillPolicy | None = setting(None, "Dagster backfill policy.")
+    owners: Sequence[str] | None = setting(
+        None, "Asset owners: emails or team:name, as in dagster.asset."
+    )
+    kinds: Sequence[str] | None = setting(
+        None, "Kinds shown in the UI, added to the package's own (polars, parquet)."
+    )
+    op_tags: Mapping[str, Any] | None = setting(
+        None, "Tags of the step (for run launchers and executors), as in dagster.asset."
+    )
+    retry_policy: dg.RetryPolicy | None = setting(
+        None, "Dagster's step retries. A retried step resumes from its checkpoint."
+    )
+    automation_condition: dg.AutomationCondition | None = setting(
+        None, "When Dagster's automation materializes the asset's partitions."
+    )
 
 
 def _arguments_doc(arguments: Any) -> str:

@@ -228,7 +228,11 @@ def define(
         io_manager_key=a.io_manager_key,
         required_resource_keys=set(calls.resources) or None,
         backfill_policy=a.backfill_policy,
-        kinds=kinds or {"polars", "parquet"},
+        kinds={*(kinds or {"polars", "parquet"}), *(a.kinds or ())},
+        owners=list(a.owners) if a.owners else None,
+        op_tags=dict(a.op_tags) if a.op_tags else None,
+        retry_policy=a.retry_policy,
+        automation_condition=a.automation_condition,
     )(body)
 
 

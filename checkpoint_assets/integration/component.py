@@ -54,7 +54,7 @@ _SENSOR = _defaults(failed_partitions_sensor)
 # partitions_def as a shard count (``shards``), backfill_policy and budget as mappings.
 _OWN_FORM = {"source", "partitions_def", "backfill_policy", "budget"}
 # Python objects with no YAML form: a Component that needs one is a Python asset instead.
-_PYTHON_ONLY = {"source_partition_mapping"}
+_PYTHON_ONLY = {"source_partition_mapping", "retry_policy", "automation_condition"}
 _PASSED_ON = [
     f for f in dataclasses.fields(AssetArguments) if f.name not in _OWN_FORM | _PYTHON_ONLY
 ]

@@ -15,7 +15,10 @@
     stopped_by_budget()  failures whose run the spend budget stopped (the sensor leaves them).
 
 Runs that Dagster's own run retries will re-execute, and runs that submitted provider batches and
-ended, are not failures here. ``SensorState`` is what the sensor remembers between ticks.
+ended, are not failures here. Dagster declines to retry runs made in process and runs of a
+backfill that has ended, so the failed runs of ``dagster asset materialize`` and of ``dagster job
+backfill`` (whose backfill ends as it submits them) are failures here. ``SensorState`` is what
+the sensor remembers between ticks.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from typing import Any
 
 import dagster as dg
 
+# The statuses in which the run retry daemon declines a backfill's runs: its own rule.
+from dagster._core.execution.backfill import BULK_ACTION_TERMINAL_STATUSES
+
 from checkpoint_assets.engine.layout import UNPARTITIONED
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.events import records_after
@@ -35,6 +41,7 @@ from checkpoint_assets.integration.pending import PENDING_TAG
 from checkpoint_assets.integration.spend import STOPPED_BY_TAG
 
 PARTITION_TAG = "dagster/partition"
+BACKFILL_TAG = "dagster/backfill"
 RANGE_START_TAG = "dagster/asset_partition_range_start"
 RANGE_END_TAG = "dagster/asset_partition_range_end"
 _PAGE = 1000
@@ -227,7 +234,7 @@ def _ended(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> dict[str, tu
         for record in instance.get_run_records(dg.RunsFilter(run_ids=ids[start : start + 100])):
             run = record.dagster_run
             ended = record.end_time or record.update_timestamp.timestamp()
-            out[run.run_id] = (ended, _not_ours(run))
+            out[run.run_id] = (ended, _not_ours(instance, run))
     return out
 
 
@@ -282,7 +289,7 @@ def _failed_range_runs(
             state.ranged.discard(run_id)  # deleted
             continue
         run = record.dagster_run
-        if not run.is_finished or _not_ours(run):
+        if not run.is_finished or _not_ours(instance, run):
             continue  # in progress, Dagster's run retries will re-execute it, or batches wait
         # One partition planned as a subset of one carries only ``dagster/partition``.
         one = run.tags.get(PARTITION_TAG, "")
@@ -340,10 +347,28 @@ def stopped_by_budget(instance: dg.DagsterInstance, failures: Mapping[str, Failu
     return {p for p, f in failures.items() if f.run_id in stopped}
 
 
-def _not_ours(run: dg.DagsterRun) -> bool:
+def _not_ours(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
     """Dagster's run retries will re-execute ``run``, or it submitted provider batches and
     ended (``provider_batches_sensor`` requests the run that collects them)."""
-    return run.is_complete_and_waiting_to_retry or PENDING_TAG in run.tags
+    return PENDING_TAG in run.tags or _dagster_retries(instance, run)
+
+
+def _dagster_retries(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
+    """Whether Dagster's run retries will re-execute ``run``.
+
+    A failed run is tagged ``dagster/will_retry`` when the instance's run retries allow it, but
+    the daemon declines it (``dagster/_daemon/auto_run_reexecution``) when it was run in process,
+    with no code location to launch it from again (``dagster asset materialize``), or belongs to
+    a backfill that has ended or is gone. ``dagster job backfill`` marks its backfill COMPLETED as
+    it submits the runs, so Dagster never retries them: they are ours.
+    """
+    if not run.is_complete_and_waiting_to_retry or run.remote_job_origin is None:
+        return False
+    backfill_id = run.tags.get(BACKFILL_TAG)
+    if backfill_id is None:
+        return True
+    backfill = instance.get_backfill(backfill_id)
+    return backfill is not None and backfill.status not in BULK_ACTION_TERMINAL_STATUSES
 
 
 def _count(value: Any) -> float:

@@ -38,30 +38,35 @@ THROTTLED_CALLS = "throttled_calls"
 THROTTLE_EVENTS = "throttle_events"
 THROTTLED_SECONDS = "throttled_seconds"
 CONCURRENCY_FINAL = "concurrency_final"
-USAGE = "usage/"  # + a usage column: its sum over the rows this run computed
-USAGE_TOTAL = "usage_total/"  # + a usage column: its sum over every stored row
-COST_USD = "cost_usd"  # what this run's calls on the shard cost (a budget's prices)
-COST_BY_MODEL = "cost_by_model"  # the same, by model
-COST_SHARD_TOTAL_USD = "cost_shard_total_usd"  # what the shard cost over every run
-COST_ASSET_TOTAL_USD = "cost_asset_total_usd"  # what the asset cost over every shard and run
+USAGE = "usage/"  # + a usage column
+USAGE_TOTAL = "usage_total/"  # + a usage column
+COST_USD = "cost_usd"
+COST_BY_MODEL = "cost_by_model"
+COST_SHARD_TOTAL_USD = "cost_shard_total_usd"
+COST_ASSET_TOTAL_USD = "cost_asset_total_usd"
 ROWS_PER_SECOND = "rows_per_second"
 CHECKPOINT_PATH = "checkpoint_path"
-STORAGE_REQUESTS = "storage_requests/"  # + put, get, list, delete, head: requests the run made
+STORAGE_REQUESTS = "storage_requests/"  # + a request kind, lower case
 REQUEST_KINDS = ("PUT", "GET", "LIST", "DELETE", "HEAD")
-STORAGE_BYTES_READ = "storage_bytes_read"  # what the run's GETs fetched (its source's ranges too)
+STORAGE_BYTES_READ = "storage_bytes_read"
+STORAGE_WAIT_SECONDS = "storage_wait_seconds"
+INPUT_FINGERPRINT = "input_fingerprint"
 TOP_ERRORS = "top_errors"
-ROWS_CHECKPOINTED = "rows_checkpointed"
-FUNCTION_CHANGED = "function_changed"  # the function changed, its code version did not
-FUNCTION_CHANGES = "function_changes"  # what changed, in words (only when it did)
-# An observation of a partition whose rows wait in provider batches (submit-and-end), which
-# ``provider_batches_sensor`` follows: the batch ids (JSON list) and the rows.
-BATCHES_PENDING = "batches_pending"
-ROWS_PENDING = "rows_pending"
+FUNCTION_CHANGED = "function_changed"
+FUNCTION_CHANGES = "function_changes"
+# The failure of a run that submitted and ended: when the provider ends the last of its batches
+# at the latest (their 24 h window), and which sensor collects them.
+RESULTS_DUE_BY = "results_due_by"
+COLLECTED_BY = "collected_by"
 # Dagster's standard keys (shown in the UI's asset overview and columns tab).
 ROW_COUNT = "dagster/row_count"
 COLUMN_SCHEMA = "dagster/column_schema"
-TOP_ERRORS_SHOWN = 10
-SAMPLE_IDS = 5
+# Observation metadata: a run that stopped records what its checkpoint holds; a provider batch
+# run that submitted and ended records what it waits for (``provider_batches_sensor`` follows it).
+ROWS_CHECKPOINTED = "rows_checkpointed"
+STOPPED_BY = "stopped_by"
+BATCHES_PENDING = "batches_pending"
+ROWS_PENDING = "rows_pending"
 COUNTS = (
     "rows_total",
     "rows_computed",
@@ -73,6 +78,96 @@ COUNTS = (
     "rows_imported",
     "calls",
 )
+
+# Every key a checkpointed asset records, with its meaning. The docs' metadata reference is made
+# from these tables, and ``declared`` refuses a key that is not in them. ``<...>`` stands for any
+# name.
+MATERIALIZATION: dict[str, str] = {
+    "rows_total": "Input rows of the partition.",
+    "rows_computed": "Rows the function computed in this run, successes and failures.",
+    "rows_resumed": "Rows taken from the checkpoint instead of computed.",
+    ROWS_FAILED: "Rows of the result stored as failed (`_error` not null), whenever computed.",
+    "rows_reused": "Rows that got the result of an identical input (`dedupe`).",
+    "rows_dropped": "Stored rows whose id is no longer in the input. They are left out of the "
+    "result and kept in storage.",
+    "rows_changed": "Finished rows whose input changed, computed again "
+    "(`on_input_change: recompute`). They count in `rows_computed` too.",
+    "rows_imported": "Rows taken from `<asset>_global_resume` (`global_resume: true`).",
+    "calls": "Calls of the function in this run, retries and splits included. Through provider "
+    "batches: the requests submitted.",
+    ROWS_PER_SECOND: "`rows_computed` per second of the run. Absent when it computed nothing.",
+    INPUT_FINGERPRINT: "BLAKE3 fingerprint of the partition's ids and input columns. "
+    "Comma-separated for several shards.",
+    CHECKPOINT_TAG: "The checkpoint tag the run wrote.",
+    CHECKPOINTING: "`false` for a run with `checkpointing: false`.",
+    CHECKPOINT_PATH: "Where the checkpoint is: a path, or a URI on object storage.",
+    STORAGE_REQUESTS + "<kind>": "Storage requests the run made, one number per kind: `put`, "
+    "`get`, `list`, `delete`, `head`. Ranged reads of a stored source count too.",
+    STORAGE_BYTES_READ: "Bytes the run's GETs fetched, its slice of a stored source included. "
+    "Polars' own reads of local files are not counted.",
+    STORAGE_WAIT_SECONDS: "How long checkpointing held the run up: waiting for a flush, then "
+    "finalize. When it is a large share of the run, raise `checkpoint_interval` or "
+    "`min_flush_seconds`.",
+    THROTTLED_CALLS: "Calls the endpoint refused (`RetryAfter`, HTTP 429/503/529). Each waited "
+    "and was sent again.",
+    THROTTLED_SECONDS: "Time the whole shard was paused by rate limits.",
+    THROTTLE_EVENTS: "Times the shard lowered its concurrency or paused as a whole.",
+    CONCURRENCY_FINAL: "Calls in flight allowed at the end of the run. For a ranged run, the "
+    "lowest shard's.",
+    USAGE + "<col>": "Sum of the usage column over this run's computed rows.",
+    USAGE_TOTAL + "<col>": "Sum of the usage column over every stored row of the partition.",
+    COST_USD: "With a `budget`: what this run's calls on the shard cost, in USD. Provider "
+    "batches at the batch price.",
+    COST_BY_MODEL: "With a `budget`: `cost_usd` by model (JSON).",
+    COST_SHARD_TOTAL_USD: "With a `budget`: what the shard cost over every run, failed runs "
+    "included.",
+    COST_ASSET_TOTAL_USD: "With a `budget`: what the asset cost over every shard and run.",
+    TOP_ERRORS: "When rows failed: the most common errors, with their count and sample ids.",
+    FUNCTION_CHANGED: "`true` when stored results were reused although the function changed and "
+    "`code_version` did not. Absent with `checkpointing: false`.",
+    FUNCTION_CHANGES: "When `function_changed`: what changed, such as `the function's code`.",
+    ROW_COUNT: "Rows of the partition's result, failed ones included (Dagster's standard key).",
+    COLUMN_SCHEMA: "The result's columns and types: the id, the outputs and `_error` "
+    "(Dagster's standard key).",
+}
+OBSERVATION: dict[str, str] = {
+    ROWS_CHECKPOINTED: "A run that stopped: rows its checkpoint holds, earlier runs' included.",
+    ROWS_FAILED: "A run that stopped: rows stored as failed.",
+    CHECKPOINT_PATH: "A run that stopped: where its checkpoint is.",
+    STOPPED_BY: "A run that stopped: the class of the error that stopped it.",
+    BATCHES_PENDING: "A provider batch run that submitted and ended: the provider's ids of the "
+    "batches the partition waits for (JSON list). `provider_batches_sensor` follows it.",
+    ROWS_PENDING: "A provider batch run that submitted and ended: rows in those batches.",
+    COST_USD: "With a `budget`, a run that spent and stopped, or a running shard under "
+    "`max_asset_cost`: what the shard's calls cost so far in this run.",
+    COST_BY_MODEL: "With a `budget`, a run that spent and stopped: `cost_usd` by model.",
+    COST_SHARD_TOTAL_USD: "With a `budget`: what the shard cost over every run.",
+    COST_ASSET_TOTAL_USD: "With a `budget`, a run that spent and stopped: what the asset cost.",
+}
+
+# The failure of a provider batch run that submitted and ended (``wait: false``).
+PENDING_FAILURE: dict[str, str] = {
+    ROWS_PENDING: "Rows that wait in provider batches.",
+    BATCHES_PENDING: "The provider's ids of those batches (JSON list).",
+    RESULTS_DUE_BY: "When the provider ends the last of them at the latest (its 24 h window).",
+    COLLECTED_BY: "The `provider_batches_sensor` that requests the run collecting them.",
+}
+
+
+def declared(metadata: dict[str, Any], table: dict[str, str]) -> dict[str, Any]:
+    """``metadata`` itself, once each of its keys is declared in ``table``."""
+    prefixes = tuple(k.partition("<")[0] for k in table if "<" in k)
+    unknown = [k for k in metadata if k not in table and not k.startswith(prefixes)]
+    if unknown:
+        raise RuntimeError(
+            f"Metadata keys {unknown} are not declared: add them, with their meaning, to the "
+            "tables of checkpoint_assets/integration/metadata.py."
+        )
+    return metadata
+
+
+TOP_ERRORS_SHOWN = 10
+SAMPLE_IDS = 5
 
 
 def materialization(
@@ -95,7 +190,7 @@ def materialization(
     seconds = sum(r.seconds for r in runs)
     if out["rows_computed"] and seconds > 0:  # absent on a run that computed nothing
         out[ROWS_PER_SECOND] = round(out["rows_computed"] / seconds, 2)
-    out["input_fingerprint"] = ",".join(r.input_fingerprint for r in runs)
+    out[INPUT_FINGERPRINT] = ",".join(r.input_fingerprint for r in runs)
     out[CHECKPOINT_TAG] = tag
     out[CHECKPOINTING] = checkpointing
     paths = [r.checkpoint_path for r in runs if r.checkpoint_path]
@@ -107,7 +202,7 @@ def materialization(
     for kind, n in requests.items():  # one number per kind, which the UI plots over time
         out[STORAGE_REQUESTS + kind.lower()] = n
     out[STORAGE_BYTES_READ] = storage.bytes_read
-    out["storage_wait_seconds"] = round(sum(r.storage_wait_seconds for r in runs), 3)
+    out[STORAGE_WAIT_SECONDS] = round(sum(r.storage_wait_seconds for r in runs), 3)
     if result is not None:
         out[ROW_COUNT] = result.height
         out[COLUMN_SCHEMA] = column_schema(result, id_column)
@@ -121,7 +216,7 @@ def materialization(
     out.update(_usage(runs))
     if checkpointing:  # without a checkpoint there is no earlier function to compare with
         out.update(_function(runs))
-    return out
+    return declared(out, MATERIALIZATION)
 
 
 def _function(runs: Sequence[RunStats]) -> dict[str, Any]:
@@ -258,12 +353,15 @@ def report_saved(
         dg.AssetObservation(
             asset_key=context.asset_key,
             partition=partition,
-            metadata={
-                ROWS_CHECKPOINTED: ok,
-                ROWS_FAILED: failed,
-                CHECKPOINT_PATH: dg.MetadataValue.path(checkpoint.url),
-                "stopped_by": why,
-            },
+            metadata=declared(
+                {
+                    ROWS_CHECKPOINTED: ok,
+                    ROWS_FAILED: failed,
+                    CHECKPOINT_PATH: dg.MetadataValue.path(checkpoint.url),
+                    STOPPED_BY: why,
+                },
+                OBSERVATION,
+            ),
         )
     )
 

@@ -21,8 +21,9 @@ def shard_partitions(n: int) -> dg.StaticPartitionsDefinition:
     each shard is one contiguous range of the hash space, and a row never moves between shards
     when the input is reordered, grows, shrinks, or is limited.
 
-    >>> shard_partitions(16).get_partition_keys()[:2]
-    ['00-of-16', '01-of-16']
+    Examples:
+        >>> shard_partitions(16).get_partition_keys()[:2]
+        ['00-of-16', '01-of-16']
     """
     if not 1 <= n <= MAX_SHARDS:
         raise ValueError(f"shard_partitions needs between 1 and {MAX_SHARDS} shards, got {n}")

@@ -45,6 +45,7 @@ def provider_batch_asset(
     retry_failed: bool = Settings.retry_failed,
     dedupe: bool = Settings.dedupe,
     max_failed_fraction: float = Settings.max_failed_fraction,
+    max_attempts: int = Settings.max_attempts,
     on_input_change: OnInputChange | Literal["fail", "recompute"] = Settings.on_input_change,
     usage_columns: Sequence[str] = (),
     budget: Budget | None = None,
@@ -85,21 +86,28 @@ def provider_batch_asset(
         def ticket_routing(row: dict) -> dict:
             return {"messages": [{"role": "user", "content": row["body"]}]}
 
+    The arguments it shares with :func:`checkpointed_asset` mean the same: ``source``,
+    ``id_column``, ``input_columns``, ``partitions_def``, ``retry_failed``, ``dedupe``,
+    ``max_failed_fraction``, ``on_input_change``, ``usage_columns`` and ``budget``. A budget
+    prices results at the provider's batch discount, and sends no submission whose estimated cost
+    would pass a limit. ``name``, ``key_prefix``, ``group_name``, ``code_version``, ``pool``,
+    ``tags``, ``description``, ``metadata``, ``io_manager_key`` and ``backfill_policy`` go to
+    ``dagster.asset``.
+
     Args:
-        source, id_column, input_columns, partitions_def, retry_failed, dedupe,
-            max_failed_fraction, on_input_change, usage_columns, budget: as for
-            :func:`checkpointed_asset` (a budget prices the results at the provider's batch
-            discount, and stops submitting when a limit would be passed).
-        parse: the response body of one row -> its output columns (a dict).
-        provider: the resource key of the provider's resource (``OpenAIResource``,
-            ``AnthropicResource``: anything with ``batch_provider(endpoint)``).
-        endpoint: the provider's API path of every request (OpenAI: ``/v1/chat/completions``
-            by default, ``/v1/embeddings``...).
-        wait: wait for the batches in the run (True), or submit and end (False).
-        poll_seconds: the first wait between polls of a waiting run, doubled after each poll up
-            to ``max_poll_seconds``.
-        name, key_prefix, group_name, code_version, pool, tags, description, metadata,
-        io_manager_key, backfill_policy: passed on to ``dagster.asset``.
+        parse: The response body of one row -> its output columns (a dict, the same keys for
+            every row). An exception makes that row failed with its text.
+        max_attempts: Requests per row. A request that failed in a transient way (a server
+            error, a rate limit, an expired batch) goes again in a new batch, within the run,
+            until its row has had this many. An invalid request is a failed row at once.
+        provider: The resource key of the provider's resource: ``OpenAIResource``,
+            ``AnthropicResource``, or anything with ``batch_provider(endpoint)``.
+        endpoint: The provider's API path of every request. OpenAI: ``/v1/chat/completions`` by
+            default, ``/v1/embeddings``, ``/v1/responses``. Anthropic: ``/v1/messages`` only.
+        wait: Wait for the batches in the run (True), or submit and end (False). Run config
+            ``wait`` overrides it.
+        poll_seconds: The first wait between polls of a waiting run, doubled after each poll.
+        max_poll_seconds: The longest wait between polls.
     """
     if poll_seconds <= 0 or max_poll_seconds < poll_seconds:
         raise ValueError(
@@ -127,6 +135,7 @@ def provider_batch_asset(
             retry_failed=retry_failed,
             dedupe=dedupe,
             max_failed_fraction=max_failed_fraction,
+            max_attempts=max_attempts,
             on_input_change=on_input_change,
             usage_columns=tuple(usage_columns),
             budget=budget,

@@ -69,6 +69,11 @@ class PendingState:
         return cls(int(data["after"]), pending)
 
 
+def sensor_name(key: dg.AssetKey) -> str:
+    """The default name of the ``provider_batches_sensor`` of the asset ``key``."""
+    return f"{key.to_python_identifier()}_provider_batches"
+
+
 def provider_batches_sensor(
     asset: dg.AssetsDefinition,
     provider: str = "openai",
@@ -96,7 +101,7 @@ def provider_batches_sensor(
     label = key.to_user_string()
 
     @dg.sensor(
-        name=name or f"{key.to_python_identifier()}_provider_batches",
+        name=name or sensor_name(key),
         target=asset,
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=default_status,

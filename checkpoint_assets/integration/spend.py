@@ -72,7 +72,10 @@ class AssetSpend:
                 dg.AssetObservation(
                     asset_key=self.context.asset_key,
                     partition=self._current,
-                    metadata={md.COST_USD: cost, md.COST_SHARD_TOTAL_USD: self.ours[key] + cost},
+                    metadata=md.declared(
+                        {md.COST_USD: cost, md.COST_SHARD_TOTAL_USD: self.ours[key] + cost},
+                        md.OBSERVATION,
+                    ),
                 )
             )
         read = spent_by_shard(self.context.instance, self.context.asset_key, self.partitioned)
@@ -97,7 +100,9 @@ class AssetSpend:
     def metadata(self, partition: str | None) -> dict[str, Any]:
         """The cost keys of ``partition``'s materialization (after :meth:`finish`)."""
         total = round(sum(self.shards.values()), 9)
-        return {**self.done[partition], md.COST_ASSET_TOTAL_USD: total}
+        return md.declared(
+            {**self.done[partition], md.COST_ASSET_TOTAL_USD: total}, md.MATERIALIZATION
+        )
 
     @contextmanager
     def recorded_on_failure(self) -> Iterator[None]:
@@ -116,10 +121,13 @@ class AssetSpend:
                         dg.AssetObservation(
                             asset_key=self.context.asset_key,
                             partition=partition,
-                            metadata={
-                                **self.metadata(partition),
-                                "stopped_by": type(error).__name__,
-                            },
+                            metadata=md.declared(
+                                {
+                                    **self.metadata(partition),
+                                    md.STOPPED_BY: type(error).__name__,
+                                },
+                                md.OBSERVATION,
+                            ),
                         )
                     )
             raise

@@ -17,7 +17,9 @@ reached Anthropic) only when every batch of that window has ended and none is ta
 
 Results stream from the batch's results URL line by line: ``succeeded`` lines give the message
 (as the API sent it) as the body, ``errored`` lines an error; ``canceled`` and ``expired`` lines
-are not results, so the engine submits those rows again.
+are not results, so the engine submits those rows again. An error of a server, an overload, a
+rate limit or a timeout is transient (``Result.retry``); Anthropic asks that an
+``invalid_request_error`` be fixed before it is sent again, so it is not.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ __all__ = ["LIMITS", "AnthropicBatches", "SubmissionUndecidedError"]
 # whole body; ``size`` counts the requests, so the envelope around them is kept out of the bytes.
 LIMITS: Final = Limits(max_requests=100_000, max_bytes=256 * 1000 * 1000 - 1024)
 ENDPOINT: Final = "/v1/messages"
+# The error types of an ``errored`` request worth sending again as it is.
+_TRANSIENT: Final = frozenset(
+    {"api_error", "overloaded_error", "rate_limit_error", "timeout_error"}
+)
 _log = logging.getLogger("checkpoint_assets")
 
 
@@ -172,7 +178,8 @@ def _result(line: Mapping[str, Any]) -> Result | None:
         return Result(custom, result["message"])
     if kind == "errored":
         error = (result.get("error") or {}).get("error") or {}
-        return Result(custom, None, f"{error.get('type')}: {error.get('message')}")
+        kind = error.get("type")
+        return Result(custom, None, f"{kind}: {error.get('message')}", kind in _TRANSIENT)
     if kind in ("canceled", "expired"):
         return None
     return Result(custom, None, f"unexpected result in the batch's results: {result!r}")

@@ -7,7 +7,9 @@ its ``metadata``). A batch found again after a crash is found by that metadata i
 come from the batch's output file (successes, and requests the endpoint answered with an error
 status) and its error file, streamed line by line; the error file's lines of requests an expiry
 or a cancel left unrun (``batch_expired``, ``batch_cancelled``) are no results: those rows are
-submitted again.
+submitted again. A request answered with a status the ``openai`` client itself retries (408,
+409, 429, 5xx) is a transient error (``Result.retry``); any other error status (400 for an
+invalid request) is not.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ LIMITS: Final = Limits(max_requests=50_000, max_bytes=200 * 1000 * 1000)
 DEFAULT_ENDPOINT: Final = "/v1/chat/completions"
 # The error codes of requests an expiry or a cancel left unrun: no result, to be submitted again.
 _UNRUN: Final = frozenset({"batch_expired", "batch_cancelled"})
+# The error statuses the openai client retries on its own (``_should_retry``): sent again.
+_TRANSIENT: Final = frozenset({408, 409, 429})
 _STATES: Final = {
     "validating": State.RUNNING,
     "in_progress": State.RUNNING,
@@ -143,5 +147,6 @@ def _result(line: Mapping[str, Any]) -> Result:
         detail = body.get("error", body) if isinstance(body, dict) else body
         if isinstance(detail, dict):
             detail = detail.get("message", detail)
-        return Result(custom, None, f"HTTP {status}: {detail}")
+        retry = status in _TRANSIENT or status >= 500
+        return Result(custom, None, f"HTTP {status}: {detail}", retry=retry)
     return Result(custom, body)

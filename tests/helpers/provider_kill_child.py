@@ -35,6 +35,9 @@ POINTS = (
     "writing_part",  # the results' part being written, not durable
     "after_part",  # the part durable, the submission not yet marked collected
 )
+# With per-request errors: the first submission marked returned, its failed requests' new
+# submission recorded (intent), nothing of it sent.
+SENDING_AGAIN = "sending_again"
 
 
 def die() -> None:
@@ -94,6 +97,14 @@ def install(point: str, api: Any) -> None:
         Checkpoint.write_part = lambda *a, **k: die()  # type: ignore[method-assign]
     elif point == "after_part":
         Checkpoint.write_part = after(Checkpoint.write_part)  # type: ignore[method-assign]
+    elif point == SENDING_AGAIN:
+        upload, calls = api.upload, []
+
+        def second_dies(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            return die() if len(calls) == 2 else upload(*args, **kwargs)
+
+        api.upload = second_dies
 
 
 def run_shard(
@@ -103,7 +114,10 @@ def run_shard(
     api, parse_body = adapter(url, provider)
     install(point, api)
     job = ProviderJob(api, request, parse_body, poll_seconds=0.05, max_poll_seconds=0.2)
-    settings = Settings(id_column="id", input_columns=("body",), progress_seconds=3600.0)
+    # A row may fail at each of its attempts when the provider's error rate is on.
+    settings = Settings(
+        id_column="id", input_columns=("body",), progress_seconds=3600.0, max_failed_fraction=0.01
+    )
     df = pl.DataFrame({"id": range(rows), "body": [f"ticket {i}" for i in range(rows)]})
     checkpoint = Checkpoint(open_store(base_dir), NAME)
     _, stats = run(

@@ -1,5 +1,6 @@
-"""Definitions for the daemon test: a sharded asset with a poison row in one shard, and a
-``failed_partitions_sensor`` that is on from the start.
+"""Definitions for the daemon and job backfill tests: a sharded asset with a poison row in one
+shard, its job (for ``dagster job backfill``), and a ``failed_partitions_sensor`` that is on from
+the start.
 
 Loaded by ``dagster-daemon`` through a workspace file (module ``helpers.sensor_defs`` with the
 tests folder as working directory); checkpoints go under ``$DAGSTER_HOME/checkpoints``.
@@ -42,16 +43,17 @@ def scored(batch: pl.DataFrame) -> pl.DataFrame:
     return batch.select("ticket_id", score=pl.col("body").str.len_chars())
 
 
+scored_job = dg.define_asset_job("scored_job", selection=[scored], partitions_def=SHARDS)
+retries = failed_partitions_sensor(
+    scored,
+    max_retries=2,
+    backoff_seconds=0,
+    minimum_interval_seconds=1,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+)
 defs = dg.Definitions(
     assets=[tickets, scored],
-    sensors=[
-        failed_partitions_sensor(
-            scored,
-            max_retries=2,
-            backoff_seconds=0,
-            minimum_interval_seconds=1,
-            default_status=dg.DefaultSensorStatus.RUNNING,
-        )
-    ],
+    jobs=[scored_job],
+    sensors=[retries],
     resources={"io_manager": CheckpointIOManager()},
 )

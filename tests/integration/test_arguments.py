@@ -5,6 +5,7 @@ attribute with the same default and description, and a value given in YAML reach
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import fields
 from pathlib import Path
 
@@ -84,3 +85,45 @@ def test_settings_given_in_yaml_reach_the_run(tmp_path: Path) -> None:
     assert result.success
     [event] = result.asset_materializations_for_node("routed")
     assert event.metadata["usage/tokens"].value == 30  # usage_columns, from the YAML
+
+
+def test_dagsters_own_asset_options_reach_the_asset_and_its_step(tmp_path: Path) -> None:
+    @dg.asset
+    def tickets() -> pl.DataFrame:
+        return pl.DataFrame({"ticket_id": range(4), "body": ["b"] * 4})
+
+    condition = dg.AutomationCondition.eager()
+
+    @checkpointed_asset(
+        source="tickets",
+        id_column="ticket_id",
+        owners=["team:ml"],
+        kinds=["openai"],
+        op_tags={"dagster-k8s/config": {"container_config": {}}},
+        retry_policy=dg.RetryPolicy(max_retries=2),
+        automation_condition=condition,
+    )
+    def routed(batch: pl.DataFrame) -> pl.DataFrame:
+        return batch.select("ticket_id", department=pl.lit("billing"))
+
+    spec = next(iter(routed.specs))
+    assert spec.owners == ["team:ml"]
+    assert spec.kinds == {"polars", "parquet", "openai"}
+    assert spec.automation_condition == condition
+    assert json.loads(routed.op.tags["dagster-k8s/config"]) == {"container_config": {}}
+    assert routed.op.retry_policy == dg.RetryPolicy(max_retries=2)
+    result = dg.materialize(
+        [tickets, routed],
+        instance=dg.DagsterInstance.ephemeral(),
+        resources={"io_manager": CheckpointIOManager(base_dir=str(tmp_path))},
+    )
+    assert result.success
+
+
+def test_owners_kinds_and_op_tags_are_component_attributes() -> None:
+    defs = component("owners: [team:ml]\nkinds: [openai]\nop_tags: {queue: gpu}\n")
+    [routed] = [a for a in defs.assets or () if isinstance(a, dg.AssetsDefinition)]
+    spec = next(iter(routed.specs))
+    assert spec.owners == ["team:ml"]
+    assert "openai" in spec.kinds
+    assert routed.op.tags["queue"] == "gpu"

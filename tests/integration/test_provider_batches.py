@@ -4,10 +4,11 @@
 request it processed).
 
 Through either API: a shard's rows submitted once and stored once, results stored like computed
-rows, per-request errors retried on the next run, expired and cancelled batches giving back their
-unrun rows with nothing paid twice, the submit-and-end path with ``provider_batches_sensor``
-requesting the collecting run. Through OpenAI's: spend budgets that stop submissions (their
-estimate reserved before anything is sent) and price results at the batch discount."""
+rows, transient per-request errors sent again within the run (invalid requests failed at once),
+expired and cancelled batches giving back their unrun rows with nothing paid twice, the
+submit-and-end path with ``provider_batches_sensor`` requesting the collecting run. Through
+OpenAI's: spend budgets that stop submissions (their estimate reserved before anything is sent)
+and price results at the batch discount."""
 
 from __future__ import annotations
 
@@ -256,13 +257,52 @@ def test_a_shard_of_20000_rows_is_one_batch_stored_once(setup: Setup) -> None:
 
 @BOTH_APIS
 @pytest.mark.provider(error_rate=0.05, processing_delay=0.1)
-def test_per_request_errors_are_failed_rows_retried_on_the_next_run(setup: Setup) -> None:
-    first = setup.materialize(setup.asset(max_failed_fraction=0.2))
+def test_transient_request_errors_are_sent_again_within_the_run(setup: Setup) -> None:
+    # Rows 0 and 1 are invalid requests: the provider refuses them, and they are not sent again.
+    def invalid_for_two(row: dict[str, Any]) -> dict[str, Any]:
+        return {"messages": []} if row[ID] < 2 else request(row)
+
+    asset = provider_batch_asset(
+        name=ASSET,
+        source="tickets",
+        id_column=ID,
+        parse=setup.api.parse,
+        provider=setup.api.key,
+        partitions_def=shard_partitions(1),
+        max_failed_fraction=0.01,
+        poll_seconds=0.05,
+        max_poll_seconds=0.2,
+    )(invalid_for_two)
+    result = setup.materialize(asset)
+    assert result.success  # one run: the failed requests went again in new batches
+    provider = setup.provider()
+    sent_again = provider["submitted"] - 2_000
+    assert provider["creates"] >= 2 and 40 < sent_again < 180  # about 5 % of 2,000, then 5 % ...
+    # Every request sent was answered once; only the transient errors were sent again.
+    assert provider["processed"] == provider["submitted"]
+    assert provider["errored"] == sent_again + 2  # ... and the two invalid requests, once each
+    setup.stored_once()
+    stored = setup.stored()
+    failed = stored.filter(pl.col("_error").is_not_null())
+    assert failed.get_column(ID).sort().to_list() == [0, 1]
+    assert not failed.get_column("_error").str.starts_with(setup.api.error).any()
+    assert stats(result)["rows_computed"] == 2_000 and stats(result)["rows_failed"] == 2
+    # A row sent again counts each request it took.
+    assert stored.get_column("_attempts").max() >= 2
+
+
+@pytest.mark.provider(error_rate=0.05, processing_delay=0.1)
+def test_transient_errors_at_the_last_attempt_are_failed_rows_retried_on_the_next_run(
+    setup: Setup,
+) -> None:
+    asset = setup.asset(max_failed_fraction=0.2, max_attempts=1)
+    first = setup.materialize(asset)
     failed = stats(first)["rows_failed"]
-    assert 40 < failed < 180  # about 5 % of 2,000
+    assert 40 < failed < 180  # about 5 % of 2,000, none sent again
+    assert setup.provider()["submitted"] == 2_000 and setup.provider()["creates"] == 1
     errors = setup.stored().filter(pl.col("_error").is_not_null())
     assert errors.get_column("_error").str.starts_with(setup.api.error).all()
-    second = setup.materialize(setup.asset(max_failed_fraction=0.2))
+    second = setup.materialize(asset)
     assert stats(second)["rows_computed"] == failed  # only the failed rows are submitted again
     assert setup.provider()["submitted"] == setup.provider()["processed"] == 2_000 + failed
     assert stats(second)["rows_failed"] < failed
@@ -291,7 +331,19 @@ def test_submit_and_end_then_the_sensor_requests_the_collecting_run(setup: Setup
     assert not first.success
     failure = next(e for e in first.all_events if e.is_step_failure)
     assert failure.step_failure_data is not None
-    assert "Submitted, not materialized yet" in str(failure.step_failure_data.error)
+    said = failure.step_failure_data.user_failure_data
+    assert said is not None and said.description is not None
+    assert said.description.startswith("Submitted, not materialized yet: 2,000 row(s) of 0-of-1")
+    assert f"The sensor {ASSET}_provider_batches" in said.description
+    metadata = {k: v.value for k, v in said.metadata.items()}
+    (batch,) = json.loads(str(metadata["batches_pending"]))
+    assert batch in said.description
+    assert (
+        metadata["rows_pending"] == 2_000
+        and metadata["collected_by"] == f"{ASSET}_provider_batches"
+    )
+    # The provider's 24 h window from the submission (its record's time, this machine's clock).
+    assert 0 < float(metadata["results_due_by"]) - time.time() <= 24 * 3600
     run = setup.instance.get_run_by_id(first.run_id)
     assert run is not None and run.tags[PENDING_TAG] == "2000"
     assert setup.provider()["creates"] == 1 and setup.provider()["submitted"] == 2_000

@@ -172,19 +172,20 @@ def test_partitions_with_failed_rows_are_retried_while_retry_failed_is_on(
     assert ticker.budgets() == {}
 
 
-def test_a_run_that_dagster_will_retry_is_left_to_dagsters_run_retries(storage: Storage) -> None:
+def test_a_run_made_in_process_is_the_sensors_though_tagged_for_dagsters_retries(
+    storage: Storage,
+) -> None:
+    # As `dagster asset materialize` runs: Dagster tags them for its run retries, and its daemon
+    # then declines them (no code location to launch them from). A run Dagster does retry is
+    # left to it: e2e/test_backfill_retries.py.
     overrides = {"run_retries": {"enabled": True, "max_retries": 2}}
     with dg.instance_for_test(overrides=overrides) as instance:
         job, _ = failing_job(storage, instance, 1)
         assert not job.materialize("1-of-4", raise_on_error=False).success
         failed = instance.get_runs(limit=1)[0]
         assert failed.tags.get("dagster/will_retry") == "true"  # set by Dagster's run retries
+        assert failed.remote_job_origin is None
         ticker = Ticker(job, failed_partitions_sensor(job.asset, backoff_seconds=0))
-
-        assert ticker.tick()[0] == []  # Dagster's daemon will retry it: one retry, not two
-
-        # Once Dagster has given up on it (or launched its retry, which failed), the sensor acts.
-        instance.add_run_tags(failed.run_id, {"dagster/will_retry": "false"})
         requests, _ = ticker.tick()
         assert [r.partition_key for r in requests] == ["1-of-4"]
 

@@ -6,7 +6,8 @@ Each test kills one real process (``helpers/provider_kill_child.py``) of a 20,00
 one point, then runs the shard again to the end (in the test's process), against the local batch
 provider (``examples/llm_batch/provider.py``), which counts what it was asked: requests processed
 equal the rows (none submitted again), and the rows stored by the killed run plus those the next
-run stored are the rows, each once.
+run stored are the rows, each once. With per-request errors, a kill while the failed requests are
+being sent again sends no request that had succeeded.
 """
 
 from __future__ import annotations
@@ -52,3 +53,25 @@ def test_a_kill_at_each_point_pays_nothing_twice_and_stores_each_row_once(
         assert before + run.rows_computed == ROWS  # nothing stored twice
         stored = checkpoint.load("id").rows
         assert stored.height == ROWS and stored.get_column("_error").null_count() == ROWS
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_kill_while_failed_requests_are_sent_again_sends_no_success_again(
+    provider: str, tmp_path: Any
+) -> None:
+    base_dir = str(tmp_path / "checkpoints")
+    with serve(Settings(processing_delay=0.2, error_rate=0.01)) as url:
+        point = provider_kill_child.SENDING_AGAIN
+        killed = child(url, base_dir, point, provider)
+        assert killed.returncode == -9, killed.stderr[-2000:]
+        checkpoint = Checkpoint(open_store(base_dir), provider_kill_child.NAME)
+        before = checkpoint.load("id").rows.height
+        assert 0 < before < ROWS  # the successes of the first batch, stored
+        run = provider_kill_child.run_shard(url, base_dir, ROWS, provider=provider)
+        counted = stats(url)
+        stored = checkpoint.load("id").rows
+        assert before + run.rows_computed == ROWS == stored.height  # each row stored once
+        failed = stored.height - stored.get_column("_error").null_count()
+        # Every request beyond the rows went again after an error: no success was sent twice.
+        assert counted["submitted"] == counted["processed"]
+        assert counted["submitted"] - ROWS == counted["errored"] - failed > 0
