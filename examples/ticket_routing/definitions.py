@@ -8,8 +8,9 @@ failed-partition sensor and the completeness and failed-row checks complete the 
 Tunable through the environment, so the same definitions serve the demo, tests and benchmarks:
 ``DEMO_TICKETS`` (rows, default 100000), ``DEMO_LATENCY_MS`` (per call, default 2),
 ``DEMO_ERROR_RATE`` (transient error probability per call, default 0.02), ``DEMO_SHARDS``
-(default 8), ``DEMO_RUN_PER_SHARD`` (``1``: a backfill starts one run per shard, as the
-deployments in ``deploy/`` want; default: one run for all) and ``CHECKPOINT_BASE_DIR`` (default:
+(default 8), ``DEMO_RUN_PER_SHARD`` (``1``: a backfill starts one run per shard, each step
+in its own process, as the deployments in ``deploy/`` want; default: one run for all, its steps
+in the run's process) and ``CHECKPOINT_BASE_DIR`` (default:
 ``$DAGSTER_HOME/checkpoints``).
 """
 
@@ -32,6 +33,7 @@ from examples.ticket_routing.data import generate_tickets
 from examples.ticket_routing.model import FakeRouter
 
 SHARDS = shard_partitions(int(os.environ.get("DEMO_SHARDS", "8")))
+RUN_PER_SHARD = os.environ.get("DEMO_RUN_PER_SHARD") == "1"
 router = FakeRouter(
     latency_ms=float(os.environ.get("DEMO_LATENCY_MS", "2")),
     transient_error_rate=float(os.environ.get("DEMO_ERROR_RATE", "0.02")),
@@ -58,9 +60,7 @@ def tickets() -> pl.DataFrame:
     # A backfill of many small shards is one run that walks them in turn: one run's start-up,
     # not one per shard. Dagster's default (None) starts a run per shard, for shards that scale
     # out or take hours.
-    backfill_policy=None
-    if os.environ.get("DEMO_RUN_PER_SHARD") == "1"
-    else dg.BackfillPolicy.single_run(),
+    backfill_policy=None if RUN_PER_SHARD else dg.BackfillPolicy.single_run(),
 )
 def ticket_routing(batch: pl.DataFrame) -> pl.DataFrame:
     """Department, priority and confidence of each ticket, from the (imitation) routing model."""
@@ -90,4 +90,7 @@ defs = dg.Definitions(
     jobs=[ticket_routing_job],
     sensors=[failed_partitions_sensor(ticket_routing, max_retries=3, backoff_seconds=30)],
     resources={"io_manager": CheckpointIOManager(base_dir=os.environ.get("CHECKPOINT_BASE_DIR"))},
+    # One run for all shards runs its steps (the shards, then the checks) in the run's process:
+    # one process start per run, not one per step. Runs per shard keep Dagster's default.
+    executor=None if RUN_PER_SHARD else dg.in_process_executor,
 )
