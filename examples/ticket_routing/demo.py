@@ -25,7 +25,7 @@ from typing import IO
 import dagster as dg
 import polars as pl
 
-# The two calls the UI's launchPartitionBackfill mutation makes; Dagster has no public API yet.
+# The two calls the UI's launchPartitionBackfill mutation makes (Dagster has no public one).
 from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
 from dagster._core.utils import make_new_backfill_id
 
