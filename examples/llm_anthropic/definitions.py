@@ -11,7 +11,7 @@ server of ``examples.llm_openai`` speaks this API too::
     python -m examples.llm_openai.server --port 8010 &
     export ANTHROPIC_BASE_URL=http://127.0.0.1:8010 ANTHROPIC_API_KEY=local   # no /v1
     export DAGSTER_HOME=$PWD/dagster_home
-    dagster asset materialize -m examples.llm_anthropic.definitions --select tickets
+    dagster asset materialize -m examples.llm_anthropic.definitions --select llm_tickets
     dagster asset materialize -m examples.llm_anthropic.definitions \\
         --select ticket_department_anthropic --partition 0-of-4
 
@@ -32,7 +32,11 @@ from checkpoint_assets import (
     CheckpointIOManager,
     failed_partitions_sensor,
 )
-from examples.llm_openai.definitions import SYSTEM, ticket_department_asset, tickets
+from examples.llm_openai.definitions import (
+    SYSTEM,
+    llm_tickets,
+    ticket_department_asset,
+)
 
 
 @ticket_department_asset(
@@ -60,7 +64,7 @@ async def ticket_department_anthropic(
 
 
 defs = dg.Definitions(
-    assets=[tickets, ticket_department_anthropic],
+    assets=[llm_tickets, ticket_department_anthropic],
     sensors=[failed_partitions_sensor(ticket_department_anthropic, max_retries=3)],
     resources={
         "io_manager": CheckpointIOManager(base_dir=os.environ.get("CHECKPOINT_BASE_DIR")),

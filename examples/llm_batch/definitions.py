@@ -1,8 +1,8 @@
 """Support tickets classified by a chat model through the providers' batch APIs, checkpointed:
 half the price of per-row calls, results within the provider's window instead of at once.
 
-Two assets over the same tickets, with the prompt and shards of ``examples.llm_openai``, one per
-provider (``department_asset`` holds what they share): ``ticket_department_openai`` (OpenAI's
+Two assets over the tickets (``llm_tickets``), prompt and shards of ``examples.llm_openai``, one
+per provider (``department_asset`` holds what they share): ``ticket_department_openai`` (OpenAI's
 Batch API through ``OpenAIResource``) and ``ticket_department_claude`` (Anthropic's Message
 Batches through ``AnthropicResource``). Each writes the request of one row (``request``) and reads
 the answer of one row (``parse_*``, with the tokens as usage columns); the package splits each
@@ -19,7 +19,7 @@ providers or the local one in ``provider.py``::
     export OPENAI_BASE_URL=http://127.0.0.1:8020/v1 OPENAI_API_KEY=local
     export ANTHROPIC_BASE_URL=http://127.0.0.1:8020 ANTHROPIC_API_KEY=local
     export DAGSTER_HOME=$PWD/dagster_home
-    dagster asset materialize -m examples.llm_batch.definitions --select tickets
+    dagster asset materialize -m examples.llm_batch.definitions --select llm_tickets
     dagster asset materialize -m examples.llm_batch.definitions \\
         --select ticket_department_openai --partition 0-of-4      # submits, ends at once
     dagster dev -m examples.llm_batch.definitions                 # the sensor collects
@@ -36,7 +36,6 @@ import os
 from typing import Any
 
 import dagster as dg
-import polars as pl
 
 from checkpoint_assets import (
     AnthropicResource,
@@ -45,14 +44,7 @@ from checkpoint_assets import (
     provider_batch_asset,
     provider_batches_sensor,
 )
-from examples.llm_openai.definitions import SHARDS, SYSTEM
-from examples.ticket_routing.data import generate_tickets
-
-
-@dg.asset(group_name="llm_batch", kinds={"polars"})
-def tickets() -> pl.DataFrame:
-    """Support tickets to classify (generated deterministically)."""
-    return generate_tickets(int(os.environ.get("LLM_TICKETS", "2000")))
+from examples.llm_openai.definitions import SHARDS, SYSTEM, llm_tickets
 
 
 def parse_openai(body: dict[str, Any]) -> dict[str, Any]:
@@ -83,7 +75,7 @@ def prompt(row: dict[str, Any]) -> str:
 # adds its provider's resource and how to read its answer.
 department_asset = functools.partial(
     provider_batch_asset,
-    source=tickets,
+    source=llm_tickets,
     id_column="ticket_id",
     input_columns=["subject", "body"],
     wait=False,
@@ -114,7 +106,7 @@ def ticket_department_claude(row: dict[str, Any]) -> dict[str, Any]:
 
 _HOME = os.environ.get("DAGSTER_HOME", ".")
 defs = dg.Definitions(
-    assets=[tickets, ticket_department_openai, ticket_department_claude],
+    assets=[llm_tickets, ticket_department_openai, ticket_department_claude],
     sensors=[
         provider_batches_sensor(ticket_department_openai, provider="openai_chat"),
         provider_batches_sensor(ticket_department_claude, provider="claude"),

@@ -1,8 +1,9 @@
 """Run the ticket-routing demo end to end on the local instance in ``$DAGSTER_HOME``.
 
-1. materialize ``tickets`` (100,000 generated support tickets);
-2. backfill every shard of ``ticket_routing`` the way the UI does: ``dagster job backfill``
-   submits one run per shard to the instance's run launcher, which starts them as processes;
+1. materialize ``tickets`` (100,000 generated support tickets), unless the instance holds them;
+2. backfill every shard of ``ticket_routing`` the way the UI's "Materialize all" does: an asset
+   backfill, launched by Dagster's daemon. The asset's single-run backfill policy makes it one run
+   that walks the 8 shards;
 3. materialize ``routing_summary``, which reads all shards back as one table;
 4. print what each shard computed, resumed and failed.
 
@@ -13,52 +14,59 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from typing import IO
 
 import dagster as dg
 import polars as pl
 
+# The two calls the UI's launchPartitionBackfill mutation makes (Dagster has no public one).
+from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
+from dagster._core.utils import make_new_backfill_id
+
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.layout import checkpoint_name
 from checkpoint_assets.engine.storage import open_store
-from examples.ticket_routing.definitions import SHARDS
+from examples.ticket_routing.definitions import SHARDS, defs
 
-JOB = "ticket_routing_job"
 ASSET = dg.AssetKey("ticket_routing")
-
-
 MODULE = "examples.ticket_routing.definitions"
+DAEMON = os.path.join(os.path.dirname(sys.executable), "dagster-daemon")
 
 
 def _say(message: str) -> None:
     print(message, flush=True)
 
 
-def _command(*args: str) -> list[str]:
-    # `dagster asset materialize` loads a module; `dagster job backfill` takes the workspace.
-    where = ["-w", "workspace.yaml"] if args[0] == "job" else ["-m", MODULE]
-    return [sys.executable, "-m", "dagster", *args, *where]
-
-
 def _check(args: Sequence[str], returncode: int, output: str) -> None:
     if returncode != 0:
         sys.stderr.write(output[-8000:])
-        raise SystemExit(f"`dagster {' '.join(args)}` failed (exit {returncode}).")
+        raise SystemExit(f"`{' '.join(args)}` failed (exit {returncode}).")
 
 
 def _dagster(step: str, *args: str) -> None:
     _say(f"{step}: dagster {' '.join(args)} ...")
     t0 = time.monotonic()
-    done = subprocess.run(_command(*args), capture_output=True, text=True)
-    _check(args, done.returncode, done.stdout + done.stderr)
+    command = [sys.executable, "-m", "dagster", *args, "-m", MODULE]
+    done = subprocess.run(command, capture_output=True, text=True)
+    _check(["dagster", *args], done.returncode, done.stdout + done.stderr)
     _say(f"{step}: done in {time.monotonic() - t0:.1f} s")
+
+
+def _tickets_stored(instance: dg.DagsterInstance, wanted: int) -> bool:
+    """Whether the instance's latest ``tickets`` holds ``wanted`` rows and its file is there."""
+    event = instance.get_latest_materialization_event(dg.AssetKey("tickets"))
+    stored = event.asset_materialization if event else None
+    if stored is None or "rows" not in stored.metadata:
+        return False
+    exists = os.path.exists(os.path.join(_base_dir(), "tickets.parquet"))
+    return exists and stored.metadata["rows"].value == wanted
 
 
 def _rows_checkpointed(base_dir: str, keys: Sequence[str]) -> int | None:
@@ -76,44 +84,89 @@ def _rows_checkpointed(base_dir: str, keys: Sequence[str]) -> int | None:
     return total
 
 
+def _launch_backfill(instance: dg.DagsterInstance) -> str:
+    """Request a backfill of every shard, as the UI does; the daemon launches its runs."""
+    backfill_id = make_new_backfill_id()
+    instance.add_backfill(
+        PartitionBackfill.from_asset_partitions(
+            backfill_id=backfill_id,
+            asset_graph=defs.resolve_asset_graph(),
+            partition_names=None,
+            asset_selection=[ASSET],
+            backfill_timestamp=time.time(),
+            tags={},
+            dynamic_partitions_store=instance,
+            all_partitions=True,
+            title="scripts/demo",
+            description=None,
+            run_config=None,
+        )
+    )
+    return backfill_id
+
+
+def _shards_done(instance: dg.DagsterInstance, runs: Sequence[dg.DagsterRun]) -> bool:
+    """Whether every shard has materialized in one of ``runs``."""
+    ids = {r.run_id for r in runs}
+    done = set()
+    for key in SHARDS.get_partition_keys():
+        found = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=ASSET, asset_partitions=[key]), limit=1
+        ).records
+        if found and found[0].run_id in ids:
+            done.add(key)
+    return len(done) == len(SHARDS.get_partition_keys())
+
+
 def _wait_for_backfill(
     instance: dg.DagsterInstance,
-    started: datetime,
+    backfill_id: str,
     timeout: float,
-    launcher: subprocess.Popen[str],
+    daemon: subprocess.Popen[str],
     output: IO[str],
     every: float = 5.0,
 ) -> list[dg.DagsterRun]:
-    """The runs of the backfill launched after ``started`` (by ``launcher``, which starts them
-    one by one), once all have finished; says how far they are every few seconds."""
+    """The runs of the backfill once they have finished (a run retried by the instance's
+    ``run_retries`` counts with its retry); says how far they are every few seconds."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     last_said = t0
     keys = SHARDS.get_partition_keys()
     total_rows = int(os.environ.get("DEMO_TICKETS", "100000"))
     while True:
-        records = instance.get_run_records(dg.RunsFilter(job_name=JOB, created_after=started))
-        runs = [r.dagster_run for r in records if r.dagster_run.tags.get("dagster/backfill")]
-        launching = launcher.poll() is None
-        if not launching and launcher.returncode != 0:
+        if daemon.poll() is not None:
             output.seek(0)
-            _check(["job", "backfill"], launcher.returncode, output.read())
-        if not launching and len(runs) >= len(keys) and all(r.is_finished for r in runs):
+            _check(["dagster-daemon", "run"], daemon.returncode or 1, output.read())
+        runs = list(instance.get_runs(dg.RunsFilter(tags={"dagster/backfill": backfill_id})))
+        backfill = instance.get_backfill(backfill_id)
+        ended = backfill is not None and backfill.status != BulkActionStatus.REQUESTED
+        finished = bool(runs) and all(r.is_finished for r in runs)
+        if finished and (ended or _shards_done(instance, runs)):
             return runs
         now = time.monotonic()
         if now > deadline:
             raise SystemExit(f"The backfill did not finish within {timeout:.0f} s.")
         if now - last_said >= every:
             last_said = now
-            finished = sum(r.is_finished for r in runs)
             running = sum(r.status == dg.DagsterRunStatus.STARTED for r in runs)
             rows = _rows_checkpointed(_base_dir(), keys)
             done = f", {rows:,} / {total_rows:,} rows checkpointed" if rows is not None else ""
             _say(
-                f"  {now - t0:5.0f} s: {len(runs)} of {len(keys)} shard runs launched, "
-                f"{running} running, {finished} finished{done}"
+                f"  {now - t0:5.0f} s: {len(runs)} run(s) launched, {running} running, "
+                f"{sum(r.is_finished for r in runs)} finished{done}"
             )
         time.sleep(0.5)
+
+
+def _stop(daemon: subprocess.Popen[str]) -> None:
+    """Stop the daemon and the code server it started (one process group)."""
+    if daemon.poll() is None:
+        os.killpg(daemon.pid, signal.SIGTERM)
+        try:
+            daemon.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait()
 
 
 def _base_dir() -> str:
@@ -136,52 +189,74 @@ def main() -> int:
         raise SystemExit("Set DAGSTER_HOME (scripts/demo sets it to ./dagster_home).")
     instance = dg.DagsterInstance.get()
     t0 = time.monotonic()
-    _dagster("1/3 tickets", "asset", "materialize", "--select", "tickets")
-    started = datetime.now(UTC)
-    backfill = ["job", "backfill", "-j", JOB, "--all", "all", "--noprompt"]
+    wanted = int(os.environ.get("DEMO_TICKETS", "100000"))
+    if _tickets_stored(instance, wanted):
+        _say(f"1/3 tickets: {wanted:,} stored, kept (delete dagster_home to generate them again)")
+    else:
+        _dagster("1/3 tickets", "asset", "materialize", "--select", "tickets")
+    backfill_id = _launch_backfill(instance)
     _say(
-        f"2/3 shards: dagster {' '.join(backfill)} starts one run per shard, each in its own "
-        "process ..."
+        f"2/3 shards: backfill {backfill_id} of all {len(SHARDS.get_partition_keys())} shards, "
+        "launched by `dagster-daemon run` as one run (the asset's single-run backfill policy) ..."
     )
     t0_shards = time.monotonic()
     with tempfile.TemporaryFile("w+") as output:
-        launcher = subprocess.Popen(
-            _command(*backfill), stdout=output, stderr=subprocess.STDOUT, text=True
+        daemon = subprocess.Popen(
+            [DAEMON, "run", "-w", "workspace.yaml"],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # the daemon and its code server: one group to stop
         )
-        runs = _wait_for_backfill(instance, started, args.timeout, launcher, output)
+        try:
+            runs = _wait_for_backfill(instance, backfill_id, args.timeout, daemon, output)
+        finally:
+            _stop(daemon)
     failed = [r for r in runs if r.status != dg.DagsterRunStatus.SUCCESS]
     _say(f"2/3 shards: all finished in {time.monotonic() - t0_shards:.1f} s")
-    _dagster("3/3 summary", "asset", "materialize", "--select", "routing_summary")
+    _say("3/3 summary: materialize routing_summary in this process ...")
+    t0_summary = time.monotonic()
+    summary_job = defs.resolve_implicit_global_asset_job_def()
+    summary_job.execute_in_process(
+        instance=instance, asset_selection=[dg.AssetKey("routing_summary")]
+    )
+    _say(f"3/3 summary: done in {time.monotonic() - t0_summary:.1f} s")
     elapsed = time.monotonic() - t0
 
-    records = {
-        key: instance.fetch_materializations(
+    # A run of several shards reports their sums on each shard's materialization: one row per run.
+    keys = SHARDS.get_partition_keys()
+    by_run: dict[str, list[str]] = {}
+    metadata: dict[str, dict[str, object]] = {}
+    for key in keys:
+        found = instance.fetch_materializations(
             dg.AssetRecordsFilter(asset_key=ASSET, asset_partitions=[key]), limit=1
         ).records
-        for key in sorted({r.tags.get("dagster/partition", "") for r in runs})
-    }
-    rows = []
-    for key, found in records.items():
-        meta = found[0].asset_materialization.metadata if found else {}  # type: ignore[union-attr]
-        rows.append(
+        event = found[0].asset_materialization if found else None
+        if event is None or found[0].run_id not in {r.run_id for r in runs}:
+            continue  # the shard did not materialize in this backfill
+        by_run.setdefault(found[0].run_id, []).append(key)
+        metadata[found[0].run_id] = {k: v.value for k, v in event.metadata.items()}
+    counts = ("rows_total", "rows_computed", "rows_resumed", "rows_failed")
+    table = pl.DataFrame(
+        [
             {
-                "shard": key,
-                **{
-                    k: meta[k].value
-                    for k in ("rows_total", "rows_computed", "rows_resumed", "rows_failed")
-                    if k in meta
-                },
+                "run": run_id[:8],
+                "shards": f"{shards[0]} to {shards[-1]}" if len(shards) > 1 else shards[0],
+                **{k: metadata[run_id].get(k, 0) for k in counts},
             }
-        )
-    table = pl.DataFrame(rows)
+            for run_id, shards in by_run.items()
+        ],
+        schema={"run": pl.String, "shards": pl.String, **dict.fromkeys(counts, pl.Int64)},
+    )
     with pl.Config(tbl_rows=20, tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True):
         print(table)
-    totals = table.select(pl.exclude("shard").sum()).row(0, named=True)
+    totals = table.select(counts).sum().row(0, named=True)
+    done = sum(len(shards) for shards in by_run.values())
     print(
-        f"{len(runs)} shard runs ({len(failed)} failed) in {elapsed:.1f} s: "
-        f"{totals.get('rows_total', 0):,} tickets, {totals.get('rows_computed', 0):,} computed "
-        f"now, {totals.get('rows_resumed', 0):,} resumed from checkpoints, "
-        f"{totals.get('rows_failed', 0):,} failed."
+        f"{len(runs)} run(s) ({len(failed)} failed), {done} of {len(keys)} shards materialized, "
+        f"in {elapsed:.1f} s: {totals['rows_total']:,} tickets, {totals['rows_computed']:,} "
+        f"computed now, {totals['rows_resumed']:,} resumed from checkpoints, "
+        f"{totals['rows_failed']:,} failed."
     )
     summary = _stored_summary()
     if summary is not None:

@@ -39,7 +39,7 @@ def test_the_example_routes_a_shard_through_each_provider(
             result = job.execute_in_process(
                 instance=instance,
                 partition_key="0-of-4",
-                asset_selection=[dg.AssetKey("tickets"), dg.AssetKey(asset)],
+                asset_selection=[dg.AssetKey("llm_tickets"), dg.AssetKey(asset)],
                 run_config={"ops": {asset: {"config": {"wait": True}}}},
             )
         assert result.success

@@ -82,7 +82,7 @@ def test_a_shard_classifies_through_the_openai_client_and_sums_its_tokens(
     llm_env: dict[str, str], server: str
 ) -> None:
     env = llm_env | {"OPENAI_BASE_URL": server}
-    assert _materialize(env, "--select", "tickets").returncode == 0
+    assert _materialize(env, "--select", "llm_tickets").returncode == 0
 
     done = _materialize(env, "--select", ASSET, "--partition", "2-of-4")
 
@@ -108,7 +108,7 @@ def test_a_shard_killed_mid_run_resumes_without_duplicates(
     llm_env: dict[str, str], server: str
 ) -> None:
     env = llm_env | {"OPENAI_BASE_URL": server}
-    assert _materialize(env, "--select", "tickets").returncode == 0
+    assert _materialize(env, "--select", "llm_tickets").returncode == 0
     partition = "1-of-4"
     parts = Path(env["CHECKPOINT_BASE_DIR"]) / ASSET / "default" / f"{partition}.parquet.parts"
     child = subprocess.Popen(
@@ -156,7 +156,7 @@ def test_the_anthropic_example_classifies_a_shard_and_sums_its_tokens(
             "ANTHROPIC_API_KEY": "local",
             "ANTHROPIC_MODEL": "m",
         }
-        assert _materialize(env, "--select", "tickets", module=ANTHROPIC_MODULE).returncode == 0
+        assert _materialize(env, "--select", "llm_tickets", module=ANTHROPIC_MODULE).returncode == 0
         done = _materialize(
             env, "--select", ANTHROPIC_ASSET, "--partition", "3-of-4", module=ANTHROPIC_MODULE
         )

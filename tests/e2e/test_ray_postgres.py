@@ -116,6 +116,7 @@ def test_backfill_runs_each_shard_as_a_ray_job_and_a_stopped_job_resumes_on_retr
         "DEMO_LATENCY_MS": str(LATENCY_MS),
         "DEMO_ERROR_RATE": "0",
         "DEMO_SHARDS": str(len(SHARDS)),
+        "DEMO_RUN_PER_SHARD": "1",  # one Ray job per shard: the stopped shard is one run
     }
     aws_keys = {  # moto takes any key; unique ones can be looked for in Ray's job list
         "AWS_ACCESS_KEY_ID": f"AKIA{secrets.token_hex(8).upper()}",
