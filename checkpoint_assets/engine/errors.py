@@ -127,6 +127,34 @@ class JobMismatchError(CheckpointError):
         super().__init__(what, self.REMEDY)
 
 
+class JobChangedError(JobMismatchError):
+    """The checkpoint was written by another job of this asset: ``changed`` maps each setting
+    that differs (``code_version``, ``input_columns``...) to its stored and current values.
+
+    A checkpoint holds one job. The remedy names the steps that start the new one here, and the
+    value that resumes the stored results."""
+
+    def __init__(self, path: str, changed: dict[str, tuple[Any, Any]]) -> None:
+        self.changed = changed
+        differs = "; ".join(
+            f"{k}: {old!r} stored, {new!r} now" for k, (old, new) in changed.items()
+        )
+        super().__init__(
+            path,
+            f"Checkpoint {path} was written by a different job of this asset ({differs}). Results "
+            "of one job are never mixed with another's.",
+        )
+        self.remedy = (
+            "To start the new job here, run once with resume=False: it replaces the stored "
+            "results, and later runs resume the new ones. To keep both, use a new checkpoint "
+            f"tag. To resume the stored results, set {self.restore()}."
+        )
+
+    def restore(self) -> str:
+        """The settings and values that resume the stored results, in words."""
+        return " and ".join(f"{k} back to {old!r}" for k, (old, _) in self.changed.items())
+
+
 class CorruptCheckpointError(CheckpointError):
     """A stored file is unreadable or violates the checkpoint's invariants.
 

@@ -15,7 +15,11 @@ import polars as pl
 from checkpoint_assets.engine import function_fingerprint, hashing, rows
 from checkpoint_assets.engine.checkpoint import Checkpoint, Stored
 from checkpoint_assets.engine.compaction import Part
-from checkpoint_assets.engine.errors import CorruptCheckpointError, JobMismatchError
+from checkpoint_assets.engine.errors import (
+    CorruptCheckpointError,
+    JobChangedError,
+    JobMismatchError,
+)
 from checkpoint_assets.engine.global_resume import FUNCTION
 from checkpoint_assets.engine.meta import Meta
 from checkpoint_assets.engine.resume import Copies, Plan, dedupe, plan
@@ -168,15 +172,13 @@ def _check_job(
     meta: Meta, job: Job, id_column: str, id_dtype: str, resume: bool, where: str
 ) -> None:
     if meta.id_column != id_column or (meta.job_fingerprint != job.fingerprint and resume):
-        changed = sorted(
-            k for k in set(meta.job) | set(job.settings) if meta.job.get(k) != job.settings.get(k)
-        )
-        raise JobMismatchError(
-            where,
-            f"Checkpoint {where} was written by a different job (settings that differ: "
-            f"{', '.join(changed) or 'id column'}). Results of one job are never mixed with "
-            "another's.",
-        )
+        keys = sorted(set(meta.job) | set(job.settings))
+        changed = {
+            k: (meta.job.get(k), job.settings.get(k))
+            for k in keys
+            if meta.job.get(k) != job.settings.get(k)
+        }
+        raise JobChangedError(where, changed or {"id_column": (meta.id_column, id_column)})
     if meta.id_dtype != id_dtype and resume:
         error = JobMismatchError(
             where,

@@ -20,8 +20,17 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _FIT_INT64 = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32)
 
 
+# A row's position in the source as its producer returned it (counted from 0), when ``df`` is a
+# copy of other rows or order (a shard's rows, a stored source ordered by shard key). Null where
+# unknown. Without it, positions are ``df``'s own.
+SOURCE_ROW = "_source_row"
+
+
 def validate_ids(df: pl.DataFrame, id_column: str) -> None:
-    """Refuse ids that cannot identify rows, before any call of the user's function."""
+    """Refuse ids that cannot identify rows, before any call of the user's function.
+
+    Null and duplicated ids are reported with their rows in the source (``SOURCE_ROW``).
+    """
     if id_column not in df.columns:
         raise InvalidIdsError(id_column, f"is not in the input (columns: {df.columns})")
     ids = df.get_column(id_column)
@@ -48,18 +57,36 @@ def validate_ids(df: pl.DataFrame, id_column: str) -> None:
             )
     nulls = ids.null_count()
     if nulls:
-        positions = df.with_row_index("__row").filter(pl.col(id_column).is_null())["__row"]
-        raise InvalidIdsError(
-            id_column,
-            f"has {nulls} null value(s), at input rows {positions.head(5).to_list()}",
-        )
+        rows = _rows(df, pl.col(id_column).is_null())
+        raise InvalidIdsError(id_column, f"has {nulls} null value(s), at {rows} ({_FROM_0})")
     if distinct_count(ids) != ids.len():
         dupes = ids.filter(ids.is_duplicated()).unique(maintain_order=True)
+        where = "; ".join(
+            f"{value!r} at {_rows(df, pl.col(id_column) == value)}"
+            for value in dupes.head(3).to_list()
+        )
         raise InvalidIdsError(
             id_column,
-            f"has {dupes.len()} duplicated value(s); results are stored and resumed by id",
+            f"has {dupes.len()} duplicated value(s) ({where}; {_FROM_0}); results are stored "
+            "and resumed by id",
             dupes.head(5).to_list(),
         )
+
+
+_FROM_0 = "its first row is row 0"
+
+
+def _rows(df: pl.DataFrame, which: pl.Expr) -> str:
+    """The rows ``which`` selects, in words: their first positions in the source
+    (``SOURCE_ROW``, else ``df``'s own)."""
+    if SOURCE_ROW in df.columns:
+        found = df.filter(which).get_column(SOURCE_ROW).sort()
+        if found.null_count():
+            return "rows the stored source did not record (materialize it again to see them)"
+    else:
+        found = df.with_row_index("__row").filter(which).get_column("__row")
+    more = ", ..." if found.len() > 5 else ""
+    return f"rows [{', '.join(str(r) for r in found.head(5).to_list())}{more}] of the source"
 
 
 def canonical_ids(frame: pl.DataFrame, id_column: str) -> pl.DataFrame:

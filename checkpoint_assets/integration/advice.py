@@ -10,6 +10,7 @@ from checkpoint_assets.engine.errors import (
     CorruptCheckpointError,
     FunctionError,
     InputChangedError,
+    JobChangedError,
     JobMismatchError,
     MissingColumnsError,
     OutageError,
@@ -26,6 +27,13 @@ def advise(error: CheckpointError) -> CheckpointError:
         error.advise(
             "Run with `on_input_change: recompute` in run config to recompute just the changed "
             "rows, `resume: false` to recompute everything, or set a new `checkpoint_tag`."
+        )
+    elif isinstance(error, JobChangedError):
+        error.advise(
+            "To start the new job here, materialize once with `resume: false` in run config: it "
+            "replaces the stored results, and later runs resume the new ones. To keep both, set "
+            "a new `checkpoint_tag` in run config. To resume the stored results, set "
+            f"{_restore(error)}."
         )
     elif isinstance(error, JobMismatchError) and error.remedy == JobMismatchError.REMEDY:
         error.advise(
@@ -70,3 +78,15 @@ def advise(error: CheckpointError) -> CheckpointError:
     elif isinstance(error, FunctionError):
         error.advise(f"Fix the function, then: {_RERUN}")
     return error
+
+
+def _restore(error: JobChangedError) -> str:
+    """The settings that resume the stored results, as the user writes them."""
+    return " and ".join(
+        f"the asset's `{k}` back to {old!r}" if k in _ARGUMENTS else f"`{k}` back to {old!r}"
+        for k, (old, _) in error.changed.items()
+    )
+
+
+# Job settings that are arguments of `checkpointed_asset`.
+_ARGUMENTS = ("code_version", "id_column", "input_columns")

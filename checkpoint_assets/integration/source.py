@@ -29,8 +29,9 @@ import pyarrow.parquet as pq
 from checkpoint_assets.engine import hashing
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.keyed import ROW_GROUP_ROWS, Buckets, write_keyed
-from checkpoint_assets.engine.rows import BOOKKEEPING, CURRENT, ERROR, SEQ
+from checkpoint_assets.engine.keyed import ROW_GROUP_ROWS, Buckets, Resolve, write_keyed
+from checkpoint_assets.engine.resume import SOURCE_ROW
+from checkpoint_assets.engine.rows import BOOKKEEPING, CURRENT, ERROR, SEQ, distinct_count
 from checkpoint_assets.engine.scheme import (
     SHARD_KEY_PREFIX,
     Frame,
@@ -68,8 +69,8 @@ def as_lazy(value: Any) -> pl.LazyFrame:
 
 
 def user_columns(names: Sequence[str]) -> list[str]:
-    """``names`` without the stored shard key columns."""
-    return [c for c in names if not c.startswith(SHARD_KEY_PREFIX)]
+    """``names`` without the stored shard key columns and source rows."""
+    return [c for c in names if not c.startswith(SHARD_KEY_PREFIX) and c != SOURCE_ROW]
 
 
 def without_shard_keys(frame: Frame) -> Frame:
@@ -81,7 +82,9 @@ def without_shard_keys(frame: Frame) -> Frame:
 
 class ShardRows:
     """The input rows of each shard of one run, read once for all of them (a ranged run), with
-    no more than one shard's rows in memory at a time.
+    no more than one shard's rows in memory at a time. Where their ids will be refused (null or
+    duplicated), each row carries its row in the source (``SOURCE_ROW``): stored with a stored
+    source, else found by reading the source's id column once more, on that error path only.
 
     The filter is applied to the source as it is, so polars pushes it down to the scan: the
     source's own computed columns are computed for these rows only. A stored source (ordered by
@@ -91,10 +94,15 @@ class ShardRows:
     """
 
     def __init__(self, source: pl.LazyFrame, id_column: str, keys: Sequence[str | None]) -> None:
+        schema = source.collect_schema()
+        self.numbered = SOURCE_ROW in schema  # stored with the source
+        if not self.numbered and any(c.startswith(SHARD_KEY_PREFIX) for c in schema):
+            # Stored ordered by shard key without its rows: their places are not known.
+            source = source.with_columns(pl.lit(None, pl.UInt32).alias(SOURCE_ROW))
+            self.numbered = True
         self.source = source
         self.id_column = id_column
-        schema = source.collect_schema()
-        self.columns = user_columns(schema.names())
+        self.columns = [*user_columns(schema.names()), *([SOURCE_ROW] if self.numbered else [])]
         self.shards = [Shard.parse(k) if k is not None else None for k in keys]
         self.held: pl.DataFrame | None = None  # rows of every key, filtered as each is asked
         self.spill: Buckets | None = None
@@ -132,7 +140,39 @@ class ShardRows:
             rows = taken if taken is not None else self.source.clear().collect()
         else:
             rows = rows_in(self.source, self.id_column, [key]).collect(engine="streaming")
-        return rows.select(self.columns)
+        rows = rows.select(self.columns)
+        return rows if self.numbered else self._numbered(rows)
+
+    def _numbered(self, rows: pl.DataFrame) -> pl.DataFrame:
+        """``rows`` with the source row of each whose id is null or duplicated, found by
+        numbering the source's ids; unchanged (at the cost of counting its ids) when none is.
+
+        A shard holds every row of an id, and of null ids (shard 0), in the source's order: its
+        n-th row of an id is the source's n-th."""
+        ids = rows.get_column(self.id_column) if self.id_column in rows.columns else None
+        if ids is None or (not ids.null_count() and distinct_count(ids) == ids.len()):
+            return rows
+        column = pl.col(self.id_column)
+        refused = ids.filter(ids.is_duplicated()).drop_nulls().unique().implode()
+        nth = pl.int_range(pl.len()).over(self.id_column).alias("__nth")
+        found = (
+            self.source.select(self.id_column)
+            .with_row_index(SOURCE_ROW)
+            .filter(column.is_null() | column.is_in(refused))
+            .with_columns(nth)
+            .collect(engine="streaming")
+        )
+        return (
+            rows.with_columns(nth)
+            .join(
+                found,
+                on=[self.id_column, "__nth"],
+                how="left",
+                nulls_equal=True,
+                maintain_order="left",
+            )
+            .drop("__nth")
+        )
 
 
 def store_output(store: Store, path: str, value: Any, id_columns: Sequence[str]) -> int:
@@ -140,10 +180,14 @@ def store_output(store: Store, path: str, value: Any, id_columns: Sequence[str])
 
     With ``id_columns`` (what its checkpointed downstream assets shard by), each gets its shard
     key column and the file is in the keyed layout of the first one's (``keyed.py``), written
-    in bounded memory whatever the size of ``value``.
+    in bounded memory whatever the size of ``value``. That order is not the source's: the rows
+    whose ids they would refuse (null, or duplicated in the first) keep their position in
+    ``value`` in a ``SOURCE_ROW`` column (null for every other row: it takes no space).
     """
     frame = as_lazy(value)
     schema = frame.collect_schema()
+    if SOURCE_ROW in schema:
+        frame = frame.drop(SOURCE_ROW)
     keyed = [c for c in id_columns if c in schema]
     with store.put_file(path) as local:
         if not keyed:
@@ -151,11 +195,21 @@ def store_output(store: Store, path: str, value: Any, id_columns: Sequence[str])
                 local, compression="zstd", statistics=True, row_group_size=ROW_GROUP_ROWS
             )
             return int(pq.read_metadata(local).num_rows)
-        frame = frame.with_columns(
+        frame = frame.with_row_index(SOURCE_ROW).with_columns(
             hashing.shard_key(c, schema[c]).alias(shard_key_column(c)) for c in keyed
         )
         batches = frame.collect_batches()
-        return write_keyed(batches, shard_key_column(keyed[0]), local, frame.collect_schema())
+        key, columns = shard_key_column(keyed[0]), frame.collect_schema()
+        return write_keyed(batches, key, local, columns, _refused_rows_only(keyed))
+
+
+def _refused_rows_only(id_columns: Sequence[str]) -> Resolve:
+    """Keep ``SOURCE_ROW`` of the rows with a null id, or a duplicated first id (all rows of an
+    id are in one bucket of the first id's keys)."""
+    refused = pl.col(id_columns[0]).is_duplicated() | pl.any_horizontal(
+        pl.col(c).is_null() for c in id_columns
+    )
+    return lambda rows: rows.with_columns(pl.when(refused).then(pl.col(SOURCE_ROW)))
 
 
 def scan(store: Store, path: str, *, checked: bool = False) -> pl.LazyFrame:

@@ -122,6 +122,39 @@ def test_a_base_dir_below_a_file_is_a_storage_error(tmp_path: Path) -> None:
     assert f"{file} is a file, not a folder" in error
 
 
+# /proc refuses new files and folders to every process, root too (CI runs as root, where folder
+# permissions do not stop writes). The kernel answers ENOENT there, never "no such folder".
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+
+
+@needs_proc
+def test_a_base_dir_the_os_cannot_create_names_the_folder_the_reason_and_the_fix() -> None:
+    base_dir = f"/proc/ck-{os.getpid()}"
+
+    _, error = run(CheckpointIOManager(base_dir=base_dir))
+
+    assert error.startswith("StorageError: ")
+    assert f"while creating the folder {base_dir}: " in error
+    assert f"refused to create the folder {base_dir} in /proc" in error
+    assert "ENOENT No such file or directory" in error
+    assert "point base_dir at a folder on a writable disk" in error
+    assert "Stored work is unchanged" in error
+    assert not os.path.exists(base_dir)
+
+
+@needs_proc
+def test_an_existing_folder_the_os_does_not_write_names_it_the_reason_and_the_fix() -> None:
+    before = set(os.listdir("/proc/self"))
+
+    _, error = run(CheckpointIOManager(base_dir="/proc/self"))
+
+    assert error.startswith("StorageError: ")
+    assert "while writing /proc/self/rows.parquet: " in error
+    assert "refused to create a file in /proc/self" in error
+    assert "point base_dir at a folder on a writable disk" in error
+    assert set(os.listdir("/proc/self")) == before
+
+
 @contextlib.contextmanager
 def read_only_mount(folder: Path) -> Iterator[Path]:
     """``folder`` mounted read-only at a sibling path (needs root: a bind mount)."""

@@ -261,6 +261,32 @@ def test_a_bumped_code_version_is_a_new_job_as_before(runner: Runner) -> None:
     assert runner.meta()["function_fingerprint"]["code"]
 
 
+def test_bumping_code_version_after_the_report_names_the_step_that_starts_the_new_job(
+    runner: Runner,
+) -> None:
+    runner(billing([], code_version="1"), n=12)
+    reported = runner(support([], code_version="1"), n=12)
+    assert stats(reported)["function_changed"] is True  # the report says: bump code_version
+    stored = sorted(p.name for p in Path(runner.base_dir).rglob("*"))
+    calls: Calls = []
+
+    with pytest.raises(JobMismatchError) as refused:
+        runner(support(calls, code_version="2"), n=12)
+
+    message = str(refused.value)
+    assert "code_version: '1' stored, '2' now" in message
+    assert "materialize once with `resume: false` in run config" in message
+    assert "set a new `checkpoint_tag`" in message
+    assert "set the asset's `code_version` back to '1'" in message
+    assert "change the asset's `code_version`" not in message  # what the user just did
+    assert calls == [] and sorted(p.name for p in Path(runner.base_dir).rglob("*")) == stored
+    started = runner(support(calls, code_version="2"), n=12, resume=False)  # the step it names
+    assert stats(started)["rows_computed"] == 12
+    calls.clear()
+    resumed = runner(support(calls, code_version="2"), n=12)  # later runs resume
+    assert (stats(resumed)["rows_resumed"], calls) == (12, [])
+
+
 def test_a_changed_resource_setting_is_reported_and_no_secret_is_stored(runner: Runner) -> None:
     asset = modelled([])
     runner(asset, n=12, resources={"llm": Model(model="small-1")})

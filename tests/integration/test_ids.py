@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import dagster as dg
 import polars as pl
 import pytest
-from helpers.jobs import Storage, build_job, tickets
+from helpers.jobs import Storage, build_job, route, step_error, tickets
 
-from checkpoint_assets import InvalidIdsError
+from checkpoint_assets import (
+    CheckpointIOManager,
+    InvalidIdsError,
+    checkpointed_asset,
+    shard_partitions,
+)
+from checkpoint_assets.engine.hashing import shard_of
 
 
 def _refused(storage: Storage, df: pl.DataFrame) -> str:
@@ -71,3 +80,62 @@ def test_string_ids_are_accepted_and_resumed(storage: Storage) -> None:
 
     assert sorted(first.output_for_node("routed")["ticket_id"]) == sorted(df["ticket_id"])
     assert job.calls == []
+
+
+# -- where the refused ids are, as the user's source holds them ---------------------------------
+def _shard_error(df: pl.DataFrame, stored: bool, tmp_path: Path) -> tuple[str, Path, list[int]]:
+    """Materialize ``df`` as the source (stored by CheckpointIOManager, reordered by shard key,
+    or held in memory as returned) and the shard of 4 that holds ``df``'s first refused id;
+    returns the error, the checkpoints' folder, and the rows the function was called with."""
+    calls: list[int] = []
+
+    @dg.asset(name="tickets", io_manager_key="io_manager" if stored else "source_io")
+    def source() -> pl.DataFrame:
+        return df
+
+    @checkpointed_asset(
+        source="tickets", id_column="ticket_id", name="routed", partitions_def=shard_partitions(4)
+    )
+    def routed(batch: pl.DataFrame) -> pl.DataFrame:
+        calls.extend(batch.get_column("ticket_id").to_list())
+        return route(batch)
+
+    base_dir = tmp_path / "checkpoints"
+    resources = {
+        "io_manager": CheckpointIOManager(base_dir=str(base_dir)),
+        "source_io": dg.InMemoryIOManager(),  # type: ignore[no-untyped-call]
+    }
+    ids = df.get_column("ticket_id")
+    bad = ids.filter(ids.is_null() | ids.is_duplicated()).fill_null(0).head(1)
+    key = shard_partitions(4).get_partition_keys()[int(shard_of(bad, 4)[0])]
+    result = dg.materialize(
+        [source, routed], partition_key=key, resources=resources, raise_on_error=False
+    )
+    return step_error(result), base_dir / "routed", calls
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["stored source", "source in memory"])
+def test_a_null_id_is_reported_at_its_row_in_the_source(stored: bool, tmp_path: Path) -> None:
+    ids = [10, 11, 12, 13, 14, None, 16, 17, 18, 19]
+    df = tickets(10).with_columns(pl.Series("ticket_id", ids))
+
+    error, checkpoints, calls = _shard_error(df, stored, tmp_path)
+
+    assert error.startswith("InvalidIdsError: ")
+    assert "'ticket_id' has 1 null value(s), at rows [5] of the source" in error
+    assert "its first row is row 0" in error
+    assert "fix the source" in error
+    assert calls == [] and not checkpoints.exists()  # nothing called, nothing stored
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["stored source", "source in memory"])
+def test_a_duplicated_id_is_reported_at_its_rows_in_the_source(
+    stored: bool, tmp_path: Path
+) -> None:
+    df = tickets(10).with_columns(pl.Series("ticket_id", [10, 11, 12, 13, 14, 15, 16, 17, 12, 19]))
+
+    error, checkpoints, calls = _shard_error(df, stored, tmp_path)
+
+    assert error.startswith("InvalidIdsError: ")
+    assert "has 1 duplicated value(s) (12 at rows [2, 8] of the source;" in error
+    assert calls == [] and not checkpoints.exists()

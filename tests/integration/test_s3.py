@@ -35,6 +35,7 @@ from helpers.jobs import (
     parts_by_partition,
     route,
     stats,
+    step_error,
     tickets,
 )
 
@@ -421,6 +422,90 @@ def test_an_unreachable_endpoint_says_so_and_stored_work_survives(
 
     again = stats(job.materialize())
     assert (again["rows_resumed"], again["rows_computed"]) == (20, 0)
+
+
+# -- a stored source that cannot be read is not "materialize it first" ------------------------
+def _source_and_reader(storage: Storage) -> tuple[dg.AssetsDefinition, dg.AssetsDefinition]:
+    """A source stored by the IO manager, and a checkpointed asset reading it."""
+
+    @dg.asset(name="src_s3")
+    def source() -> pl.DataFrame:
+        return tickets(20)
+
+    @checkpointed_asset(source="src_s3", id_column="ticket_id", name=ASSET)
+    def reader(batch: pl.DataFrame) -> pl.DataFrame:
+        return route(batch)
+
+    io_manager = CheckpointIOManager(base_dir=storage[0], storage_options=storage[1])
+    dg.materialize([source], resources={"io_manager": io_manager})
+    return source, reader
+
+
+def _read_with(
+    assets: tuple[dg.AssetsDefinition, dg.AssetsDefinition], storage: Storage
+) -> dg.ExecuteInProcessResult:
+    """Materialize the reader alone (its source stays as stored), with ``storage``."""
+    resources = {"io_manager": CheckpointIOManager(base_dir=storage[0], storage_options=storage[1])}
+    return dg.materialize(
+        list(assets), selection=[assets[1]], resources=resources, raise_on_error=False
+    )
+
+
+def _without_aws_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The process finds no AWS credentials anywhere in the standard chain."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def test_a_stored_source_read_without_credentials_names_them_not_a_missing_output(
+    new_s3_storage: NewStorage, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    base_dir, options = new_s3_storage()
+    assets = _source_and_reader((base_dir, options))
+    _without_aws_credentials(monkeypatch, tmp_path)
+    anonymous = {k: v for k, v in options.items() if k not in ("key", "secret")}
+
+    error = step_error(_read_with(assets, (base_dir, anonymous)))
+
+    assert error.startswith("StorageError: ")
+    assert f"{base_dir}/src_s3.parquet" in error
+    assert "no credentials were found" in error and "NoCredentialsError" in error
+    assert "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in error
+    assert "Materialize it first" not in error
+    monkeypatch.undo()
+    again = stats(_read_with(assets, (base_dir, options)))  # stored work is intact
+    assert (again["rows_computed"], again["rows_total"]) == (20, 20)
+
+
+def test_a_stored_source_read_with_rejected_credentials_says_so(guarded: Guarded) -> None:
+    prefix = uuid.uuid4().hex
+    assets = _source_and_reader(guarded.storage(guarded.writer, prefix))
+
+    error = step_error(_read_with(assets, guarded.storage(("AKIDUNKNOWN", "wrong"), prefix)))
+
+    assert error.startswith("StorageError: ")
+    assert f"s3://guarded/{prefix}/src_s3.parquet" in error
+    assert "check the credentials" in error
+    assert "Materialize it first" not in error
+    again = stats(_read_with(assets, guarded.storage(guarded.writer, prefix)))
+    assert again["rows_computed"] == 20
+
+
+def test_a_source_never_stored_says_to_materialize_it_first(
+    new_s3_storage: NewStorage,
+) -> None:
+    base_dir, options = new_s3_storage()
+    assets = _source_and_reader((base_dir, options))
+    elsewhere = f"{base_dir}-empty"
+
+    error = step_error(_read_with(assets, (elsewhere, options)))
+
+    assert error.startswith("CheckpointError: ")
+    assert f"No stored output for src_s3 at {elsewhere}/src_s3.parquet" in error
+    assert "Materialize it first" in error
 
 
 def test_operator_cli_on_s3_lists_compacts_and_verifies(

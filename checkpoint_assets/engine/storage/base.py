@@ -154,10 +154,15 @@ class Store:
             return int(self.fs.size(path))
 
     def exists(self, path: str) -> bool:
-        """Whether ``path`` is a file: one HEAD."""
+        """Whether ``path`` is a file: one HEAD. Only a missing file is False; a failure to
+        ask (no credentials, denied access) is a ``StorageError``, never "not there"."""
         self._count("HEAD")
-        with translate(self, path, "reading"):
-            return bool(self.fs.isfile(path))
+        try:
+            with translate(self, path, "reading"):
+                info = self.fs.info(path)
+        except FileNotFoundError:
+            return False
+        return bool(info.get("type") == "file")
 
     def get_or_none(self, path: str) -> bytes | None:
         try:

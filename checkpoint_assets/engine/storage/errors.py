@@ -164,3 +164,33 @@ class translate:
             f"Checkpoint storage error while {self.action} {self.store.display(self.path)}: "
             f"{why} ({type(exc).__name__}: {exc}). Stored work is unchanged."
         ) from exc
+
+
+def refused(store: Store, path: str, exc: OSError, action: str) -> StorageError:
+    """The error for a file or folder the operating system would not create, while ``action``
+    ``path``: the path, the OS's reason, and what to do. A missing parent that cannot be made
+    (under ``/proc`` the OS answers ENOENT, under ``/sys`` EPERM, even to root) is said as such,
+    not as a missing file."""
+    why = _why(store, exc)
+    if why is None:
+        failed = str(exc.filename or path)
+        what = f"the folder {failed}" if action == "creating the folder" else "a file"
+        why = (
+            f"the operating system refused to create {what} in {_nearest_existing(failed)}, "
+            "which exists but takes nothing new (a virtual file system such as /proc or /sys); "
+            "point base_dir at a folder on a writable disk"
+        )
+    reason = errno.errorcode.get(exc.errno or 0, "")
+    said = f"{type(exc).__name__}: {reason + ' ' if reason else ''}{exc.strerror or exc}"
+    return StorageError(
+        f"Checkpoint storage error while {action} {store.display(path)}: {why} ({said}). "
+        "Stored work is unchanged."
+    )
+
+
+def _nearest_existing(path: str) -> str:
+    """The nearest folder at or above ``path`` that exists."""
+    path = os.path.abspath(path)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from checkpoint_assets.engine.errors import StorageError
 from checkpoint_assets.engine.storage.base import Store
-from checkpoint_assets.engine.storage.errors import translate
+from checkpoint_assets.engine.storage.errors import refused, translate
 
 _TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{12}$")
 
@@ -38,7 +38,7 @@ class LocalStore(Store):
         tmp = temporary_path(path)
         try:
             with translate(self, path, "writing"):
-                _write(tmp, data)
+                self._create(tmp, data, path, "writing")
                 os.replace(tmp, path)
         except BaseException:
             remove_quietly(tmp)
@@ -49,6 +49,7 @@ class LocalStore(Store):
         self._make_folder(os.path.dirname(path))
         tmp = temporary_path(path)  # beside ``path``: replacing it is atomic
         try:
+            self._create(tmp, b"", path, "writing")  # refused here, not inside the writer
             yield tmp
             self._count("PUT")
             with translate(self, path, "writing"):
@@ -66,7 +67,7 @@ class LocalStore(Store):
         tmp = temporary_path(path)
         try:
             with translate(self, path, "creating"):
-                _write(tmp, data)
+                self._create(tmp, data, path, "creating")
                 os.link(tmp, path)
         except FileExistsError:
             return False
@@ -74,19 +75,31 @@ class LocalStore(Store):
             remove_quietly(tmp)
         return True
 
+    def _create(self, tmp: str, data: bytes, path: str, action: str) -> None:
+        """Write ``tmp`` (the temporary file of ``path``) in a folder that exists: a file the
+        operating system refuses there is a ``StorageError``, not a "missing file"."""
+        try:
+            _write(tmp, data)
+        except FileExistsError:
+            raise
+        except OSError as e:
+            raise refused(self, path, e, action) from e
+
     def _make_folder(self, folder: str) -> None:
-        """Create ``folder`` and its parents; a file in the way is a ``StorageError``."""
-        with translate(self, folder, "creating the folder"):
-            try:
-                os.makedirs(folder, exist_ok=True)
-            except (FileExistsError, NotADirectoryError) as e:
-                blocker = _file_in_the_way(folder) or folder
-                raise StorageError(
-                    f"Checkpoint storage error while creating the folder "
-                    f"{self.display(folder)}: {blocker} is a file, not a folder "
-                    f"({type(e).__name__}: {e}). Stored work is unchanged.",
-                    "Point base_dir at a folder (it is created if missing), or move the file away.",
-                ) from e
+        """Create ``folder`` and its parents; a file in the way, or a folder the operating
+        system refuses, is a ``StorageError`` that names it."""
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as e:
+            blocker = _file_in_the_way(folder) or folder
+            raise StorageError(
+                f"Checkpoint storage error while creating the folder "
+                f"{self.display(folder)}: {blocker} is a file, not a folder "
+                f"({type(e).__name__}: {e}). Stored work is unchanged.",
+                "Point base_dir at a folder (it is created if missing), or move the file away.",
+            ) from e
+        except OSError as e:
+            raise refused(self, folder, e, "creating the folder") from e
 
     def delete(self, paths: Iterable[str]) -> None:
         for path in paths:
