@@ -1,6 +1,6 @@
 """The built wheel installs beside the Dagster a team already runs.
 
-A fresh venv gets the newest Dagster the package's range allows; the wheel then goes in.
+A fresh venv gets the newest or the oldest Dagster of the package's range; the wheel then goes in.
 pip must change no Dagster package, no command may warn of a version mismatch, and a
 checkpointed asset must materialize there from the `dagster` CLI.
 """
@@ -15,6 +15,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -57,8 +58,9 @@ def _dagster_versions(python: Path) -> dict[str, str]:
     return {name: v for name, v in pins.items() if name.lower().startswith("dagster")}
 
 
-def test_the_wheel_installs_beside_the_newest_dagster_and_changes_none_of_it(
-    tmp_path: Path,
+@pytest.mark.parametrize("end", ["newest", "oldest"])
+def test_the_wheel_installs_beside_dagster_at_either_end_of_its_range_and_changes_none_of_it(
+    tmp_path: Path, end: str
 ) -> None:
     # Built from a copy: setuptools leaves a build/ folder beside the sources it builds.
     source = tmp_path / "source"
@@ -75,9 +77,12 @@ def test_the_wheel_installs_beside_the_newest_dagster_and_changes_none_of_it(
     python = venv / "bin" / "python"
     pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     _run(*pip, "--upgrade", "pip")
-    _run(*pip, _dagster_requirement())
+    requirement = _dagster_requirement()
+    oldest = next(s.version for s in requirement.specifier if s.operator == ">=")
+    _run(*pip, str(requirement) if end == "newest" else f"dagster=={oldest}")
     before = _dagster_versions(python)
-    assert before["dagster"].startswith("1.13.")
+    assert before["dagster"] in requirement.specifier
+    assert (before["dagster"] == oldest) == (end == "oldest")
 
     _run(*pip, wheel)
     assert _dagster_versions(python) == before
@@ -105,7 +110,7 @@ def test_the_wheel_installs_beside_the_newest_dagster_and_changes_none_of_it(
     assert list((tmp_path / "checkpoints").rglob("*.parquet"))
 
 
-def _dagster_requirement() -> str:
+def _dagster_requirement() -> Requirement:
     """The package's own `dagster` requirement, read from pyproject.toml."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return next(r for r in project["dependencies"] if r.split(">")[0].split("=")[0] == "dagster")
+    return next(r for r in map(Requirement, project["dependencies"]) if r.name == "dagster")
