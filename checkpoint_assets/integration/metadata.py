@@ -38,6 +38,9 @@ THROTTLED_CALLS = "throttled_calls"
 THROTTLE_EVENTS = "throttle_events"
 THROTTLED_SECONDS = "throttled_seconds"
 CONCURRENCY_FINAL = "concurrency_final"
+REFUSALS_PER_ANSWER = "refusals_per_answer"  # throttled calls per call the endpoint answered
+BUDGET_USED = "budget_used"  # the share of the key's stated (or assumed) budget the run drew
+BUDGET_WAIT_SECONDS = "budget_wait_seconds"  # time during which requests waited for budget
 USAGE = "usage/"  # + a usage column: its sum over the rows this run computed
 USAGE_TOTAL = "usage_total/"  # + a usage column: its sum over every stored row
 COST_USD = "cost_usd"  # what this run's calls on the shard cost (a budget's prices)
@@ -132,12 +135,22 @@ def _function(runs: Sequence[RunStats]) -> dict[str, Any]:
 
 
 def _throttling(runs: Sequence[RunStats]) -> dict[str, Any]:
-    return {
-        THROTTLED_CALLS: sum(r.throttled_calls for r in runs),
+    throttled, answered = sum(r.throttled_calls for r in runs), sum(r.calls for r in runs)
+    out: dict[str, Any] = {
+        THROTTLED_CALLS: throttled,
         THROTTLE_EVENTS: sum(r.throttle_events for r in runs),
         THROTTLED_SECONDS: round(sum(r.throttled_seconds for r in runs), 3),
         CONCURRENCY_FINAL: min((r.concurrency_final for r in runs), default=0),
+        BUDGET_WAIT_SECONDS: round(sum(r.budget_wait_seconds for r in runs), 3),
     }
+    if answered:
+        out[REFUSALS_PER_ANSWER] = round(throttled / answered, 4)
+    paced = [r for r in runs if r.budget_used is not None]
+    if paced:  # a ranged run's shards one after the other: weighted by their time
+        seconds = sum(r.seconds for r in paced)
+        used = [(r.budget_used or 0.0) * (r.seconds if seconds else 1) for r in paced]
+        out[BUDGET_USED] = round(sum(used) / (seconds or len(paced)), 4)
+    return out
 
 
 def _usage(runs: Sequence[RunStats]) -> dict[str, float]:
