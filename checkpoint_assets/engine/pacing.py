@@ -18,9 +18,10 @@ The rules of a :class:`Pacer` (one per key and process):
   (``steady=False``) is full again at its reset.
 - **Shards share a key through the headers.** Every shard on the key sees what all of them
   drew: the remaining falls faster than its own draw. A pacer measures its share of the key's
-  draw over the last seconds and refills at that share of the rate, so shards that run at once
-  take about the stated rate between them, with no coordination service. Alone, the share is
-  about 1 (it also absorbs a bias of the token estimate).
+  draw over the last seconds (at first: since it began, the key taken as full then) and takes
+  that share of what is left and of the refill, less a margin, so shards that run at once take
+  about the stated rate between them, with no coordination service. Alone, the share is about
+  1; a token estimate that falls short of the endpoint's count lowers it to match.
 - **No statement, no pacing**, unless the user stated limits (:meth:`Pacer.assume`): a budget
   nothing states is not paced, and the shard's adaptive concurrency (``throttle.py``) answers
   refusals as before.
@@ -112,6 +113,7 @@ class _Bucket:
         self.stated = False  # an answer stated it (else the user did, and it is never reported)
         self.last: tuple[int, float, float, float, float] | None = None  # seq, at, R, own, refused
         self.own_sum = self.key_sum = 0.0
+        self.first_at: float | None = None  # when the first answered request started
         self.pairs = 0
         self._restate(stated, now)
 
@@ -171,7 +173,18 @@ class _Bucket:
         own_now = ticket.drawn.get(kind, 0.0)
         refused_now = refused
         last, self.last = self.last, (ticket.seq, ticket.at, stated.remaining, own_now, refused)
-        if last is None or not (self.steady and stated.steady) or self.rate <= 0:
+        if not (self.steady and stated.steady) or self.rate <= 0:
+            return
+        if self.first_at is None:
+            self.first_at = ticket.at
+        if self.pairs < _SHARE_PAIRS:
+            # Too few answers to measure: take the key as full when this pacer began, so what
+            # it lacks since is what all drew (shards started together share it at once).
+            drew = self.cap - stated.remaining + self.rate * (ticket.at - self.first_at)
+            if drew > 0:
+                share = _MARGIN * (own_now - refused_now) / drew
+                self.share = min(_MAX_SHARE, max(_MIN_SHARE, share))
+        if last is None:
             return
         _, at, remaining, own, refused_then = last
         dt = max(ticket.at - at, 0.0)
@@ -268,9 +281,9 @@ class Pacer:
                 if known is None or not known.stated:  # a stated budget replaces an assumed one
                     known = self._buckets[kind] = _Bucket(limit, now)
                 known.report(limit, ticket, kind, self._own[kind], self._refused[kind], now)
-            rates = {k: b.key_rate for k, b in self._buckets.items()}
+            budgets = {k: (b.key_rate, b.cap) for k, b in self._buckets.items()}
         if ticket.record is not None:
-            ticket.record.answered(now, rates)
+            ticket.record.answered(now, budgets)
 
     def _fits(self, need: Cost, now: float) -> float:
         """Seconds until ``need`` fits every budget (0: now)."""
@@ -303,7 +316,7 @@ class Record:
         self.wait_seconds = 0.0  # time during which at least one request waited for budget
         self._held_until = -math.inf
         self.drawn = dict.fromkeys(KINDS, 0.0)
-        self._rates: dict[str, float] = {}  # the key's budget per second, as last stated
+        self._budgets: dict[str, tuple[float, float]] = {}  # the key's: per second, when full
         self._first: float | None = None
         self._last = 0.0
 
@@ -322,20 +335,24 @@ class Record:
                 self._first = now
             self._last = max(self._last, now)
 
-    def answered(self, now: float, rates: Mapping[str, float]) -> None:
+    def answered(self, now: float, budgets: Mapping[str, tuple[float, float]]) -> None:
         with self._lock:
-            self._rates.update({k: r for k, r in rates.items() if r > 0})
+            self._budgets.update({k: b for k, b in budgets.items() if b[0] > 0})
             self._last = max(self._last, now)
 
     @property
     def budget_used(self) -> float | None:
-        """The share of the key's budget this shard drew while it called the endpoint: of the
-        budget it came closest to spending. None when no budget was stated or assumed."""
+        """The share of the key's budget this shard drew while it called the endpoint (a full
+        budget, then its refill over that time), of the budget it came closest to spending.
+        None when no budget was stated or assumed."""
         with self._lock:
-            if self._first is None or self._last <= self._first or not self._rates:
+            if self._first is None or self._last <= self._first or not self._budgets:
                 return None
             seconds = self._last - self._first
-            return max(self.drawn.get(k, 0.0) / (r * seconds) for k, r in self._rates.items())
+            return max(
+                self.drawn.get(k, 0.0) / (rate * seconds + full)
+                for k, (rate, full) in self._budgets.items()
+            )
 
 
 _RECORD: contextvars.ContextVar[Record | None] = contextvars.ContextVar(

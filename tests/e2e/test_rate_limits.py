@@ -200,11 +200,12 @@ def test_two_shards_in_two_processes_share_the_key_and_are_seldom_refused(
     demo_env: dict[str, str],
 ) -> None:
     # 3,000 tokens a second for the key, 6,000 at most at once; two shards of about 100 tickets
-    # of about 70 tokens each, 32 calls in flight each: about twice the budget they start with.
+    # of about 70 tokens each, 8 calls in flight each: about twice the budget they start with.
     budget = Settings(latency_ms=20, tokens_per_minute=180_000, budget_window_seconds=2.0)
     with serve_process(budget) as base_url:
         env = demo_env | {
             "LLM_TICKETS": "400",
+            "LLM_MAX_CONCURRENCY": "8",
             "OPENAI_API_KEY": "local",
             "OPENAI_MODEL": "m",
             "OPENAI_BASE_URL": base_url,
@@ -228,4 +229,6 @@ def test_two_shards_in_two_processes_share_the_key_and_are_seldom_refused(
     assert sum(m["throttled_calls"] for m in metas) == served["over_budget"]
     assert all(m["refusals_per_answer"] <= 0.05 for m in metas), metas
     assert sum(m["budget_wait_seconds"] for m in metas) > 0
-    assert all(0 < m["budget_used"] <= 1.5 for m in metas), metas
+    assert all(0 < m["budget_used"] <= 1 for m in metas), [
+        (m.get("budget_used"), m.get("refusals_per_answer")) for m in metas
+    ]
