@@ -2,7 +2,8 @@
 
 Worker threads wait in :meth:`Gate.acquire`; tasks on one event loop in :meth:`Gate.acquire_async`,
 which waits on a future instead of polling. The limit and the pauses are decided by
-``throttle.py``; this is only the waiting.
+``throttle.py``; this is only the waiting. A call it admits runs with the shard's pacing record
+(``pacing.py``): its requests wait there for the key's budget and count in the shard's record.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import asyncio
 import collections
 import threading
 from collections.abc import Callable
+
+from checkpoint_assets.engine import pacing
 
 
 class Gate:
@@ -28,6 +31,7 @@ class Gate:
         self.events = 0  # times the shard lowered its concurrency or paused as a whole
         self.throttled_seconds = 0.0  # time during which the whole shard was paused
         self.spent: str | None = None  # set once the quota looks spent: the shard stops
+        self.pacing = pacing.Record()  # what the shard's requests drew and waited for budget
         self._cond = threading.Condition()
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
@@ -45,6 +49,7 @@ class Gate:
                     self._cond.wait()
                 else:
                     self.in_flight += 1
+                    pacing.attach(self.pacing)
                     return now
 
     async def acquire_async(self) -> float | None:
@@ -62,6 +67,7 @@ class Gate:
                     self._waiters.append(waiter)
                 else:
                     self.in_flight += 1
+                    pacing.attach(self.pacing)
                     return now
             if waiter is None:
                 await asyncio.sleep(wait)

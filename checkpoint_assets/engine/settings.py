@@ -290,6 +290,10 @@ class RunStats:
     throttle_events: int = 0
     throttled_seconds: float = 0.0
     concurrency_final: int = 0
+    # Pacing by the key's budgets (engine/pacing.py): the share of the budget this run drew
+    # while it called (None: no budget stated or assumed), and how long requests waited for it.
+    budget_used: float | None = None
+    budget_wait_seconds: float = 0.0
     flushes: int = 0
     seconds: float = 0.0
     # How long storage held the run up: waiting for the flush in flight, and finalize. The

@@ -12,7 +12,7 @@ rest is here, called in this order::
                      _maybe_progress() logs a progress_line() every ``progress_seconds``
       close()        finalize through the sink, count the result, apply the stop rules (why
                      work() stopped early, too many failed rows)
-      (finally)      close the sink; the sink's, the throttle's, usage and cost stats
+      (finally)      close the sink; the sink's, the throttle's (pacing too), usage and cost stats
 """
 
 from __future__ import annotations
@@ -105,6 +105,8 @@ class ShardRun(abc.ABC):
             self.stats.throttle_events = self.throttle.events
             self.stats.throttled_seconds = round(self.throttle.throttled_seconds, 3)
             self.stats.concurrency_final = self.throttle.limit
+            self.stats.budget_used = self.throttle.pacing.budget_used
+            self.stats.budget_wait_seconds = round(self.throttle.pacing.wait_seconds, 3)
             self.stats.usage = self.usage
             self._count_cost()
 

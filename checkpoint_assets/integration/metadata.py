@@ -38,6 +38,9 @@ THROTTLED_CALLS = "throttled_calls"
 THROTTLE_EVENTS = "throttle_events"
 THROTTLED_SECONDS = "throttled_seconds"
 CONCURRENCY_FINAL = "concurrency_final"
+REFUSALS_PER_ANSWER = "refusals_per_answer"
+BUDGET_USED = "budget_used"
+BUDGET_WAIT_SECONDS = "budget_wait_seconds"
 USAGE = "usage/"  # + a usage column
 USAGE_TOTAL = "usage_total/"  # + a usage column
 COST_USD = "cost_usd"
@@ -110,6 +113,10 @@ MATERIALIZATION: dict[str, str] = {
     "`min_flush_seconds`.",
     THROTTLED_CALLS: "Calls the endpoint refused (`RetryAfter`, HTTP 429/503/529). Each waited "
     "and was sent again.",
+    REFUSALS_PER_ANSWER: "`throttled_calls` per call the endpoint answered.",
+    BUDGET_USED: "The share of the key's stated (or assumed) budget this run drew while it "
+    "called: a full budget and its refill over that time. Present when a budget was known.",
+    BUDGET_WAIT_SECONDS: "Time during which requests waited for the key's budget.",
     THROTTLED_SECONDS: "Time the whole shard was paused by rate limits.",
     THROTTLE_EVENTS: "Times the shard lowered its concurrency or paused as a whole.",
     CONCURRENCY_FINAL: "Calls in flight allowed at the end of the run. For a ranged run, the "
@@ -227,12 +234,22 @@ def _function(runs: Sequence[RunStats]) -> dict[str, Any]:
 
 
 def _throttling(runs: Sequence[RunStats]) -> dict[str, Any]:
-    return {
-        THROTTLED_CALLS: sum(r.throttled_calls for r in runs),
+    throttled, answered = sum(r.throttled_calls for r in runs), sum(r.calls for r in runs)
+    out: dict[str, Any] = {
+        THROTTLED_CALLS: throttled,
         THROTTLE_EVENTS: sum(r.throttle_events for r in runs),
         THROTTLED_SECONDS: round(sum(r.throttled_seconds for r in runs), 3),
         CONCURRENCY_FINAL: min((r.concurrency_final for r in runs), default=0),
+        BUDGET_WAIT_SECONDS: round(sum(r.budget_wait_seconds for r in runs), 3),
     }
+    if answered:
+        out[REFUSALS_PER_ANSWER] = round(throttled / answered, 4)
+    paced = [r for r in runs if r.budget_used is not None]
+    if paced:  # a ranged run's shards one after the other: weighted by their time
+        seconds = sum(r.seconds for r in paced)
+        used = [(r.budget_used or 0.0) * (r.seconds if seconds else 1) for r in paced]
+        out[BUDGET_USED] = round(sum(used) / (seconds or len(paced)), 4)
+    return out
 
 
 def _usage(runs: Sequence[RunStats]) -> dict[str, float]:

@@ -11,8 +11,13 @@ schedules its own close on that loop, where it fails. The sync client (for plain
 ``def`` functions, whose calls run in threads) is one per process and configuration, as both
 packages' sync clients are thread-safe.
 
-The flow: ``client()`` / ``sync_client()`` → ``_cached`` (look up by ``_connection()``) →
-``_require`` (import the package, or say which extra installs it) → the package's class.
+Every client paces its model requests by the key's budgets (``rate_limits.py``): the limits its
+answers state, or ``requests_per_minute`` / ``tokens_per_minute`` for an endpoint that states
+none. The clients of one key in a process share one pacer.
+
+The flow: ``client()`` / ``sync_client()`` → ``_cached`` (look up by ``_connection()`` and the
+limits) → ``_require`` (import the package, or say which extra installs it) → the package's
+class, on the package's HTTP client with the pacing hooks.
 """
 
 from __future__ import annotations
@@ -28,11 +33,15 @@ from typing import Any, ClassVar, Final
 import dagster as dg
 from pydantic import Field
 
+from checkpoint_assets.engine import pacing
+from checkpoint_assets.resources import rate_limits
+
 _Clients = dict[tuple[Any, ...], Any]
 _LOOP_CLIENTS: Final[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Clients]] = (
     weakref.WeakKeyDictionary()
 )
 _PROCESS_CLIENTS: Final[_Clients] = {}
+_PACERS: Final[dict[tuple[Any, ...], pacing.Pacer]] = {}  # one per key and limits, per process
 _LOCK: Final = threading.Lock()
 
 
@@ -42,6 +51,16 @@ class EndpointResource(dg.ConfigurableResource):
     Subclasses name their package and its two client classes, declare ``base_url`` and
     ``api_key`` (whose conventions differ by provider), and name the request settings they add
     that change the answers.
+
+    Pacing: a model request starts only when its estimated tokens (its text's bytes over 4, plus
+    ``max_tokens``) and one request fit what the key has left. What is left comes from the
+    rate-limit headers of every answer (OpenAI's ``x-ratelimit-*``, Anthropic's
+    ``anthropic-ratelimit-*``, the IETF ``RateLimit`` fields). They state the key's budget, so
+    shards that run at once share it without further setup. For a server that sends none (vLLM,
+    a proxy), set ``requests_per_minute`` / ``tokens_per_minute``: each shard then takes
+    ``1 / shards_at_once`` of them. Set ``shards_at_once`` to the shards that call the endpoint
+    at once (the limit of their Dagster pool, or the backfill's partitions if fewer). With
+    neither, calls are not paced, and the shard's concurrency adapts to the refusals it meets.
     """
 
     _package: ClassVar[str]  # the optional package, also the name of the extra installing it
@@ -60,6 +79,25 @@ class EndpointResource(dg.ConfigurableResource):
         description="Retries inside the client. Keep 0 so that rate limits and errors reach the "
         "checkpointed asset, which pauses the shard on a rate limit, adapts its concurrency "
         "and retries failed batches.",
+    )
+    requests_per_minute: int | None = Field(
+        default=None,
+        gt=0,
+        description="The key's requests per minute, for an endpoint whose answers state no "
+        "limits; shared by `shards_at_once` shards. Limits an answer states take precedence.",
+    )
+    tokens_per_minute: int | None = Field(
+        default=None,
+        gt=0,
+        description="The key's tokens per minute (input and output), for an endpoint whose "
+        "answers state no limits; shared by `shards_at_once` shards.",
+    )
+    shards_at_once: int = Field(
+        default=1,
+        ge=1,
+        description="Shards that call the endpoint at once, each taking this share of "
+        "`requests_per_minute` and `tokens_per_minute`: the limit of their Dagster pool, or "
+        "fewer if fewer run.",
     )
 
     def request_defaults(self) -> dict[str, Any]:
@@ -99,12 +137,32 @@ class EndpointResource(dg.ConfigurableResource):
 
     def _cached(self, clients: _Clients, class_name: str, *scope: Any) -> Any:
         connection = self._connection()
-        key = (class_name, *scope, *sorted(connection.items()))
+        key = (class_name, *scope, *sorted(connection.items()), *self._limits())
         client = clients.get(key)
         if client is None:
             package = _require(self._package, type(self).__name__)
-            client = clients[key] = getattr(package, class_name)(**connection)
+            asynchronous = class_name == self._client_classes[0]
+            hooks = rate_limits.Hooks(self._pacer(), asynchronous)
+            http = "DefaultAsyncHttpxClient" if asynchronous else "DefaultHttpxClient"
+            http_client = getattr(package, http)(event_hooks=hooks.event_hooks)
+            client = clients[key] = getattr(package, class_name)(
+                **connection, http_client=http_client
+            )
         return client
+
+    def _limits(self) -> tuple[Any, ...]:
+        return (self.requests_per_minute, self.tokens_per_minute, self.shards_at_once)
+
+    def _pacer(self) -> pacing.Pacer:
+        """The pacer of this key and these limits in this process (inside ``_LOCK``)."""
+        key = (self._package, self.base_url, self.api_key, *self._limits())
+        pacer = _PACERS.get(key)
+        if pacer is None:
+            pacer = _PACERS[key] = pacing.Pacer()
+            assumed = {"requests": self.requests_per_minute, "tokens": self.tokens_per_minute}
+            per_minute = {k: float(v) for k, v in assumed.items() if v is not None}
+            pacer.assume(per_minute, share=1 / self.shards_at_once)
+        return pacer
 
     def _connection(self) -> dict[str, Any]:
         """The client's constructor arguments: what makes two clients different."""

@@ -9,6 +9,7 @@ from typing import Any, Final, Protocol
 
 from starlette.responses import Response
 
+from examples.llm_openai.budget import KeyBudget
 from examples.ticket_routing.model import DEPARTMENT_RULES
 
 DEFAULT_MODEL: Final = "ticket-router-1"
@@ -49,6 +50,7 @@ class Asked:
     texts: list[str]  # every message's text, the system prompt included
     question: str  # the text classified: the last user message
     conversation: bytes  # what decides the request's fate (see ``ChatServer._draw``)
+    max_tokens: int = 0  # the most answer tokens it asked for (0: unset)
 
 
 class Api(Protocol):
@@ -64,3 +66,7 @@ class Api(Protocol):
 
     def answer(self, asked: Asked, answer: str, tokens: tuple[int, int], number: int) -> Response:
         """The answer, with ``tokens`` = (prompt, completion) as the API's usage."""
+
+    def limit_headers(self, budget: KeyBudget, wall: float) -> dict[str, str]:
+        """The rate-limit headers of the key's budgets, as the API sends them (``wall``: the
+        POSIX time now)."""

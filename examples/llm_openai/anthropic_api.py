@@ -8,6 +8,7 @@ from typing import Any, Final
 from starlette.responses import JSONResponse, Response
 
 from examples.llm_openai.answers import Asked
+from examples.llm_openai.budget import KeyBudget
 
 
 class AnthropicMessages:
@@ -43,7 +44,11 @@ class AnthropicMessages:
         if system is not None:
             texts.insert(0, block_text(system))
         conversation = json.dumps({"system": system, "messages": messages}, sort_keys=True)
-        return Asked(model, texts, user[-1] if user else texts[-1], conversation.encode())
+        question = user[-1] if user else texts[-1]
+        return Asked(model, texts, question, conversation.encode(), max_tokens)
+
+    def limit_headers(self, budget: KeyBudget, wall: float) -> dict[str, str]:
+        return budget.anthropic_headers(wall)
 
     def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
         body = {"type": "error", "error": {"type": self._KINDS[status], "message": message}}

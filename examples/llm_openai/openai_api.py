@@ -9,6 +9,7 @@ from typing import Any, Final
 from starlette.responses import JSONResponse, Response
 
 from examples.llm_openai.answers import Asked
+from examples.llm_openai.budget import KeyBudget
 
 
 class OpenAIChat:
@@ -33,7 +34,11 @@ class OpenAIChat:
             raise TypeError
         user = [m["content"] for m in messages if m.get("role") == "user"]
         conversation = json.dumps(messages, sort_keys=True).encode()
-        return Asked(model, texts, user[-1] if user else texts[-1], conversation)
+        limit = body.get("max_tokens") or body.get("max_completion_tokens") or 0
+        return Asked(model, texts, user[-1] if user else texts[-1], conversation, int(limit))
+
+    def limit_headers(self, budget: KeyBudget, wall: float) -> dict[str, str]:
+        return budget.openai_headers()
 
     def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
         kind, code = self._KINDS[status]

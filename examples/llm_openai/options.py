@@ -26,6 +26,12 @@ class Settings:
         limit_schedule: ``(seconds, limit)`` steps, in time order: from ``seconds`` after the
             first chat request on, ``limit`` replaces ``max_in_flight``.
         seed: changes which requests fail, not how many.
+        requests_per_minute: the key's requests budget (``budget.py``); None: no limit.
+        tokens_per_minute: the key's tokens budget; None: no limit.
+        budget_window_seconds: the window the budgets refill over (OpenAI's is a minute;
+            shorter makes tests quick): a full budget is a window's worth.
+        limit_headers: state the budgets in every answer's headers (False: enforce them
+            silently, as a proxy in front of a server may).
     """
 
     latency_ms: float = 0.0
@@ -37,6 +43,10 @@ class Settings:
     max_in_flight: int | None = None
     limit_schedule: tuple[tuple[float, int], ...] = ()
     seed: int = 0
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    budget_window_seconds: float = 60.0
+    limit_headers: bool = True
 
     def argv(self) -> list[str]:
         """These settings as options of ``python -m examples.llm_openai.server``."""
@@ -51,6 +61,15 @@ class Settings:
         ]
         if self.max_in_flight is not None:
             argv += ["--max-in-flight", str(self.max_in_flight)]
+        for option, value in (
+            ("--requests-per-minute", self.requests_per_minute),
+            ("--tokens-per-minute", self.tokens_per_minute),
+        ):
+            if value is not None:
+                argv += [option, str(value)]
+        argv += ["--budget-window", str(self.budget_window_seconds)]
+        if not self.limit_headers:
+            argv.append("--no-limit-headers")
         if self.limit_schedule:
             steps = ",".join(f"{at:g}:{limit}" for at, limit in self.limit_schedule)
             argv += ["--limit-schedule", steps]
@@ -77,6 +96,12 @@ class Settings:
         times = [at for at, _ in self.limit_schedule]
         if times != sorted(times) or any(at < 0 for at in times):
             raise ValueError(f"limit_schedule must be in time order from 0 on, got {times}")
+        for name in ("requests_per_minute", "tokens_per_minute"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
+        if self.budget_window_seconds <= 0:
+            raise ValueError(f"budget_window_seconds must be > 0, got {self.budget_window_seconds}")
         if any(limit < 1 for _, limit in self.limit_schedule):
             raise ValueError(f"limit_schedule limits must be >= 1, got {self.limit_schedule}")
 
@@ -111,6 +136,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="change --max-in-flight over time: SECONDS:LIMIT,... after the first chat request",
     )
     p.add_argument("--seed", type=int, default=0, help="which requests fail (default 0)")
+    p.add_argument("--requests-per-minute", type=int, help="the key's requests budget")
+    p.add_argument("--tokens-per-minute", type=int, help="the key's tokens budget")
+    p.add_argument(
+        "--budget-window", type=float, default=60.0, help="seconds the budgets refill over"
+    )
+    p.add_argument(
+        "--no-limit-headers",
+        dest="limit_headers",
+        action="store_false",
+        help="enforce the budgets without stating them in headers",
+    )
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name (default {DEFAULT_MODEL})")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
     return p.parse_args(argv)
@@ -140,4 +176,8 @@ def settings_of(args: argparse.Namespace) -> Settings:
         max_in_flight=args.max_in_flight,
         limit_schedule=args.limit_schedule,
         seed=args.seed,
+        requests_per_minute=args.requests_per_minute,
+        tokens_per_minute=args.tokens_per_minute,
+        budget_window_seconds=args.budget_window,
+        limit_headers=args.limit_headers,
     )

@@ -17,6 +17,9 @@ misbehave the way real endpoints do, on both routes:
 * ``rate_529``: that share is refused with ``529``, Anthropic's ``overloaded_error``.
 * ``max_in_flight``: a request arriving while that many are being answered gets ``429`` at once
   (admission control, like a provider's concurrency limit).
+* ``requests_per_minute``, ``tokens_per_minute``: the key's budgets, enforced and stated in
+  every answer's headers the way OpenAI and Anthropic do (``budget.py``); a request that does
+  not fit gets ``429`` with the ``Retry-After`` after which it would.
 * ``limit_schedule``: ``(seconds, limit)`` steps that change ``max_in_flight`` that many seconds
   after the first chat request, e.g. ``((4, 8), (10, 32))``: a provider lowering its limit for
   a while, at the same moments in every run.
@@ -67,6 +70,7 @@ from starlette.types import Receive, Scope, Send
 from examples import serving
 from examples.llm_openai.answers import DEFAULT_MODEL, Api, classify, count_tokens
 from examples.llm_openai.anthropic_api import AnthropicMessages
+from examples.llm_openai.budget import KeyBudget
 from examples.llm_openai.openai_api import OpenAIChat
 from examples.llm_openai.options import Settings, parse, settings_of
 
@@ -83,7 +87,7 @@ __all__ = [
 
 #: The outcomes ``/stats`` counts: answered; refused by ``rate_429``; refused because
 #: ``max_in_flight`` requests were in flight; failed by ``rate_500``; dropped by ``rate_drop``;
-#: refused as malformed; refused as overloaded by ``rate_529``.
+#: refused as malformed; refused as overloaded by ``rate_529``; refused by the key's budgets.
 OUTCOMES: Final = (
     "ok",
     "rate_limited",
@@ -92,6 +96,7 @@ OUTCOMES: Final = (
     "dropped",
     "bad_request",
     "overloaded",
+    "over_budget",
 )
 
 
@@ -121,6 +126,9 @@ class ChatServer:
         self._attempts: dict[bytes, int] = {}
         self._created = 0
         self._first: float | None = None  # when the first chat request arrived (monotonic)
+        self.budget = KeyBudget(
+            settings.requests_per_minute, settings.tokens_per_minute, settings.budget_window_seconds
+        )
         openai_chat, anthropic_messages = OpenAIChat(), AnthropicMessages()
         self._router = Router(
             routes=[
@@ -151,6 +159,7 @@ class ChatServer:
             "peak_in_flight": self.peak_in_flight,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "budget_tokens": self.budget.charged_tokens,
             "cpu_ms": round(time.process_time() * 1000),
         }
 
@@ -188,8 +197,22 @@ class ChatServer:
         except (ValueError, KeyError, TypeError):
             self.counts["bad_request"] += 1
             return api.error(400, api.bad_request)
-        fate = self._draw(asked.conversation)
         s = self.settings
+        text_bytes = sum(len(t.encode()) for t in asked.texts)
+        wait = self.budget.charge(text_bytes, asked.max_tokens, time.monotonic())
+        limits = api.limit_headers(self.budget, time.time()) if s.limit_headers else {}
+        if wait > 0:
+            self.counts["over_budget"] += 1
+            return api.error(
+                429,
+                f"rate limit reached for tokens; retry after {wait:.3f} s",
+                {
+                    "retry-after": str(math.ceil(wait)),
+                    "retry-after-ms": str(math.ceil(wait * 1000)),
+                    **limits,
+                },
+            )
+        fate = self._draw(asked.conversation)
         if fate < s.rate_429:
             self.counts["rate_limited"] += 1
             return self._rate_limited(api, "rate limit reached for requests")
@@ -210,7 +233,9 @@ class ChatServer:
         self.prompt_tokens += tokens[0]
         self.completion_tokens += tokens[1]
         self._created += 1
-        return api.answer(asked, answer, tokens, self._created)
+        response = api.answer(asked, answer, tokens, self._created)
+        response.headers.update(limits)
+        return response
 
     def _draw(self, conversation: bytes) -> float:
         """A number in [0, 1) fixed by the seed, the messages and how often they were sent."""
@@ -244,6 +269,10 @@ def serve(
     max_in_flight: int | None = None,
     limit_schedule: tuple[tuple[float, int], ...] = (),
     seed: int = 0,
+    requests_per_minute: int | None = None,
+    tokens_per_minute: int | None = None,
+    budget_window_seconds: float = 60.0,
+    limit_headers: bool = True,
     model: str = DEFAULT_MODEL,
 ) -> Iterator[str]:
     """Run the server in a thread of this process on a free port; yield its base URL.
@@ -265,6 +294,10 @@ def serve(
         max_in_flight=max_in_flight,
         limit_schedule=limit_schedule,
         seed=seed,
+        requests_per_minute=requests_per_minute,
+        tokens_per_minute=tokens_per_minute,
+        budget_window_seconds=budget_window_seconds,
+        limit_headers=limit_headers,
     )
     with serving.in_thread(ChatServer(settings, model), "chat server") as url:
         yield url

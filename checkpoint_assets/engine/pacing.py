@@ -1,0 +1,371 @@
+"""Pacing by the limits an endpoint states: a request starts only when its cost fits the budget.
+
+An endpoint that meters a key (OpenAI, Anthropic, a proxy) states with every answer what is left
+of each budget of the key: requests and tokens per window, what remains, when it is full again.
+The endpoint resources read those headers (``resources/rate_limits.py``) and hand them here as
+:class:`Limit` values; this module imports nothing else of the package, so the resources may
+import it.
+
+The rules of a :class:`Pacer` (one per key and process):
+
+- **A request waits until its cost fits.** Its cost is one request and its estimated tokens
+  (input and output). It starts when every known budget holds it, in the order requests came.
+  A request larger than a whole budget waits until that budget is full.
+- **What is left, as stated.** An answer sets a budget's level to the remaining it states, less
+  what this process started after the answered request (the endpoint had not counted those yet).
+  From then on, until the next answer, the level refills at the stated rate (what is missing,
+  over the time to the reset), up to the limit; a window that refills all at once
+  (``steady=False``) is full again at its reset.
+- **Shards share a key through the headers.** Every shard on the key sees what all of them
+  drew: the remaining falls faster than its own draw. A pacer measures its share of the key's
+  draw over the last seconds (at first: since it began, the key taken as full then) and takes
+  that share of what is left and of the refill, less a margin, so shards that run at once take
+  about the stated rate between them, with no coordination service. Alone, the share is about
+  1; a token estimate that falls short of the endpoint's count lowers it to match.
+- **No statement, no pacing**, unless the user stated limits (:meth:`Pacer.assume`): a budget
+  nothing states is not paced, and the shard's adaptive concurrency (``throttle.py``) answers
+  refusals as before.
+- A request that would wait longer than ``patience`` seconds (a daily quota spent) starts
+  anyway: the endpoint refuses it, and the shard's rate-limit handling takes over.
+
+Each shard keeps a :class:`Record` of what its requests drew and waited; its gate makes it the
+record of the calls it admits (:func:`attach`), so a request knows its shard without arguments.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+#: The budgets a key may have: requests, tokens (input and output together), and input and
+#: output tokens counted apart (Anthropic).
+KINDS = ("requests", "tokens", "input_tokens", "output_tokens")
+PATIENCE_SECONDS = 120.0  # the longest a request waits for budget before it is sent anyway
+_SHARE_SECONDS = 2.0  # the share of the key's draw is measured over about this long
+_SHARE_PAIRS = 4  # answers in a row, at least, before the share is measured
+_MIN_SHARE, _MAX_SHARE = 1 / 64, 1.0
+_MARGIN = 0.95  # of the measured share taken: measurements that add up past 1 cost refusals
+_DEFAULT_WINDOW = 60.0  # the window of a full budget whose answer gave no reset
+_ASSUMED_BURST = 0.9  # seconds' worth of an assumed budget that may go at once
+
+Cost = Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One budget of a key as one answer states it.
+
+    Attributes:
+        limit: what the budget holds when full (per window).
+        remaining: what is left of it now.
+        reset_seconds: seconds until it is full again.
+        steady: it refills steadily until the reset (OpenAI, Anthropic); False: all at once at
+            the reset (a fixed window, as the IETF ``RateLimit`` fields describe).
+    """
+
+    limit: float
+    remaining: float
+    reset_seconds: float
+    steady: bool = True
+
+
+def cost(input_tokens: float, output_tokens: float) -> dict[str, float]:
+    """The cost of one request with these estimated tokens, by budget."""
+    return {
+        "requests": 1.0,
+        "tokens": input_tokens + output_tokens,
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+    }
+
+
+class Ticket:
+    """One request, from when it asks to start until its answer is reported."""
+
+    __slots__ = ("admitted", "at", "cost", "drawn", "record", "seq")
+
+    def __init__(self, cost: Cost, record: Record | None) -> None:
+        self.cost = cost
+        self.record = record
+        self.admitted = False
+        self.seq = 0  # the order requests started in (1, 2, ...)
+        self.at = 0.0  # when it started (the pacer's clock)
+        self.drawn: dict[str, float] = {}  # the pacer's own draw by budget, this request's too
+
+
+class _Bucket:
+    """One budget of the key, as this process sees it."""
+
+    def __init__(self, stated: Limit, now: float) -> None:
+        self.cap = stated.limit
+        self.steady = stated.steady
+        self.rate = 0.0  # what the key regains per second (steady budgets)
+        self.key_rate = 0.0  # the key's whole budget per second, for the record
+        self.level = stated.remaining
+        self.at = now
+        self.reset_at = math.inf  # a fixed window's next reset
+        self.share = 1.0
+        self.stated = False  # an answer stated it (else the user did, and it is never reported)
+        self.last: tuple[int, float, float, float, float] | None = None  # seq, at, R, own, refused
+        self.own_sum = self.key_sum = 0.0
+        self.first_at: float | None = None  # when the first answered request started
+        self.pairs = 0
+        self._restate(stated, now)
+
+    def _restate(self, stated: Limit, now: float) -> None:
+        self.cap, self.steady = stated.limit, stated.steady
+        missing = stated.limit - stated.remaining
+        if stated.steady:
+            if missing > 0 and stated.reset_seconds > 0:
+                self.rate = missing / stated.reset_seconds
+            elif self.rate == 0:
+                self.rate = stated.limit / _DEFAULT_WINDOW
+            self.key_rate = self.rate
+        else:
+            self.reset_at = now + stated.reset_seconds
+            self.key_rate = stated.limit / max(stated.reset_seconds, 1.0)
+
+    def refill(self, now: float) -> None:
+        if now <= self.at:
+            return
+        if self.steady:
+            self.level = min(self.cap, self.level + self.share * self.rate * (now - self.at))
+        elif now >= self.reset_at:
+            self.level = max(self.level, self.share * self.cap)
+            self.reset_at = math.inf  # the next one comes with the next answer
+        self.at = now
+
+    def wait(self, need: float, now: float) -> float:
+        """Seconds until ``need`` fits (with :meth:`refill` done to ``now``)."""
+        need = min(need, self.cap)
+        if self.level >= need:
+            return 0.0
+        if self.steady and self.rate > 0:
+            return (need - self.level) / (self.share * self.rate)
+        if self.reset_at < math.inf:
+            return max(self.reset_at - now, 0.0)
+        return 1.0  # a spent fixed window whose reset no answer stated yet: look again soon
+
+    def report(
+        self, stated: Limit, ticket: Ticket, kind: str, own: float, refused: float, now: float
+    ) -> None:
+        """An answer to ``ticket`` stated this budget; ``own`` / ``refused``: the pacer's draw
+        so far (refused requests drew nothing from the endpoint)."""
+        if self.stated and self.last is not None and ticket.seq <= self.last[0]:
+            return  # an older statement than the one applied
+        self.stated = True
+        self._measure(stated, ticket, kind, refused)
+        self._restate(stated, now)
+        # What this process started after the answered request, the endpoint had not counted.
+        # It refills from now on: what came back while the answer travelled is left as a margin
+        # for the clocks of the two sides (the endpoint counted from a later moment).
+        pending = own - ticket.drawn.get(kind, 0.0)
+        self.level = min(self.share * stated.remaining, self.cap) - pending
+        self.at = now
+
+    def _measure(self, stated: Limit, ticket: Ticket, kind: str, refused: float) -> None:
+        """This pacer's share of the key's draw, between the last answer applied and this one."""
+        own_now = ticket.drawn.get(kind, 0.0)
+        refused_now = refused
+        last, self.last = self.last, (ticket.seq, ticket.at, stated.remaining, own_now, refused)
+        if not (self.steady and stated.steady) or self.rate <= 0:
+            return
+        if self.first_at is None:
+            self.first_at = ticket.at
+        if self.pairs < _SHARE_PAIRS:
+            # Too few answers to measure: take the key as full when this pacer began, so what
+            # it lacks since is what all drew (shards started together share it at once).
+            drew = self.cap - stated.remaining + self.rate * (ticket.at - self.first_at)
+            if drew > 0:
+                share = _MARGIN * (own_now - refused_now) / drew
+                self.share = min(_MAX_SHARE, max(_MIN_SHARE, share))
+        if last is None:
+            return
+        _, at, remaining, own, refused_then = last
+        dt = max(ticket.at - at, 0.0)
+        regained = self.rate * dt
+        if remaining + regained >= self.cap:
+            return  # full in between: what the key drew is hidden by the cap
+        key_drew = remaining + regained - stated.remaining
+        own_drew = (own_now - own) - (refused_now - refused_then)
+        decay = math.exp(-dt / _SHARE_SECONDS)
+        self.key_sum = self.key_sum * decay + max(key_drew, 0.0)
+        self.own_sum = self.own_sum * decay + max(own_drew, 0.0)
+        self.pairs += 1
+        if self.pairs >= _SHARE_PAIRS and self.key_sum > 0:
+            self.share = min(_MAX_SHARE, max(_MIN_SHARE, _MARGIN * self.own_sum / self.key_sum))
+
+
+class Pacer:
+    """The budgets of one key in this process; requests wait in :meth:`wait` until they fit.
+
+    Thread-safe: the threads of a plain function and the tasks of an event loop share it.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._buckets: dict[str, _Bucket] = {}
+        self._queue: deque[Ticket] = deque()
+        self._seq = 0
+        self._own = dict.fromkeys(KINDS, 0.0)  # cost of every request started
+        self._refused = dict.fromkeys(KINDS, 0.0)  # of which refused
+
+    def assume(self, per_minute: Mapping[str, float], share: float = 1.0) -> None:
+        """Budgets the user knows (per minute, by kind) for an endpoint that states none, of
+        which this process takes ``share``. At most 0.9 of a second's worth goes at once (how
+        much more an unknown server holds, nothing says; the rest covers the time a request
+        takes to reach it). An answer that states a budget replaces it."""
+        now = self.clock()
+        with self._lock:
+            for kind, limit in per_minute.items():
+                if kind not in self._buckets:
+                    per_second = limit / 60
+                    bucket = _Bucket(Limit(per_second, per_second, 1.0), now)
+                    bucket.rate = bucket.key_rate = per_second
+                    bucket.cap = _ASSUMED_BURST * per_second
+                    bucket.level, bucket.share = bucket.cap * share, share
+                    self._buckets[kind] = bucket
+
+    def ask(self, cost: Cost, record: Record | None = None) -> Ticket:
+        """A request with this ``cost`` asks to start: it queues behind the others."""
+        ticket = Ticket(cost, record)
+        with self._lock:
+            self._queue.append(ticket)
+        return ticket
+
+    def wait(self, ticket: Ticket) -> float:
+        """Seconds ``ticket`` has yet to wait; 0 once it may start (it then counts as drawn)."""
+        now = self.clock()
+        with self._lock:
+            for bucket in self._buckets.values():
+                bucket.refill(now)
+            while self._queue and self._fits(self._queue[0].cost, now) == 0:
+                self._start(self._queue.popleft(), now)
+            if ticket.admitted or ticket not in self._queue:
+                return 0.0
+            need: dict[str, float] = {}
+            for queued in self._queue:  # it waits for those ahead of it too
+                for kind, value in queued.cost.items():
+                    need[kind] = need.get(kind, 0.0) + value
+                if queued is ticket:
+                    break
+            return self._fits(need, now)
+
+    def force(self, ticket: Ticket) -> None:
+        """Start ``ticket`` now, whatever the budgets say (it waited ``PATIENCE_SECONDS``)."""
+        with self._lock:
+            if not ticket.admitted:
+                self._queue.remove(ticket)
+                self._start(ticket, self.clock())
+
+    def report(self, ticket: Ticket, stated: Mapping[str, Limit], refused: bool) -> None:
+        """The answer to ``ticket`` stated these budgets (by kind); ``refused``: with a 429."""
+        now = self.clock()
+        with self._lock:
+            if refused and ticket.admitted:
+                for kind, value in ticket.cost.items():
+                    self._refused[kind] = self._refused.get(kind, 0.0) + value
+            for kind, bucket in self._buckets.items():
+                if refused and kind not in stated:  # not drawn, and no answer says otherwise
+                    bucket.level += ticket.cost.get(kind, 0.0)
+            for kind, limit in stated.items():
+                if limit.limit <= 0:
+                    continue
+                known = self._buckets.get(kind)
+                if known is None or not known.stated:  # a stated budget replaces an assumed one
+                    known = self._buckets[kind] = _Bucket(limit, now)
+                known.report(limit, ticket, kind, self._own[kind], self._refused[kind], now)
+            budgets = {k: (b.key_rate, b.cap) for k, b in self._buckets.items()}
+        if ticket.record is not None:
+            ticket.record.answered(now, budgets)
+
+    def _fits(self, need: Cost, now: float) -> float:
+        """Seconds until ``need`` fits every budget (0: now)."""
+        return max((b.wait(need.get(k, 0.0), now) for k, b in self._buckets.items()), default=0.0)
+
+    def share(self, kind: str) -> float | None:
+        """This pacer's measured share of the key's draw of a budget (None: not stated)."""
+        with self._lock:
+            bucket = self._buckets.get(kind)
+            return None if bucket is None else bucket.share
+
+    def _start(self, ticket: Ticket, now: float) -> None:
+        self._seq += 1
+        ticket.admitted, ticket.seq, ticket.at = True, self._seq, now
+        for kind, value in ticket.cost.items():
+            self._own[kind] = self._own.get(kind, 0.0) + value
+            bucket = self._buckets.get(kind)
+            if bucket is not None:
+                bucket.level -= value
+        ticket.drawn = dict(self._own)
+        if ticket.record is not None:
+            ticket.record.drew(ticket.cost, now)
+
+
+class Record:
+    """What one shard's requests drew from the budgets and how long they waited for them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.wait_seconds = 0.0  # time during which at least one request waited for budget
+        self._held_until = -math.inf
+        self.drawn = dict.fromkeys(KINDS, 0.0)
+        self._budgets: dict[str, tuple[float, float]] = {}  # the key's: per second, when full
+        self._first: float | None = None
+        self._last = 0.0
+
+    def waited(self, began: float, ended: float) -> None:
+        """A request waited for budget from ``began`` to ``ended`` (the pacer's clock)."""
+        with self._lock:
+            if ended > self._held_until:
+                self.wait_seconds += ended - max(began, self._held_until)
+                self._held_until = ended
+
+    def drew(self, cost: Cost, now: float) -> None:
+        with self._lock:
+            for kind, value in cost.items():
+                self.drawn[kind] = self.drawn.get(kind, 0.0) + value
+            if self._first is None:
+                self._first = now
+            self._last = max(self._last, now)
+
+    def answered(self, now: float, budgets: Mapping[str, tuple[float, float]]) -> None:
+        with self._lock:
+            self._budgets.update({k: b for k, b in budgets.items() if b[0] > 0})
+            self._last = max(self._last, now)
+
+    @property
+    def budget_used(self) -> float | None:
+        """The share of the key's budget this shard drew while it called the endpoint (a full
+        budget, then its refill over that time), of the budget it came closest to spending.
+        None when no budget was stated or assumed."""
+        with self._lock:
+            if self._first is None or self._last <= self._first or not self._budgets:
+                return None
+            seconds = self._last - self._first
+            return max(
+                self.drawn.get(k, 0.0) / (rate * seconds + full)
+                for k, (rate, full) in self._budgets.items()
+            )
+
+
+_RECORD: contextvars.ContextVar[Record | None] = contextvars.ContextVar(
+    "checkpoint_assets_pacing_record", default=None
+)
+
+
+def attach(record: Record) -> None:
+    """Make ``record`` the record of the requests this thread or task sends from now on."""
+    if _RECORD.get() is not record:
+        _RECORD.set(record)
+
+
+def current() -> Record | None:
+    """The record of the shard whose call is running here, if any."""
+    return _RECORD.get()

@@ -1,0 +1,256 @@
+"""Pacing by stated limits (engine/pacing.py): requests wait until their cost fits what the key
+has left, and pacers that share a key take about its rate between them.
+
+The clock is injected: nothing here sleeps. The shared-key tests run pacers against a model of
+an endpoint that meters a key the way OpenAI does (a token bucket refilled steadily, its state
+stated with every answer, a refusal for what does not fit).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import pytest
+
+from checkpoint_assets.engine import pacing
+from checkpoint_assets.engine.pacing import Limit, Pacer
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tokens(remaining: float, limit: float = 600.0, reset: float | None = None) -> dict:
+    """A statement of a tokens budget refilled at ``limit`` per second."""
+    if reset is None:
+        reset = (limit - remaining) / limit
+    return {"tokens": Limit(limit, remaining, reset)}
+
+
+def started(pacer: Pacer, cost: float) -> pacing.Ticket:
+    ticket = pacer.ask(pacing.cost(cost, 0))
+    assert pacer.wait(ticket) == 0
+    return ticket
+
+
+def test_without_a_statement_requests_start_at_once() -> None:
+    pacer = Pacer(Clock())
+    for _ in range(100):
+        started(pacer, 1_000_000)
+
+
+def spent(pacer: Pacer) -> float:
+    """Draw a whole budget of 600 tokens (600 a second), as the answer states; the share of the
+    key the pacer then takes (all of it, less its margin)."""
+    pacer.report(started(pacer, 600), tokens(remaining=0), refused=False)
+    share = pacer.share("tokens")
+    assert share is not None and 0.9 <= share <= 1
+    return share
+
+
+def test_a_request_waits_while_the_stated_budget_is_spent_then_starts() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    share = spent(pacer)
+
+    held = pacer.ask(pacing.cost(40, 20))
+    assert pacer.wait(held) == pytest.approx(0.1 / share)
+    clock.now = 0.05
+    assert pacer.wait(held) == pytest.approx(0.1 / share - 0.05)
+    clock.now = 0.1 / share
+    assert pacer.wait(held) == 0
+
+
+def test_requests_started_after_the_answered_one_count_against_what_is_left() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    answered = started(pacer, 200)
+    later = [started(pacer, 100) for _ in range(3)]  # in flight, not counted by the endpoint yet
+    pacer.report(answered, tokens(remaining=400), refused=False)
+    share = pacer.share("tokens")
+    assert share is not None
+
+    left = share * 400 - 300
+    assert pacer.wait(pacer.ask(pacing.cost(left, 0))) == 0
+    held = pacer.ask(pacing.cost(100, 0))
+    assert pacer.wait(held) == pytest.approx(100 / (600 * share))
+    assert len(later) == 3
+
+
+def test_requests_start_in_the_order_they_asked() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    share = spent(pacer)
+    first, second = pacer.ask(pacing.cost(60, 0)), pacer.ask(pacing.cost(60, 0))
+
+    assert pacer.wait(second) == pytest.approx(0.2 / share)  # behind the first
+    clock.now = 0.1 / share
+    assert pacer.wait(second) == pytest.approx(0.1 / share)  # the first started, on its behalf
+    assert first.admitted and not second.admitted
+
+
+def test_a_request_larger_than_the_budget_starts_when_the_budget_is_full() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    share = spent(pacer)
+    huge = pacer.ask(pacing.cost(5_000, 0))
+
+    assert pacer.wait(huge) == pytest.approx(1.0 / share)
+    clock.now = 1.0 / share
+    assert pacer.wait(huge) == 0
+
+
+def test_a_pacer_that_drew_a_quarter_of_what_the_key_lost_takes_a_quarter() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    pacer.report(started(pacer, 150), tokens(remaining=0), refused=False)  # others drew 450
+    share = pacer.share("tokens")
+
+    assert share is not None and 0.2 <= share <= 0.25
+    assert pacer.wait(pacer.ask(pacing.cost(60, 0))) == pytest.approx(0.1 / share)
+
+
+def test_a_refused_request_gives_back_what_no_answer_counted() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    pacer.assume({"requests": 120})  # two per second, 1.8 at first
+    ticket = started(pacer, 0)
+    held = pacer.ask(pacing.cost(0, 0))
+    assert pacer.wait(held) > 0
+    pacer.report(ticket, {}, refused=True)  # a 429 without headers: it drew nothing
+
+    assert pacer.wait(held) == 0
+
+
+def test_assumed_limits_are_shared_by_the_shards_at_once() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    pacer.assume({"tokens": 6_000}, share=1 / 4)  # 100 a second for the key, 25 for this one
+    started(pacer, 22.5)  # the quarter of the 0.9 s worth it starts with
+
+    held = pacer.ask(pacing.cost(50, 0))
+    assert pacer.wait(held) == pytest.approx(2.0)
+
+
+def test_a_stated_budget_replaces_an_assumed_one() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    pacer.assume({"tokens": 60})
+    pacer.report(started(pacer, 1), tokens(remaining=6_000, limit=6_000), refused=False)
+
+    started(pacer, 5_000)
+
+
+def test_a_fixed_window_is_full_again_at_its_reset() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    window = {"requests": Limit(10, 0, 3.0, steady=False)}
+    pacer.report(started(pacer, 0), window, refused=False)
+    held = pacer.ask(pacing.cost(0, 0))
+
+    assert pacer.wait(held) == pytest.approx(3.0)
+    clock.now = 3.0
+    assert pacer.wait(held) == 0
+
+
+def test_the_record_holds_the_waits_the_draw_and_the_share_of_the_budget() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    record = pacing.Record()
+    first = pacer.ask(pacing.cost(300, 0), record)
+    assert pacer.wait(first) == 0
+    pacer.report(first, tokens(remaining=300, limit=600), refused=False)
+    record.waited(0.0, 0.5)
+    record.waited(0.25, 0.75)  # overlapping waits count once
+    clock.now = 1.0
+    second = pacer.ask(pacing.cost(300, 0), record)
+    assert pacer.wait(second) == 0
+    pacer.report(second, tokens(remaining=0, limit=600), refused=False)
+
+    assert record.wait_seconds == pytest.approx(0.75)
+    assert record.drawn["tokens"] == 600
+    # 600 tokens of a full budget (600) and 1 s of its refill (600 a second).
+    assert record.budget_used == pytest.approx(0.5)
+
+
+# -- pacers sharing one key ------------------------------------------------------------------
+@dataclass
+class Endpoint:
+    """A key's tokens budget, refilled steadily, stated with every answer."""
+
+    limit: float
+    per_second: float
+    level: float = 0.0
+    at: float = 0.0
+    drawn: float = 0.0
+    refused: int = 0
+    answered: int = 0
+    settled_at: float = 2.0  # refusals after this count apart: the shares are measured by then
+    refused_settled: int = 0
+
+    def __post_init__(self) -> None:
+        self.level = self.limit
+
+    def admit(self, cost: float, now: float) -> tuple[bool, dict]:
+        self.level = min(self.limit, self.level + self.per_second * (now - self.at))
+        self.at = now
+        fits = self.level >= cost
+        if fits:
+            self.level -= cost
+            self.drawn += cost
+            self.answered += 1
+        else:
+            self.refused += 1
+            self.refused_settled += now >= self.settled_at
+        reset = (self.limit - self.level) / self.per_second
+        return fits, {"tokens": Limit(self.limit, int(self.level), reset)}
+
+
+@dataclass
+class Shard:
+    pacer: Pacer
+    in_flight: int = 0
+    waiting: list[pacing.Ticket] = field(default_factory=list)
+
+
+def run_shards(shards: int, seconds: float, concurrency: int = 8) -> Endpoint:
+    """``shards`` pacers on one key, each keeping ``concurrency`` requests of 50 tokens going,
+    50 ms per answer."""
+    clock = Clock()
+    endpoint = Endpoint(limit=3_000, per_second=500)  # 10 requests a second fit
+    clients = [Shard(Pacer(clock)) for _ in range(shards)]
+    answers: list[tuple[float, int, int, pacing.Ticket, bool, dict]] = []  # a heap
+    step, n = 0.002, 0
+    while clock.now < seconds:
+        for i, shard in enumerate(clients):
+            while shard.in_flight + len(shard.waiting) < concurrency:
+                shard.waiting.append(shard.pacer.ask(pacing.cost(50, 0)))
+            for ticket in list(shard.waiting):
+                if shard.pacer.wait(ticket) == 0:
+                    shard.waiting.remove(ticket)
+                    shard.in_flight += 1
+                    fits, stated = endpoint.admit(50, clock.now)
+                    n += 1
+                    heapq.heappush(answers, (clock.now + 0.05, n, i, ticket, fits, stated))
+        while answers and answers[0][0] <= clock.now:
+            _, _, i, ticket, fits, stated = heapq.heappop(answers)
+            clients[i].pacer.report(ticket, stated, refused=not fits)
+            clients[i].in_flight -= 1
+        clock.now += step
+    return endpoint
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4])
+def test_pacers_on_one_key_use_its_rate_between_them_with_few_refusals(shards: int) -> None:
+    endpoint = run_shards(shards, seconds=12.0)
+
+    # The budget it starts with, then 500 tokens a second.
+    used = (endpoint.drawn - endpoint.limit) / (500 * 12.0)
+    assert used >= 0.9, used
+    # Before any answer, each pacer sends blind; once their shares are measured, few refusals.
+    assert endpoint.refused_settled <= max(2, 0.02 * endpoint.answered), endpoint
