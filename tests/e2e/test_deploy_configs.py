@@ -107,6 +107,12 @@ def test_ray_instance_config_runs_every_run_as_a_ray_job_with_postgres_storage(
     passed = set(ray["env_vars"])
     assert {"DAGSTER_PG_HOST", "DAGSTER_PG_PORT", "DAGSTER_PG_DB", "CHECKPOINT_BASE_DIR"} <= passed
     assert not passed & {"DAGSTER_PG_PASSWORD", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    # The run worker loads this config on the node: every variable it reads reaches the job,
+    # but the password, which the nodes hold (the launcher's own settings: the daemon only).
+    text = (DEPLOY / "ray" / "dagster.yaml").read_text()
+    read = set(re.findall(r"^\s*(?:- )?env: (\w+)$", text, re.M))
+    launcher = {"RAY_ADDRESS", "DAGSTER_RAY_PY_MODULES"}
+    assert read - passed == {"DAGSTER_PG_PASSWORD", *launcher}, read - passed
     assert config["compute_logs"]["class"] == "S3ComputeLogManager"
     assert _postgres_url_loads_its_driver(config["storage"]).startswith("postgresql+psycopg2://")
 
