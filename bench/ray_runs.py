@@ -247,9 +247,8 @@ def services(work: Path, at_once: int, in_process: bool) -> Iterator[tuple[int, 
     )
     config = yaml.safe_load((ROOT / "deploy" / "ray" / "dagster.yaml").read_text())
     launcher = config["run_launcher"]["config"]["ray"]
-    launcher["runtime_env"]["py_modules"] = [str(code)]
     launcher["num_cpus"] = int(2 / at_once * 1000) / 1000  # `at_once` runs fit the 2 CPUs
-    config["concurrency"]["runs"]["max_concurrent_runs"] = at_once
+    settings = {"DAGSTER_RAY_PY_MODULES": str(code), "DAGSTER_MAX_CONCURRENT_RUNS": str(at_once)}
     config["run_monitoring"]["start_timeout_seconds"] = 1800
     home = work / "home"
     home.mkdir()
@@ -277,10 +276,11 @@ def services(work: Path, at_once: int, in_process: bool) -> Iterator[tuple[int, 
     try:
         with postgres_server() as pg:
             private = {"DAGSTER_PG_PASSWORD": pg["DAGSTER_PG_PASSWORD"], **keys}
-            cluster = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", *pg, *s3}}
+            passed = {"PYTHONPATH", *pg, *s3, *settings}
+            cluster = {k: v for k, v in os.environ.items() if k not in passed}
             cluster |= private | {"PYTHONPATH": str(site)}
             with ray_head(cluster) as address:
-                env = {**os.environ, **pg, **s3, **keys, "DAGSTER_HOME": str(home)}
+                env = {**os.environ, **pg, **s3, **keys, **settings, "DAGSTER_HOME": str(home)}
                 env["RAY_ADDRESS"] = address
                 os.environ.update(env)
                 ray_pid = _ray_start_pid(address)

@@ -10,17 +10,25 @@
   compares ``max_concurrent_runs`` with the runs of this size the cluster holds at once (its
   nodes' CPUs, refreshed each minute) and, when the queue can outgrow the cluster, says so on the
   run with what to change.
+- **Code from the environment.** Each entry of ``runtime_env.py_modules`` may be
+  ``{env: VAR}``, resolved when the launcher loads; an empty one uploads nothing (the code is
+  installed on the nodes).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
+from typing import Any
 
+from dagster._config import Array, Field, Noneable, Permissive, StringSource
+from dagster._config.config_schema import UserConfigSchema
 from dagster._core.events import EngineEventData
 from dagster._core.launcher import LaunchRunContext
 from dagster._core.launcher.base import CheckRunHealthResult, WorkerStatus
 from dagster._core.storage.dagster_run import DagsterRun
+from dagster._serdes import ConfigurableClassData
 from dagster_ray import RayRunLauncher as _DagsterRayRunLauncher
 from dagster_ray.core.run_launcher import RayLauncherConfig
 
@@ -29,10 +37,37 @@ _NODES_TTL_SECONDS = 60.0
 
 class RayRunLauncher(_DagsterRayRunLauncher):
     """dagster-ray's ``RayRunLauncher`` (same configuration) that leaves in-process runs alone
-    and warns when ``max_concurrent_runs`` exceeds what the Ray cluster runs at once."""
+    and warns when ``max_concurrent_runs`` exceeds what the Ray cluster runs at once.
+    ``runtime_env.py_modules`` entries also accept ``{env: VAR}``."""
 
     _node_cpus: list[float] | None = None
     _nodes_read_at = 0.0
+
+    @classmethod
+    def config_type(cls) -> UserConfigSchema:
+        shape = RayLauncherConfig.to_config_schema().as_field().config_type
+        fields: dict[str, Field] = dict(shape.fields)  # type: ignore[attr-defined]
+        # Dagster resolves each entry like any other string setting; other keys pass as they are.
+        modules = Field(Array(StringSource), is_required=False)
+        fields["runtime_env"] = Field(
+            Noneable(Permissive({"py_modules": modules})),  # type: ignore[no-untyped-call]
+            is_required=False,
+            description=fields["runtime_env"].description,
+        )
+        return {"ray": fields}
+
+    @classmethod
+    def from_config_value(
+        cls, inst_data: ConfigurableClassData | None, config_value: Mapping[str, Any]
+    ) -> RayRunLauncher:
+        ray = dict(config_value["ray"])
+        runtime_env = dict(ray.get("runtime_env") or {})
+        if "py_modules" in runtime_env:
+            modules = [m for m in runtime_env.pop("py_modules") if m]
+            if modules:
+                runtime_env["py_modules"] = modules
+        ray["runtime_env"] = runtime_env or None
+        return cls(inst_data=inst_data, **ray)
 
     def check_run_worker_health(self, run: DagsterRun) -> CheckRunHealthResult:
         result: CheckRunHealthResult = super().check_run_worker_health(run)
@@ -71,7 +106,8 @@ class RayRunLauncher(_DagsterRayRunLauncher):
             "nodes): "
             f"runs beyond {slots} wait in Ray's queue as STARTING and run monitoring fails them "
             f"after start_timeout_seconds ({self._instance.run_monitoring_start_timeout_seconds} "
-            f"s). Set concurrency.runs.max_concurrent_runs to {slots} in dagster.yaml."
+            f"s). Set max_concurrent_runs to {slots} in dagster.yaml (deploy/ray/dagster.yaml "
+            "reads it from DAGSTER_MAX_CONCURRENT_RUNS)."
         )
 
     def _cluster_cpus(self) -> list[float] | None:

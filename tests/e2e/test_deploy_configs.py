@@ -33,6 +33,8 @@ DEPLOY = ROOT / "deploy"
 # Every variable the configs read, so env-sourced fields resolve as they would in production.
 ENV = {
     "RAY_ADDRESS": "http://ray-head:8265",
+    "DAGSTER_RAY_PY_MODULES": "s3://code-bucket/code/my_project.zip",
+    "DAGSTER_MAX_CONCURRENT_RUNS": "6",
     "DAGSTER_PG_HOST": "postgres.internal",
     "DAGSTER_PG_PORT": "5432",
     "DAGSTER_PG_USER": "dagster",
@@ -98,17 +100,74 @@ def test_ray_instance_config_runs_every_run_as_a_ray_job_with_postgres_storage(
     assert config["run_launcher"]["module"] == "checkpoint_assets.integration.ray_launcher"
     assert config["run_coordinator"]["class"] == "QueuedRunCoordinator"
     assert config["run_monitoring"]["enabled"] and config["run_retries"]["enabled"]
-    assert config["concurrency"]["pools"]["default_limit"] > 0
+    assert config["concurrency"]["default_op_concurrency_limit"] > 0
     # Each Ray job gets the settings a run needs to reach the instance and the checkpoints, but
     # no password or key: a job's env_vars are plain text in `ray job list`.
     ray = config["run_launcher"]["config"]["ray"]
     passed = set(ray["env_vars"])
     assert {"DAGSTER_PG_HOST", "DAGSTER_PG_PORT", "DAGSTER_PG_DB", "CHECKPOINT_BASE_DIR"} <= passed
     assert not passed & {"DAGSTER_PG_PASSWORD", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
-    # The code location reaches each job through its runtime_env.
-    assert ray["runtime_env"]["py_modules"]
+    # The run worker loads this config on the node: every variable it reads reaches the job,
+    # but the password, which the nodes hold (the launcher's own settings: the daemon only).
+    text = (DEPLOY / "ray" / "dagster.yaml").read_text()
+    read = set(re.findall(r"^\s*(?:- )?env: (\w+)$", text, re.M))
+    launcher = {"RAY_ADDRESS", "DAGSTER_RAY_PY_MODULES"}
+    assert read - passed == {"DAGSTER_PG_PASSWORD", *launcher}, read - passed
     assert config["compute_logs"]["class"] == "S3ComputeLogManager"
     assert _postgres_url_loads_its_driver(config["storage"]).startswith("postgresql+psycopg2://")
+
+
+def _ray_instance(home: Path, monkeypatch: pytest.MonkeyPatch, **env: str) -> Any:
+    """The instance deploy/ray/dagster.yaml gives with ENV, then ``env``, in the environment;
+    its storage on SQLite in ``home`` (no Postgres server needed for the launcher and queue)."""
+    import dagster as dg
+
+    for key, value in {**ENV, **env}.items():
+        monkeypatch.setenv(key, value)
+    home.mkdir()
+    config = yaml.safe_load((DEPLOY / "ray" / "dagster.yaml").read_text())
+    config["storage"] = {"sqlite": {"base_dir": str(home / "storage")}}
+    (home / "dagster.yaml").write_text(yaml.safe_dump(config))
+    return dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))
+
+
+def test_ray_instance_takes_its_code_and_run_concurrency_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _require("dagster_ray", "ray")
+    _require("dagster_postgres", "postgres")
+    instance = _ray_instance(tmp_path / "home", monkeypatch)
+    launcher = instance.run_launcher
+    assert launcher.runtime_env == {"py_modules": [ENV["DAGSTER_RAY_PY_MODULES"]]}
+    assert launcher.address == ENV["RAY_ADDRESS"]
+    queue = instance.get_concurrency_config().run_queue_config
+    assert queue.max_concurrent_runs == int(ENV["DAGSTER_MAX_CONCURRENT_RUNS"])
+    assert instance.get_concurrency_config().pool_config.default_pool_limit == 4
+
+
+def test_ray_instance_with_empty_py_modules_uploads_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The image's default: the code is installed on the nodes, no job carries a runtime_env."""
+    _require("dagster_ray", "ray")
+    _require("dagster_postgres", "postgres")
+    instance = _ray_instance(tmp_path / "home", monkeypatch, DAGSTER_RAY_PY_MODULES="")
+    assert instance.run_launcher.runtime_env is None
+
+
+@pytest.mark.parametrize("missing", ["DAGSTER_RAY_PY_MODULES", "DAGSTER_MAX_CONCURRENT_RUNS"])
+def test_ray_instance_without_a_setting_names_the_variable(
+    missing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _require("dagster_ray", "ray")
+    _require("dagster_postgres", "postgres")
+    from dagster._core.errors import DagsterInvalidConfigError
+
+    instance = _ray_instance(tmp_path / "home", monkeypatch)
+    monkeypatch.delenv(missing)
+    with pytest.raises(DagsterInvalidConfigError, match=f'environment variable "{missing}"'):
+        instance.run_launcher  # noqa: B018 - built on first use
+        instance.get_concurrency_config()
 
 
 def test_ecs_instance_config_is_a_valid_ecs_run_launcher_instance(

@@ -1,16 +1,20 @@
 """deploy/kubernetes/values.yaml passes the values schema of Dagster's Helm chart, as `helm
 install` checks it: the user's values coalesced over the chart's defaults, then validated.
 
-Helm is not installed here and CI has no network: the chart's `values.schema.json` and default
-`values.yaml` are vendored in tests/data/dagster-helm (README.md there names their commit). The
-chart's schema points at Kubernetes' own object schemas by URL (resources, probes, security
-contexts); offline those resolve to "any object", and tests/e2e/test_deploy_configs.py checks the
-Kubernetes objects the values set with dagster-k8s's models instead.
+Helm is not installed here and CI has no network: no Debian, PyPI or npm package ships a Helm
+binary for this Python (helm-sdkpy bundles Helm as a library, needs Python 3.12 and renders only
+against a cluster), and the chart itself cannot be downloaded. So the chart's templates are not
+rendered: its `values.schema.json` and default `values.yaml` are vendored in
+tests/data/dagster-helm (README.md there names their commit). The chart's schema points at
+Kubernetes' own object schemas by URL (resources, probes, security contexts); offline those
+resolve to "any object", and tests/e2e/test_deploy_configs.py checks the Kubernetes objects the
+values set with dagster-k8s's models instead.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import jsonschema
@@ -94,6 +98,21 @@ def test_a_value_the_chart_refuses_is_reported(path: tuple[str, ...], bad: Any) 
         node = node.setdefault(key, {})
     node[path[-1]] = bad
     assert chart_errors(values), f"{'.'.join(path)}={bad!r} should fail the chart's schema"
+
+
+def test_every_helm_command_pins_the_chart_to_the_images_dagster() -> None:
+    """Without --version Helm installs the newest chart, whose instance config can need a newer
+    Dagster than the image has. The chart's version is the Dagster release."""
+    constraints = (ROOT / "deploy" / "kubernetes" / "constraints.txt").read_text()
+    (dagster,) = re.findall(r"^dagster==(\S+)$", constraints, re.M)
+    commands = [
+        command
+        for path in [ROOT / "docs" / "deploying.md", VALUES]
+        for command in re.findall(r"helm (?:upgrade --install|install) .*", path.read_text())
+    ]
+    assert len(commands) >= 2, commands
+    for command in commands:
+        assert re.search(rf"--version {re.escape(dagster)}(\s|$)", command), command
 
 
 def test_coalesce_merges_maps_replaces_lists_and_deletes_on_null() -> None:

@@ -1,16 +1,21 @@
-"""The user-code image (deploy/kubernetes/Dockerfile, also the ECS image) builds from what the
-repository holds, and installs what the tests ran against.
+"""The images build from what the repository holds, and install what the tests ran against: the
+user-code image (deploy/kubernetes/Dockerfile, also the ECS image's base) and the Ray image
+(deploy/ray/Dockerfile).
 
-Docker itself is not needed: every path the Dockerfile copies must exist and reach the build
+Docker itself is not needed: every path a Dockerfile copies must exist and reach the build
 context through .dockerignore (read with Docker's rules, below), the context must leave out .venv
-and the other local state, and the constraints file must pin what pyproject.toml pins.
+and the other local state, each constraints file must pin what pyproject.toml pins, and each
+Dockerfile's pip lines, run as written in a new venv, install and pass `pip check`.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path, PurePosixPath
 
@@ -20,9 +25,19 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 DOCKERFILE = ROOT / "deploy" / "kubernetes" / "Dockerfile"
-# The ECS image adds the instance and workspace config to the image above.
-DOCKERFILES = [DOCKERFILE, ROOT / "deploy" / "ecs" / "Dockerfile"]
+RAY_DOCKERFILE = ROOT / "deploy" / "ray" / "Dockerfile"
+# The ECS image adds the instance and workspace config to the user-code image.
+DOCKERFILES = [DOCKERFILE, ROOT / "deploy" / "ecs" / "Dockerfile", RAY_DOCKERFILE]
 CONSTRAINTS = ROOT / "deploy" / "kubernetes" / "constraints.txt"
+# The images that install the package: Dockerfile, its constraints file, the extras it installs.
+IMAGES = {
+    "kubernetes": (DOCKERFILE, CONSTRAINTS, ("k8s", "postgres", "s3", "ui")),
+    "ray": (
+        RAY_DOCKERFILE,
+        ROOT / "deploy" / "ray" / "constraints.txt",
+        ("ray", "postgres", "s3", "ui"),
+    ),
+}
 DAGSTER = "1.13.27"
 
 
@@ -127,8 +142,10 @@ def test_the_build_context_leaves_out_local_state(path: str) -> None:
     assert excluded(path)
 
 
-def test_the_image_is_pinned_and_runs_as_a_user() -> None:
-    instructions = _instructions()
+@pytest.mark.parametrize("image", IMAGES)
+def test_the_image_is_pinned_and_runs_as_a_user(image: str) -> None:
+    dockerfile, constraints, extras = IMAGES[image]
+    instructions = _instructions(dockerfile)
     (base,) = [args for op, args in instructions if op == "FROM"]
     assert re.fullmatch(r"\S+@sha256:[0-9a-f]{64}", base), f"base image not pinned: {base}"
     users = [args for op, args in instructions if op == "USER"]
@@ -137,37 +154,142 @@ def test_the_image_is_pinned_and_runs_as_a_user() -> None:
     # Every pip install is held to the constraints, which the Dockerfile copies in.
     installs = re.findall(r"pip install [^&]*", runs)
     assert installs and all("/tmp/constraints.txt" in i for i in installs), installs
-    assert "deploy/kubernetes/constraints.txt" in _copied()
+    assert str(constraints.relative_to(ROOT)) in _copied(dockerfile)
+    # The package is installed with the extras its constraints were written for.
+    assert f'"/tmp/src[{",".join(extras)}]"' in runs, runs
 
 
-def _constraints() -> dict[str, str]:
+def test_the_ray_image_is_the_python_of_the_user_code_image() -> None:
+    # One Python and Debian for the code server and the Ray nodes that run its code.
+    bases = {next(a for op, a in _instructions(d) if op == "FROM") for d, _, _ in IMAGES.values()}
+    assert len(bases) == 1, bases
+
+
+def _image_env(dockerfile: Path) -> dict[str, str]:
+    """The variables a Dockerfile's ENV instructions set."""
+    env: dict[str, str] = {}
+    for op, args in _instructions(dockerfile):
+        if op == "ENV":
+            env |= dict(word.split("=", 1) for word in shlex.split(args))
+    return env
+
+
+def test_the_ray_image_holds_the_ray_instance_config_and_defaults_for_its_settings() -> None:
+    """Every variable deploy/ray/dagster.yaml reads is either defaulted by the image or named in
+    the file's header for the operator to set, and the image's defaults are variables it reads."""
+    text = (ROOT / "deploy" / "ray" / "dagster.yaml").read_text()
+    read = set(re.findall(r"^\s*(?:- )?env: (\w+)$", text, re.M))
+    header = text[: text.index("run_launcher:")]
+    env = _image_env(RAY_DOCKERFILE)
+    assert ("deploy/ray/dagster.yaml", f"{env['DAGSTER_HOME']}/dagster.yaml") in [
+        tuple(shlex.split(a)) for op, a in _instructions(RAY_DOCKERFILE) if op == "COPY"
+    ]
+    defaulted = {"DAGSTER_RAY_PY_MODULES", "DAGSTER_MAX_CONCURRENT_RUNS"}
+    assert defaulted <= read and defaulted <= env.keys()
+    assert env["DAGSTER_RAY_PY_MODULES"] == ""  # the code is in the image: nothing uploaded
+    assert int(env["DAGSTER_MAX_CONCURRENT_RUNS"]) > 0
+    for name in read - env.keys():
+        assert name in header, f"dagster.yaml reads {name}, which its header does not name"
+    # Ray refuses clients without the cluster's token (docs/deploying.md, "Ray").
+    assert env["RAY_AUTH_MODE"] == "token"
+
+
+def _constraints(path: Path = CONSTRAINTS) -> dict[str, str]:
     pins = {}
-    for line in CONSTRAINTS.read_text().splitlines():
+    for line in path.read_text().splitlines():
         if line and not line.startswith("#"):
             name, version = line.split("==")
             pins[canonicalize_name(name)] = version
     return pins
 
 
-def test_constraints_pin_the_tested_dagster_and_satisfy_pyproject() -> None:
-    pins = _constraints()
+@pytest.mark.parametrize("image", IMAGES)
+def test_constraints_pin_the_tested_dagster_and_satisfy_pyproject(image: str) -> None:
+    _, constraints, image_extras = IMAGES[image]
+    pins = _constraints(constraints)
     assert pins["dagster"] == DAGSTER
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     needed = [
         Requirement(r)
-        for r in project["dependencies"]
-        + [r for e in ("k8s", "postgres", "s3", "ui") for r in extras[e]]
+        for r in project["dependencies"] + [r for e in image_extras for r in extras[e]]
     ]
     for req in needed:
         name = canonicalize_name(req.name)
-        assert name in pins, f"{req.name} is a requirement but not in {CONSTRAINTS.name}"
+        assert name in pins, f"{req.name} is a requirement but not in {constraints}"
         assert req.specifier.contains(pins[name], prereleases=True), (
-            f"{CONSTRAINTS.name} pins {req.name}=={pins[name]}, outside pyproject's {req}: "
+            f"{constraints} pins {req.name}=={pins[name]}, outside pyproject's {req}: "
             "run scripts/constraints.py"
         )
     # Only what the image installs: no test tools, not the project itself.
     assert not {"pytest", "moto", "checkpoint-assets"} & pins.keys()
+
+
+def _lay_out(dockerfile: Path, root: Path) -> list[str]:
+    """Copy what ``dockerfile`` copies from the context (as .dockerignore lets it through) under
+    ``root`` instead of ``/``, up to its last pip install; returns its RUN lines up to there."""
+    instructions = _instructions(dockerfile)
+    last = max(i for i, (op, args) in enumerate(instructions) if op == "RUN" and "pip " in args)
+    workdir, runs = PurePosixPath("/"), []
+    for op, args in instructions[: last + 1]:
+        if op == "WORKDIR":
+            workdir = workdir / args
+        elif op == "RUN":
+            runs.append(args)
+        elif op == "COPY":
+            *sources, dest = shlex.split(args)
+            target = root / str(workdir / dest).lstrip("/")
+            for source in sources:
+                into = target / Path(source).name if dest.endswith("/") else target
+                into.parent.mkdir(parents=True, exist_ok=True)
+                if (ROOT / source).is_dir():
+
+                    def ignored(folder: str, names: list[str]) -> set[str]:
+                        rel = Path(folder).relative_to(ROOT)
+                        return {n for n in names if excluded(str(rel / n))}
+
+                    shutil.copytree(ROOT / source, into, ignore=ignored)
+                else:
+                    shutil.copy(ROOT / source, into)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("image", IMAGES)
+def test_the_dockerfile_pip_lines_install_in_a_new_venv(image: str, tmp_path: Path) -> None:
+    """The image's RUN lines up to its last pip install, as written (paths under a temp root for
+    /), in a new venv of this Python: the constraints resolve and install, the package installs
+    with its extras, and `pip check` passes."""
+    dockerfile, _, extras = IMAGES[image]
+    root = tmp_path / "root"
+    runs = _lay_out(dockerfile, root)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+    for line in runs:
+        command = re.sub(r"(?<![\w.])/tmp/", f"{root}/tmp/", line)
+        done = subprocess.run(
+            ["bash", "-c", command], env=env, capture_output=True, text=True, cwd=tmp_path
+        )
+        assert done.returncode == 0, f"{line}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    python = str(venv / "bin" / "python")
+    shown = subprocess.run(
+        [python, "-m", "pip", "show", "checkpoint-assets", *_extra_modules(extras)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "Name: checkpoint-assets" in shown
+    assert not (root / "tmp" / "src").exists(), "the image keeps its build copy"
+
+
+def _extra_modules(extras: tuple[str, ...]) -> list[str]:
+    """A distribution each extra brings, which `pip show` must find."""
+    brings = {"ray": "dagster-ray", "k8s": "dagster-k8s", "postgres": "dagster-postgres"}
+    return [brings[e] for e in extras if e in brings]
 
 
 def test_dockerignore_reading_follows_dockers_rules() -> None:
