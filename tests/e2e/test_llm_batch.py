@@ -71,7 +71,7 @@ def test_the_cli_run_that_submits_and_ends_says_what_waits_and_what_collects_it(
                 timeout=300,
             )
 
-        assert materialize("tickets").returncode == 0
+        assert materialize("llm_tickets").returncode == 0
         ended = materialize("ticket_department_openai", "--partition", "0-of-4")
         said = ended.stdout + ended.stderr
         assert stats(url)["creates"] == 1  # submitted once, not waited for

@@ -210,7 +210,7 @@ def test_two_shards_in_two_processes_share_the_key_and_are_seldom_refused(
             "OPENAI_MODEL": "m",
             "OPENAI_BASE_URL": base_url,
         }
-        source = _materialize(env, "--select", "tickets")
+        source = _materialize(env, "--select", "llm_tickets")
         assert source.wait(timeout=300) == 0, source.stdout.read() if source.stdout else ""
         shards = [
             _materialize(env, "--select", ASSET, "--partition", p) for p in ("0-of-4", "1-of-4")
