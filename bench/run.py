@@ -1,6 +1,6 @@
 """Run the benchmark: ``python -m bench.run`` (or ``python bench/run.py``) from the repository.
 
-Every scenario of issue 4 is measured against a baseline in the same run, so a busy machine
+Every scenario is measured against a baseline in the same run, so a busy machine
 slows both sides alike. The table goes to stdout and the figures to
 ``bench/results/<timestamp>.json``. Sizes are flags; ``--smoke`` is a tiny version that finishes in
 seconds (CI runs it; it times nothing that is asserted).
