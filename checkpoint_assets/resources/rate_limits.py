@@ -27,7 +27,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
 from checkpoint_assets.engine import pacing
@@ -219,7 +219,9 @@ class Hooks:
         request.extensions[_TICKET] = ticket
         return ticket
 
-    def _before(self, request: Any) -> None:
+    def _waits(self, request: Any) -> Iterator[float]:
+        """The sleeps a request takes before it is sent (none when it fits now), written once
+        for both hooks: a request that would wait past ``PATIENCE_SECONDS`` goes anyway."""
         ticket = self._ticket(request)
         if ticket is None:
             return
@@ -230,24 +232,17 @@ class Hooks:
             if self.pacer.clock() - began + wait > pacing.PATIENCE_SECONDS:
                 self.pacer.force(ticket)
                 break
-            time.sleep(wait)
+            yield wait
             wait = self.pacer.wait(ticket)
         self._waited(ticket, began)
 
+    def _before(self, request: Any) -> None:
+        for wait in self._waits(request):
+            time.sleep(wait)
+
     async def _before_async(self, request: Any) -> None:
-        ticket = self._ticket(request)
-        if ticket is None:
-            return
-        began = self.pacer.clock()
-        if (wait := self.pacer.wait(ticket)) == 0:
-            return
-        while wait > 0:
-            if self.pacer.clock() - began + wait > pacing.PATIENCE_SECONDS:
-                self.pacer.force(ticket)
-                break
+        for wait in self._waits(request):
             await asyncio.sleep(wait)
-            wait = self.pacer.wait(ticket)
-        self._waited(ticket, began)
 
     def _waited(self, ticket: pacing.Ticket, began: float) -> None:
         ended = self.pacer.clock()
