@@ -49,6 +49,8 @@ for folder in ("tests", "tests/e2e"):
 from deploy_services import dagster_dev, postgres_server, ray_head  # noqa: E402
 from helpers.graphql import launch_backfill  # noqa: E402
 
+from bench.ray_runs import s3_env  # noqa: E402
+
 MODULE = "examples.llm_openai.definitions"
 ASSET = "ticket_department"
 SHARDS = [f"{i}-of-4" for i in range(4)]  # shard_partitions(4) of the example
@@ -125,12 +127,7 @@ def services(
     endpoint = f"http://{host}:{moto_port}"
     _s3(endpoint).create_bucket(Bucket="logs")
     keys = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
-    s3 = {
-        "DAGSTER_COMPUTE_LOG_BUCKET": "logs",
-        "CHECKPOINT_BASE_DIR": "s3://logs/checkpoints",
-        "AWS_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": endpoint,
-    }
+    s3 = s3_env(endpoint)
     try:
         with (
             serve_process(ServerSettings(latency_ms=latency_ms)) as url,

@@ -267,12 +267,7 @@ def services(work: Path, at_once: int, in_process: bool) -> Iterator[tuple[int, 
     site = work / "site"
     site.mkdir()
     (site / "checkpoint_assets").symlink_to(ROOT / "checkpoint_assets")
-    s3 = {
-        "DAGSTER_COMPUTE_LOG_BUCKET": "logs",
-        "CHECKPOINT_BASE_DIR": "s3://logs/checkpoints",
-        "AWS_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": endpoint,
-    }
+    s3 = s3_env(endpoint)
     try:
         with postgres_server() as pg:
             private = {"DAGSTER_PG_PASSWORD": pg["DAGSTER_PG_PASSWORD"], **keys}
@@ -293,6 +288,17 @@ def services(work: Path, at_once: int, in_process: bool) -> Iterator[tuple[int, 
                     yield port, dev_pid, pg | {"ray_pid": str(ray_pid)}
     finally:
         moto.stop()
+
+
+def s3_env(endpoint: str) -> dict[str, str]:
+    """The variables deploy/ray/dagster.yaml reads for S3 (compute logs, checkpoints) on moto at
+    ``endpoint``, bucket ``logs``."""
+    return {
+        "DAGSTER_COMPUTE_LOG_BUCKET": "logs",
+        "CHECKPOINT_BASE_DIR": "s3://logs/checkpoints",
+        "AWS_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+    }
 
 
 def _lower(keys: dict[str, str]) -> dict[str, str]:
