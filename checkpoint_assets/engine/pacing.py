@@ -22,6 +22,13 @@ The rules of a :class:`Pacer` (one per key and process):
   that share of what is left and of the refill, less a margin, so shards that run at once take
   about the stated rate between them, with no coordination service. Alone, the share is about
   1; a token estimate that falls short of the endpoint's count lowers it to match.
+- **A slow start** (:class:`Ramp`). Until answers say what the key has left and what other
+  shards draw, a pacer keeps ``FIRST_CALLS`` requests in flight, one more per answer. One answer
+  is not enough: it states the key as it was when its request arrived, before the requests of
+  the shards that started at the same moment. The ramp ends once the share is measured, once
+  ``RAMP_CALLS`` may fly, or at an answer that states no budget when the user stated none.
+  A request that ends without an answer (a dropped connection) stops counting after
+  ``FIRST_HOLD_SECONDS``.
 - **No statement, no pacing**, unless the user stated limits (:meth:`Pacer.assume`): a budget
   nothing states is not paced, and the shard's adaptive concurrency (``throttle.py``) answers
   refusals as before.
@@ -52,6 +59,10 @@ _MIN_SHARE, _MAX_SHARE = 1 / 64, 1.0
 _MARGIN = 0.95  # of the measured share taken: measurements that add up past 1 cost refusals
 _DEFAULT_WINDOW = 60.0  # the window of a full budget whose answer gave no reset
 _ASSUMED_BURST = 0.9  # seconds' worth of an assumed budget that may go at once
+FIRST_CALLS = 2  # requests in flight before the first answer
+RAMP_CALLS = 64  # the slow start ends when this many may be in flight
+FIRST_HOLD_SECONDS = 10.0  # the longest a request counts in flight without an answer
+_RAMP_POLL = 0.02  # seconds a request held by the slow start waits before it looks again
 
 Cost = Mapping[str, float]
 
@@ -215,6 +226,7 @@ class Pacer:
         self._seq = 0
         self._own = dict.fromkeys(KINDS, 0.0)  # cost of every request started
         self._refused = dict.fromkeys(KINDS, 0.0)  # of which refused
+        self._ramp = Ramp()
 
     def assume(self, per_minute: Mapping[str, float], share: float = 1.0) -> None:
         """Budgets the user knows (per minute, by kind) for an endpoint that states none, of
@@ -223,6 +235,8 @@ class Pacer:
         takes to reach it). An answer that states a budget replaces it."""
         now = self.clock()
         with self._lock:
+            if per_minute:
+                self._ramp.on = False  # the user's budgets pace from the first request
             for kind, limit in per_minute.items():
                 if kind not in self._buckets:
                     per_second = limit / 60
@@ -246,6 +260,8 @@ class Pacer:
             for bucket in self._buckets.values():
                 bucket.refill(now)
             while self._queue and self._fits(self._queue[0].cost, now) == 0:
+                if (held := self._ramp.wait(now)) > 0:
+                    return held if ticket in self._queue else 0.0
                 self._start(self._queue.popleft(), now)
             if ticket.admitted or ticket not in self._queue:
                 return 0.0
@@ -282,6 +298,8 @@ class Pacer:
                     known = self._buckets[kind] = _Bucket(limit, now)
                 known.report(limit, ticket, kind, self._own[kind], self._refused[kind], now)
             budgets = {k: (b.key_rate, b.cap) for k, b in self._buckets.items()}
+            measured = any(b.pairs >= _SHARE_PAIRS for b in self._buckets.values())
+            self._ramp.answered(ticket, refused, over=measured or not self._buckets)
         if ticket.record is not None:
             ticket.record.answered(now, budgets)
 
@@ -304,8 +322,44 @@ class Pacer:
             if bucket is not None:
                 bucket.level -= value
         ticket.drawn = dict(self._own)
+        self._ramp.started(ticket)
         if ticket.record is not None:
             ticket.record.drew(ticket.cost, now)
+
+
+class Ramp:
+    """The slow start of a pacer: how many requests may be in flight before the share of the
+    key is measured (see the module's rules)."""
+
+    def __init__(self) -> None:
+        self.on = True
+        self.window = FIRST_CALLS
+        self._flying: dict[int, float] = {}  # started and not answered: seq -> when
+
+    def wait(self, now: float) -> float:
+        """Seconds before another request may start (0: now)."""
+        if not self.on:
+            return 0.0
+        for seq, at in list(self._flying.items()):
+            if now - at >= FIRST_HOLD_SECONDS:  # it ended without an answer
+                del self._flying[seq]
+        if len(self._flying) < self.window:
+            return 0.0
+        oldest = min(self._flying.values())
+        return min(_RAMP_POLL, oldest + FIRST_HOLD_SECONDS - now)
+
+    def started(self, ticket: Ticket) -> None:
+        if self.on:
+            self._flying[ticket.seq] = ticket.at
+
+    def answered(self, ticket: Ticket, refused: bool, over: bool) -> None:
+        """``ticket`` was answered; ``over``: the pacer no longer needs the ramp."""
+        self._flying.pop(ticket.seq, None)
+        if not refused:
+            self.window += 1
+        if over or self.window >= RAMP_CALLS:
+            self.on = False
+            self._flying.clear()
 
 
 class Record:

@@ -38,10 +38,33 @@ def started(pacer: Pacer, cost: float) -> pacing.Ticket:
     return ticket
 
 
-def test_without_a_statement_requests_start_at_once() -> None:
+def test_before_the_first_answer_only_a_few_requests_start() -> None:
     pacer = Pacer(Clock())
+    first = [started(pacer, 100) for _ in range(pacing.FIRST_CALLS)]
+    held = [pacer.ask(pacing.cost(100, 0)) for _ in range(30)]
+
+    assert all(pacer.wait(t) > 0 for t in held)
+    pacer.report(first[0], {}, refused=False)  # an answer that states no budget
+    assert all(pacer.wait(t) == 0 for t in held)
+
+
+def test_without_a_statement_requests_start_at_once_after_the_first_answer() -> None:
+    pacer = Pacer(Clock())
+    pacer.report(started(pacer, 1), {}, refused=False)
     for _ in range(100):
         started(pacer, 1_000_000)
+
+
+def test_requests_that_end_without_an_answer_stop_holding_the_others() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    for _ in range(pacing.FIRST_CALLS):
+        started(pacer, 1)  # their connections drop: no answer is ever reported
+    held = pacer.ask(pacing.cost(1, 0))
+    assert 0 < pacer.wait(held) <= pacing.FIRST_HOLD_SECONDS
+
+    clock.now = pacing.FIRST_HOLD_SECONDS
+    assert pacer.wait(held) == 0
 
 
 def spent(pacer: Pacer) -> float:
@@ -69,6 +92,7 @@ def test_a_request_waits_while_the_stated_budget_is_spent_then_starts() -> None:
 def test_requests_started_after_the_answered_one_count_against_what_is_left() -> None:
     clock = Clock()
     pacer = Pacer(clock)
+    pacer.report(started(pacer, 0), {}, refused=False)  # the first answer lifts the hold
     answered = started(pacer, 200)
     later = [started(pacer, 100) for _ in range(3)]  # in flight, not counted by the endpoint yet
     pacer.report(answered, tokens(remaining=400), refused=False)
