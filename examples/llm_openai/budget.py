@@ -63,6 +63,9 @@ class KeyBudget:
         if tokens_per_minute is not None:
             self.buckets["tokens"] = Bucket(tokens_per_minute * window / 60, window)
         self.charged_tokens = 0  # tokens of the requests admitted
+        self.charged_requests = 0
+        self.first_at: float | None = None  # when the first request was charged
+        self.last_at: float | None = None  # when the last one was
 
     def charge(self, text_bytes: int, max_tokens: int, now: float) -> float:
         """Charge a request (0 returned) or say how long until it would fit."""
@@ -75,7 +78,18 @@ class KeyBudget:
         for kind, bucket in self.buckets.items():
             bucket.level -= cost[kind]
         self.charged_tokens += cost["tokens"]
+        self.charged_requests += 1
+        if self.first_at is None:
+            self.first_at = now
+        self.last_at = now
         return 0.0
+
+    @property
+    def charged_seconds(self) -> float:
+        """Seconds from the first request charged to the last."""
+        if self.first_at is None or self.last_at is None:
+            return 0.0
+        return self.last_at - self.first_at
 
     def openai_headers(self) -> dict[str, str]:
         headers = {}

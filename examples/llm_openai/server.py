@@ -151,7 +151,9 @@ class ChatServer:
     def snapshot(self) -> dict[str, int]:
         """What ``/stats`` returns: requests by outcome, the total, peak in flight, tokens.
 
-        ``cpu_ms`` is the CPU time of the server's whole process, for benchmarks.
+        ``budget_tokens`` and ``budget_requests`` are what the key's budgets charged, over
+        ``budget_ms`` from the first request charged to the last. ``cpu_ms`` is the CPU time of
+        the server's whole process, for benchmarks.
         """
         return {
             **{outcome: self.counts[outcome] for outcome in OUTCOMES},
@@ -160,6 +162,8 @@ class ChatServer:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "budget_tokens": self.budget.charged_tokens,
+            "budget_requests": self.budget.charged_requests,
+            "budget_ms": round(self.budget.charged_seconds * 1000),
             "cpu_ms": round(time.process_time() * 1000),
         }
 

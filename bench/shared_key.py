@@ -1,0 +1,152 @@
+"""Shards that share one key: how much of the key's budget they use, and how often they are refused.
+
+Each scenario starts the local chat server in its own process, enforcing a key's budget the way
+OpenAI does (a bucket refilled steadily over a 2-second window, ``429`` for what does not fit),
+then ``--shards`` shards of the OpenAI example's asset at once, each a ``dagster asset
+materialize`` process of its own, as a backfill runs them (``bench/shared_key_defs.py``: one
+ticket per call, 32 in flight per shard). Their first calls wait until all are ready, so the
+shards start together however long their processes take to start on a busy machine.
+
+- ``tokens``: a tokens budget, stated in OpenAI's ``x-ratelimit-*`` headers;
+- ``requests``: a requests budget, stated the same way;
+- ``no_headers``: the tokens budget enforced but never stated, with ``tokens_per_minute`` and
+  ``shards_at_once`` set on the resource.
+
+The budget is the baseline: use is what the server charged over what the budget allowed from
+its first charge to its last (a full bucket, then its refill). Refusals per answer are the
+server's ``429`` over its answers.
+
+    python -m bench.shared_key                        # 4 and 16 shards, every scenario
+    python -m bench.shared_key --shards 4 --only tokens --tickets 1200
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` and ``examples`` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.report import Result, table
+from examples.llm_openai.server import Settings, serve_process, stats
+
+REPO = Path(__file__).resolve().parents[1]
+DEFS = "bench.shared_key_defs"
+WINDOW_SECONDS = 2.0
+SCENARIOS = ("tokens", "requests", "no_headers")
+
+
+def server_settings(scenario: str, tokens_per_second: int, requests_per_second: int) -> Settings:
+    """The server of a scenario: 20 ms answers and the key's one budget."""
+    if scenario == "requests":
+        return Settings(
+            latency_ms=20,
+            requests_per_minute=requests_per_second * 60,
+            budget_window_seconds=WINDOW_SECONDS,
+        )
+    return Settings(
+        latency_ms=20,
+        tokens_per_minute=tokens_per_second * 60,
+        budget_window_seconds=WINDOW_SECONDS,
+        limit_headers=scenario != "no_headers",
+    )
+
+
+def materialize(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", DEFS, *args]
+    return subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def run(scenario: str, shards: int, tickets: int, tps: int, rps: int) -> Result:
+    """One scenario with ``shards`` at once; its figures."""
+    result = Result(f"{scenario}/{shards}", f"{shards} shards, {scenario}")
+    settings = server_settings(scenario, tps, rps)
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-shared-key-") as workdir,
+        serve_process(settings) as base_url,
+    ):
+        home = Path(workdir, "dagster_home")
+        home.mkdir()
+        (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+        env = dict(os.environ)
+        env.update(
+            DAGSTER_HOME=str(home),
+            CHECKPOINT_BASE_DIR=str(Path(workdir, "checkpoints")),
+            OPENAI_BASE_URL=base_url,
+            SHARED_KEY_SHARDS=str(shards),
+            SHARED_KEY_TICKETS=str(tickets),
+            SHARED_KEY_READY_DIR=str(Path(workdir, "ready")),
+        )
+        Path(workdir, "ready").mkdir()
+        if scenario == "no_headers":
+            env["SHARED_KEY_TOKENS_PER_MINUTE"] = str(tps * 60)
+        source = materialize(env, "--select", "shared_key_tickets")
+        output = source.communicate()[0]
+        if source.returncode != 0:
+            raise RuntimeError(f"the source failed:\n{output[-3000:]}")
+        width = len(str(shards - 1))
+        keys = [f"{i:0{width}d}-of-{shards}" for i in range(shards)]
+        started = time.perf_counter()
+        processes = [
+            materialize(env, "--select", "shared_key_department", "--partition", key)
+            for key in keys
+        ]
+        outputs = [p.communicate()[0] for p in processes]
+        wall = time.perf_counter() - started
+        served = stats(base_url)
+    failed = [k for k, p in zip(keys, processes, strict=True) if p.returncode != 0]
+    if failed:
+        last = outputs[keys.index(failed[0])]
+        raise RuntimeError(f"shards {failed} failed; the first said:\n{last[-3000:]}")
+    seconds = served["budget_ms"] / 1000
+    if scenario == "requests":
+        used, per_second = served["budget_requests"], rps
+    else:
+        used, per_second = served["budget_tokens"], tps
+    allowed = per_second * (WINDOW_SECONDS + seconds)
+    answered = served["ok"]
+    result.add("budget used", used / allowed, limit=0.9, op=">=")
+    result.add("refusals per answer", served["over_budget"] / answered, limit=0.02)
+    result.add("answers", answered)
+    result.add("refusals", served["over_budget"])
+    result.add("seconds charged", seconds, "s")
+    result.add("wall", wall, "s")
+    result.details = {"served": served, "server": settings.argv()}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shards", default="4,16", help="shards at once, comma-separated (4,16)")
+    p.add_argument("--only", help=f"scenarios, comma-separated (default: {','.join(SCENARIOS)})")
+    p.add_argument("--tickets", type=int, default=2400, help="rows over all shards (2400)")
+    p.add_argument("--tokens-per-second", type=int, default=3000, help="the key's (3000)")
+    p.add_argument("--requests-per-second", type=int, default=36, help="the key's (36)")
+    args = p.parse_args(argv)
+    scenarios = args.only.split(",") if args.only else list(SCENARIOS)
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"{args.tickets} tickets; load average {load}", flush=True)
+    results = []
+    for shards in (int(s) for s in args.shards.split(",")):
+        for scenario in scenarios:
+            result = run(
+                scenario, shards, args.tickets, args.tokens_per_second, args.requests_per_second
+            )
+            print(table([result]), flush=True)
+            results.append(result)
+    print(table(results))
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"load average {load}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
