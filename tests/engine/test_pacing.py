@@ -9,6 +9,7 @@ stated with every answer, a refusal for what does not fit).
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 import pytest
@@ -216,6 +217,7 @@ class Endpoint:
     answered: int = 0
     settled_at: float = 2.0  # refusals after this count apart: the shares are measured by then
     refused_settled: int = 0
+    drawn_settled: float = 0.0
 
     def __post_init__(self) -> None:
         self.level = self.limit
@@ -227,6 +229,7 @@ class Endpoint:
         if fits:
             self.level -= cost
             self.drawn += cost
+            self.drawn_settled += cost if now >= self.settled_at else 0.0
             self.answered += 1
         else:
             self.refused += 1
@@ -242,17 +245,27 @@ class Shard:
     waiting: list[pacing.Ticket] = field(default_factory=list)
 
 
-def run_shards(shards: int, seconds: float, concurrency: int = 8) -> Endpoint:
+def run_shards(
+    shards: int,
+    seconds: float,
+    concurrency: int = 8,
+    others_end: float = math.inf,
+    settled_at: float = 2.0,
+) -> Endpoint:
     """``shards`` pacers on one key, each keeping ``concurrency`` requests of 50 tokens going,
-    50 ms per answer."""
+    50 ms per answer; all but the first stop asking at ``others_end``."""
     clock = Clock()
-    endpoint = Endpoint(limit=3_000, per_second=500)  # 10 requests a second fit
+    endpoint = Endpoint(limit=3_000, per_second=500, settled_at=settled_at)  # 10 a second fit
     clients = [Shard(Pacer(clock)) for _ in range(shards)]
     answers: list[tuple[float, int, int, pacing.Ticket, bool, dict]] = []  # a heap
     step, n = 0.002, 0
     while clock.now < seconds:
         for i, shard in enumerate(clients):
-            while shard.in_flight + len(shard.waiting) < concurrency:
+            if i > 0 and clock.now >= others_end:
+                shard.waiting.clear()
+            while (i == 0 or clock.now < others_end) and (
+                shard.in_flight + len(shard.waiting) < concurrency
+            ):
                 shard.waiting.append(shard.pacer.ask(pacing.cost(50, 0)))
             for ticket in list(shard.waiting):
                 if shard.pacer.wait(ticket) == 0:
@@ -278,3 +291,11 @@ def test_pacers_on_one_key_use_its_rate_between_them_with_few_refusals(shards: i
     assert used >= 0.9, used
     # Before any answer, each pacer sends blind; once their shares are measured, few refusals.
     assert endpoint.refused_settled <= max(2, 0.02 * endpoint.answered), endpoint
+
+
+def test_a_shard_left_alone_on_the_key_takes_all_of_it() -> None:
+    # Four shards share the key for 6 s, then three end: the last one's share was about a
+    # quarter, and the key left full tells it the rest is unused.
+    endpoint = run_shards(4, seconds=20.0, others_end=6.0, settled_at=8.0)
+
+    assert endpoint.drawn_settled >= 0.9 * 500 * (20.0 - 8.0), endpoint
