@@ -10,15 +10,13 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from checkpoint_assets.engine.budget import Budget
 from checkpoint_assets.engine.compaction import COMPACT_AT, COMPACT_FANOUT
+from checkpoint_assets.engine.fields import setting
 
 DEFAULT_LEASE_SECONDS = 300.0
-# The key of a setting's meaning in its field's metadata.
-DOC = "doc"
-T = TypeVar("T")
 
 
 class OnInputChange(enum.StrEnum):
@@ -28,38 +26,17 @@ class OnInputChange(enum.StrEnum):
     recompute = "recompute"
 
 
-def setting(default: T, doc: str) -> T:
-    """A field of ``AssetSettings``: its default and what it means, in one place.
-
-    Typed as its default, as ``dataclasses.field`` is, so that mypy checks the default.
-    """
-    return field(default=default, metadata={DOC: doc})
-
-
 @dataclass(frozen=True, kw_only=True)
-class AssetSettings:
-    """What an asset declares about how its runs behave: the one declaration of each setting.
+class RowSettings:
+    """What an asset declares about its rows, whatever computes them (a function, or a
+    provider's batch API): the one declaration of each of these settings.
 
-    ``checkpointed_asset`` takes these fields as keyword arguments, ``CheckpointedAssetComponent``
-    as attributes, both derived from the fields here (type, default, ``DOC``): a new setting is
-    one field here, and the docs' reference shows it. Values out of range are refused by name,
-    never replaced.
+    ``checkpointed_asset`` and ``provider_batch_asset`` take these fields as keyword arguments,
+    ``CheckpointedAssetComponent`` as attributes, all derived from the fields (type, default,
+    ``DOC``); the docs' reference shows them. Values out of range are refused by name, never
+    replaced.
     """
 
-    checkpoint_interval: int = setting(
-        16, "Rows per flush (parts are written every this many rows)."
-    )
-    batch_size: int | None = setting(
-        None,
-        "Rows per call (default: checkpoint_interval). One-row calls to a remote model want 1, "
-        "with a larger checkpoint_interval.",
-    )
-    flush_seconds: float = setting(30.0, "Flush at least this often while rows are done.")
-    min_flush_seconds: float | None = setting(
-        None,
-        "Never flush more often than this (default 0 locally, 5 on object stores, where each "
-        "flush costs requests).",
-    )
     retry_failed: bool = setting(True, "Compute rows stored as failed again on the next run.")
     on_input_change: OnInputChange | Literal["fail", "recompute"] = setting(
         "fail", "fail, or recompute finished rows whose input changed."
@@ -68,27 +45,10 @@ class AssetSettings:
     max_failed_fraction: float = setting(
         0.0, "Above this fraction of failed rows the run fails (after checkpointing the rest)."
     )
-    max_concurrency: int = setting(
-        1, "Batches in flight at once (threads, or asyncio tasks for an async function)."
-    )
-    min_concurrency: int = setting(
-        1, "The fewest batches in flight that rate limits may bring it down to."
-    )
-    adaptive_concurrency: bool = setting(
-        True,
-        "Follow what the endpoint sustains between the two (false: keep max_concurrency, for an "
-        "endpoint whose limit is known).",
-    )
     max_attempts: int = setting(
-        3, "Calls of a failing batch before it is split to isolate poison rows."
-    )
-    retry_delay_seconds: float = setting(
-        1.0,
-        "First delay between attempts, doubled each time (also the first back-off of a rate "
-        "limit that does not say how long to wait).",
-    )
-    max_throttle_seconds: float = setting(
-        600.0, "Stop after being rate limited this long without a single successful call."
+        3,
+        "Attempts per row: calls of a failing batch before it is split to isolate poison rows. "
+        "Through a provider's batch API: requests of a row that failed in a transient way.",
     )
     usage_columns: Sequence[str] = setting(
         (),
@@ -107,6 +67,69 @@ class AssetSettings:
         # usage columns (kept as a tuple: settings are frozen).
         object.__setattr__(self, "on_input_change", OnInputChange(self.on_input_change))
         object.__setattr__(self, "usage_columns", tuple(self.usage_columns))
+        # Refused by name rather than replaced: 0 attempts would call nothing, a negative
+        # fraction means nothing.
+        _at_least(self, 1, "max_attempts")
+        if not 0.0 <= self.max_failed_fraction <= 1.0:
+            raise ValueError(
+                f"max_failed_fraction must be between 0 and 1, got {self.max_failed_fraction}"
+            )
+        unpriced = (
+            [c for c in self.budget.columns if c not in self.usage_columns] if self.budget else []
+        )
+        if unpriced:
+            raise ValueError(
+                f"the budget prices the token columns {unpriced}, which are not among "
+                f"usage_columns {list(self.usage_columns)}: add them to usage_columns (or name "
+                "the budget's input_tokens / output_tokens after the usage columns you have)"
+            )
+
+    def settings(self) -> dict[str, Any]:
+        """The values of these fields (only these, in a subclass too), by name."""
+        return {f.name: getattr(self, f.name) for f in fields(RowSettings)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AssetSettings(RowSettings):
+    """What an asset declares about how its runs behave: its rows' settings, and how the
+    function is called and its results flushed (see ``RowSettings``)."""
+
+    checkpoint_interval: int = setting(
+        16, "Rows per flush (parts are written every this many rows)."
+    )
+    batch_size: int | None = setting(
+        None,
+        "Rows per call (default: checkpoint_interval). One-row calls to a remote model want 1, "
+        "with a larger checkpoint_interval.",
+    )
+    flush_seconds: float = setting(30.0, "Flush at least this often while rows are done.")
+    min_flush_seconds: float | None = setting(
+        None,
+        "Never flush more often than this (default 0 locally, 5 on object stores, where each "
+        "flush costs requests).",
+    )
+    max_concurrency: int = setting(
+        1, "Batches in flight at once (threads, or asyncio tasks for an async function)."
+    )
+    min_concurrency: int = setting(
+        1, "The fewest batches in flight that rate limits may bring it down to."
+    )
+    adaptive_concurrency: bool = setting(
+        True,
+        "Follow what the endpoint sustains between the two (false: keep max_concurrency, for an "
+        "endpoint whose limit is known).",
+    )
+    retry_delay_seconds: float = setting(
+        1.0,
+        "First delay between attempts, doubled each time (also the first back-off of a rate "
+        "limit that does not say how long to wait).",
+    )
+    max_throttle_seconds: float = setting(
+        600.0, "Stop after being rate limited this long without a single successful call."
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.checkpoint_interval < 1:
             raise ValueError(
                 f"checkpoint_interval must be at least 1, got {self.checkpoint_interval}"
@@ -124,28 +147,11 @@ class AssetSettings:
                 f"min_concurrency must be between 1 and max_concurrency "
                 f"({self.max_concurrency}), got {self.min_concurrency}"
             )
-        # Refused by name rather than replaced: 0 attempts would call nothing, a negative delay
-        # or fraction means nothing.
-        _at_least(self, 1, "max_attempts")
         _at_least(self, 0, "flush_seconds", "retry_delay_seconds")
         if self.min_flush_seconds is not None:
             _at_least(self, 0, "min_flush_seconds")
-        if not 0.0 <= self.max_failed_fraction <= 1.0:
-            raise ValueError(
-                f"max_failed_fraction must be between 0 and 1, got {self.max_failed_fraction}"
-            )
-        unpriced = (
-            [c for c in self.budget.columns if c not in self.usage_columns] if self.budget else []
-        )
-        if unpriced:
-            raise ValueError(
-                f"the budget prices the token columns {unpriced}, which are not among "
-                f"usage_columns {list(self.usage_columns)}: add them to usage_columns (or name "
-                "the budget's input_tokens / output_tokens after the usage columns you have)"
-            )
 
     def settings(self) -> dict[str, Any]:
-        """The values of these fields (only these, in a subclass too), by name."""
         return {f.name: getattr(self, f.name) for f in fields(AssetSettings)}
 
 
@@ -265,7 +271,7 @@ class LossBound:
         return buffered + self.held // self.batch_rows
 
 
-def _at_least(settings: AssetSettings, least: int, *names: str) -> None:
+def _at_least(settings: RowSettings, least: int, *names: str) -> None:
     for name in names:
         value = getattr(settings, name)
         if value < least:

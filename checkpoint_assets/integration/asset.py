@@ -29,7 +29,12 @@ from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration import run_config
 from checkpoint_assets.integration.advice import advise
-from checkpoint_assets.integration.arguments import AssetArguments, SourceSpec, keyword_arguments_of
+from checkpoint_assets.integration.arguments import (
+    AssetArguments,
+    CommonArguments,
+    SourceSpec,
+    keyword_arguments_of,
+)
 from checkpoint_assets.integration.function import Signature
 from checkpoint_assets.integration.global_resume import global_resume_key, table_path
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
@@ -101,7 +106,7 @@ class Calls:
 
 
 def define(
-    fn: Callable[..., Any], calls: Calls, a: AssetArguments, kinds: set[str] | None = None
+    fn: Callable[..., Any], calls: Calls, a: CommonArguments, kinds: set[str] | None = None
 ) -> dg.AssetsDefinition:
     """The Dagster asset that runs ``calls`` over the shards of ``a.source`` (``fn``: its name
     and docstring)."""

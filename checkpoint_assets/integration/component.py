@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field, create_model
 
 from checkpoint_assets.engine.budget import Budget, Price
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.settings import DOC
+from checkpoint_assets.engine.fields import DOC
 from checkpoint_assets.integration.arguments import AssetArguments
 from checkpoint_assets.integration.asset import checkpointed_asset
 from checkpoint_assets.integration.checks import checkpoint_checks
