@@ -28,7 +28,6 @@ from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration import run_config
-from checkpoint_assets.integration.advice import advise
 from checkpoint_assets.integration.arguments import (
     AssetArguments,
     CommonArguments,
@@ -187,13 +186,13 @@ def define(
                     pending[key] = e  # its other shards are submitted too
                     continue
                 except CheckpointError as e:
-                    raise advise(e) from None
+                    raise e.in_dagster_terms() from None
                 frames.append(frame)
                 stats.append(one)
             if pending:
                 raise end_pending(context, pending)
             if too_many:
-                raise advise(TooManyFailuresError.of_several(too_many))
+                raise TooManyFailuresError.of_several(too_many).in_dagster_terms()
         result = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
         context.add_output_metadata(
             md.materialization(
