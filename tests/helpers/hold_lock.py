@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from checkpoint_assets.engine.lock import Lease
+from checkpoint_assets.engine.loop.lock import Lease
 from checkpoint_assets.engine.storage import open_store
 
 

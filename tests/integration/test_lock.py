@@ -19,7 +19,8 @@ import pytest
 from helpers.jobs import Storage, build_job, tickets
 
 from checkpoint_assets import LockHeldError, OutageError
-from checkpoint_assets.engine import Checkpoint, Settings, lock, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine.loop import lock
 
 HELPERS = Path(__file__).parents[1] / "helpers"
 SETTINGS = Settings(

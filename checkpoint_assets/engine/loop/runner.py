@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from checkpoint_assets.engine import hashing, workers
-from checkpoint_assets.engine.batches import Batch, PerRow, height
-from checkpoint_assets.engine.budget import Spend
-from checkpoint_assets.engine.calls import BatchFn, Caller, Outcome, outage_threshold
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.calls import workers
+from checkpoint_assets.engine.calls.batches import Batch, PerRow, height
+from checkpoint_assets.engine.calls.budget import Spend
+from checkpoint_assets.engine.calls.caller import BatchFn, Caller, Outcome, outage_threshold
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
     BudgetExceededError,
     CheckpointError,
@@ -41,17 +41,18 @@ from checkpoint_assets.engine.errors import (
     OutageError,
     QuotaExhaustedError,
 )
-from checkpoint_assets.engine.lock import Lease, RunWatch
-from checkpoint_assets.engine.opening import Job, Opened, open_run
-from checkpoint_assets.engine.resume import canonical_ids, validate_ids
+from checkpoint_assets.engine.loop.lock import Lease, RunWatch
+from checkpoint_assets.engine.loop.shard_run import ShardRun
+from checkpoint_assets.engine.loop.sink import Logger, MemorySink, PartWriter, Sink
+from checkpoint_assets.engine.plan.opening import Job, Opened, open_run
+from checkpoint_assets.engine.plan.resume import canonical_ids, validate_ids
 from checkpoint_assets.engine.rows import ERROR, INPUT_HASH
-from checkpoint_assets.engine.scheme import Scheme
 from checkpoint_assets.engine.settings import RunStats, Settings
-from checkpoint_assets.engine.shard_run import ShardRun
-from checkpoint_assets.engine.sink import Logger, MemorySink, PartWriter, Sink
+from checkpoint_assets.engine.sharding import hashing
+from checkpoint_assets.engine.sharding.scheme import Scheme
 
 if TYPE_CHECKING:
-    from checkpoint_assets.engine.provider_batches import ProviderJob
+    from checkpoint_assets.engine.providers.provider_batches import ProviderJob
 
 
 def prepare(df: pl.DataFrame, settings: Settings) -> pl.DataFrame:
@@ -97,7 +98,7 @@ def run(
     the run warns (once its stored results are reused) and reports it in ``stats``; when it
     finishes, the checkpoint records this one. None: nothing is compared or recorded.
     ``spend``: the tally of ``settings.budget`` this run adds to (shared by the shards of one
-    run; default: a new one); no call starts once it reaches a limit (see engine/budget.py).
+    run; default: a new one); no call starts once it reaches a limit (see engine/calls/budget.py).
     ``watch``: what the lock's heartbeat asks about runs: whether this one should stop (its run
     is over, its launcher gone), how a live holder's run ended, a dead holder taken over (see
     ``lock.py``).

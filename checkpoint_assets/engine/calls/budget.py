@@ -44,7 +44,7 @@ from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine.batches import Record, RowResult
+from checkpoint_assets.engine.calls.batches import Record, RowResult
 from checkpoint_assets.engine.errors import BudgetExceededError, CheckpointError
 
 PER = 1_000_000  # prices are per million tokens
