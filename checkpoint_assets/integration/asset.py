@@ -22,6 +22,7 @@ from checkpoint_assets.engine.errors import (
     TooManyFailuresError,
 )
 from checkpoint_assets.engine.loop import runner
+from checkpoint_assets.engine.loop.shard_run import ShardRun
 from checkpoint_assets.engine.plan import function_fingerprint
 from checkpoint_assets.engine.plan.global_resume import JOB, shard_rows
 from checkpoint_assets.engine.settings import RunStats, Settings
@@ -98,7 +99,7 @@ class Calls:
     resources: tuple[str, ...]
     code: dict[str, str]
     bind: Callable[[dg.AssetExecutionContext, Any], Any]
-    loop: type[runner.Run] | None = None
+    loop: type[ShardRun] | None = None
     config: type[CheckpointRunConfig] = CheckpointRunConfig
 
 
@@ -260,7 +261,7 @@ def _run_partition(
     imported: pl.DataFrame | None,
     printed: dict[str, str],
     spend: AssetSpend | None,
-    loop: type[runner.Run] | None = None,
+    loop: type[ShardRun] | None = None,
 ) -> tuple[pl.DataFrame, RunStats]:
     """Run one partition's checkpoint over its input rows; returns its result and stats."""
     if config.limit is not None:

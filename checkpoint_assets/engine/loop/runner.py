@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import polars as pl
 
@@ -51,9 +51,6 @@ from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.sharding.scheme import Scheme
 
-if TYPE_CHECKING:
-    from checkpoint_assets.engine.providers.provider_batches import ProviderJob
-
 
 def prepare(df: pl.DataFrame, settings: Settings) -> pl.DataFrame:
     """Validate ids and return id + input columns with each row's ``_input_hash``."""
@@ -68,7 +65,7 @@ def prepare(df: pl.DataFrame, settings: Settings) -> pl.DataFrame:
 
 
 def run(
-    fn: BatchFn | PerRow | ProviderJob,
+    fn: BatchFn | PerRow | Any,  # Any: what ``loop`` takes
     inputs: pl.DataFrame,
     checkpoint: Checkpoint | None,
     settings: Settings,
@@ -82,7 +79,7 @@ def run(
     imported: pl.DataFrame | None = None,
     function_fingerprint: Mapping[str, str] | None = None,
     spend: Spend | None = None,
-    loop: type[Run] | None = None,
+    loop: type[ShardRun] | None = None,
 ) -> tuple[pl.DataFrame, RunStats]:
     """Run ``fn`` over ``inputs`` (already ``prepare()``d) with resume and checkpointing.
 
@@ -106,7 +103,7 @@ def run(
     of a ``ProviderJob`` through a provider's batch API instead of calling ``fn``).
     """
     log = logger or logging.getLogger("checkpoint_assets")
-    work = loop or Run
+    work: type[ShardRun] = loop or Run
     if isinstance(fn, PerRow):
         settings = _one_row_per_call(settings, label)
     stats = RunStats(rows_total=inputs.height)
