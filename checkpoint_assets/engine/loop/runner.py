@@ -6,7 +6,7 @@
     open_run()   take the lock, check the job, load what is stored, plan the rest (opening.py)
     Run.work     call the function on batches of ``batch_size`` rows (threads, or asyncio for an
                  ``async def``, up to ``max_concurrency`` in flight; rate limits in throttle.py;
-                 retries, poison rows, broken functions and outages in calls.py) and hand
+                 retries, poison rows, broken functions and outages in caller.py) and hand
                  results to the sink, which flushes every ``checkpoint_interval`` rows without
                  holding up the calls (sink.py); on any exception, SIGTERM or SIGINT, flush what
                  is done before leaving; no call starts once the lock is lost or the run is over
