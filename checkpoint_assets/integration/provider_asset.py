@@ -13,10 +13,10 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from checkpoint_assets.engine import function_fingerprint
 from checkpoint_assets.engine.fields import required, setting
-from checkpoint_assets.engine.provider_batches import ProviderJob, ProviderRun
-from checkpoint_assets.engine.submissions import BatchProvider
+from checkpoint_assets.engine.plan import function_fingerprint
+from checkpoint_assets.engine.providers.provider_batches import ProviderJob, ProviderRun
+from checkpoint_assets.engine.providers.submissions import BatchProvider
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.arguments import CommonArguments, keyword_arguments_of
 from checkpoint_assets.integration.asset import Calls, define

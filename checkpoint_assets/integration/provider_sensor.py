@@ -24,9 +24,9 @@ from typing import Any, Never
 
 import dagster as dg
 
+from checkpoint_assets.engine.checkpoints.layout import UNPARTITIONED
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.layout import UNPARTITIONED
-from checkpoint_assets.engine.submissions import BatchProvider, State
+from checkpoint_assets.engine.providers.submissions import BatchProvider, State
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.events import records_after
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 from pydantic import Field, model_validator
 
-from checkpoint_assets.engine.budget import LIMITS, Budget, check_limit
+from checkpoint_assets.engine.calls.budget import LIMITS, Budget, check_limit
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.settings import AssetSettings, OnInputChange, Settings
 from checkpoint_assets.integration.models import given, model_of
