@@ -4,8 +4,9 @@ Sequence numbers order everything. A flush takes the next number after the highe
 (the merged file's watermark or any part's ``<last>``), so the order survives restarts and never
 depends on clocks. The merged file records, inside its own Parquet metadata, the highest sequence
 it contains (the watermark): parts at or below it are already merged. That makes finalize
-crash-safe with a single atomic write: merge, write ``<name>.parquet`` (atomic), then delete the
-merged parts; a crash between the two leaves parts that readers skip and the next writer deletes.
+crash-safe with a single atomic write. It merges, writes ``<name>.parquet`` (atomic), then deletes
+the merged parts. A crash between the two leaves parts that readers skip and the next writer
+deletes.
 
 Rows are resolved per id by the rule of ``rows.py``; compaction is described in
 ``compaction.py``.
