@@ -3,8 +3,8 @@
 A backend's low-level failure becomes a ``StorageError`` naming the problem: a missing bucket,
 denied access, rejected or missing credentials, an unreachable endpoint. A missing file
 (``FileNotFoundError``) and an existing one (``FileExistsError``) pass through for the caller to
-handle, except a missing bucket, which s3fs also reports as ``FileNotFoundError`` and which must
-never read as "no checkpoint yet". A failed request changes nothing that is stored.
+handle. A missing bucket is the exception: s3fs also reports it as ``FileNotFoundError``, and it
+must never read as "no checkpoint yet". A failed request changes nothing that is stored.
 """
 
 from __future__ import annotations
@@ -138,8 +138,8 @@ class translate:
     """Turn a backend's low-level failure into a StorageError that says what to fix.
 
     A missing file (FileNotFoundError) and an existing one (FileExistsError) pass through for
-    the caller to handle, except a missing bucket, which s3fs also reports as FileNotFoundError
-    and which must never read as "no checkpoint yet".
+    the caller to handle. A missing bucket is the exception: s3fs also reports it as
+    FileNotFoundError, and it must never read as "no checkpoint yet".
     """
 
     def __init__(self, store: Store, path: str, action: str) -> None:
