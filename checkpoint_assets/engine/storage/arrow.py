@@ -3,9 +3,9 @@ counted in the store (``requests``, ``bytes_read``) like any other request.
 
 fsspec's own file objects read ahead: s3fs fetches 50 MiB past each read. Through them, a shard's
 scan of a stored source would fetch far more than its row groups, and nothing would count it.
-pyarrow's Parquet reader already asks for the byte ranges it needs, coalesced (``pre_buffer``:
-ranges less than 8 KiB apart become one). So each read it makes is worth exactly one request. A
-file's size is asked once (a HEAD), however often it is opened.
+The Parquet reader of pyarrow already asks for the byte ranges it needs, coalesced
+(``pre_buffer``: ranges less than 8 KiB apart become one). So each read it makes is worth exactly
+one request. A file's size is asked once (a HEAD), however often it is opened.
 """
 
 from __future__ import annotations
