@@ -35,10 +35,15 @@ def status(base_dir: str | None, as_json: bool, options: dict[str, Any]) -> None
     in unmerged parts too (a run that was interrupted before it finished). Usage is the sum of
     each of the asset's usage_columns over the stored rows (tokens, cost).
 
-    With --json each checkpoint is an object with asset, tag, partition, rows_ok, rows_failed,
-    parts, bytes, last_write (ISO 8601, UTC), lock (the holder, or null), lock_stale (why the
-    holder is dead, so that the next writer takes the lock over, or null), usage (column: sum)
-    and error (why the checkpoint could not be read, or null).
+    With --json each checkpoint is an object with these keys:
+
+    \b
+    - asset, tag, partition, rows_ok, rows_failed, parts, bytes;
+    - last_write: ISO 8601, UTC;
+    - lock: the holder, or null;
+    - lock_stale: why the holder is dead, so that the next writer takes the lock over, or null;
+    - usage: the sum of each usage column, by column;
+    - error: why the checkpoint could not be read, or null.
     """
     if base_dir is None:
         home = os.environ.get("DAGSTER_HOME")
