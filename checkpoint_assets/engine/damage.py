@@ -65,17 +65,17 @@ class Damage:
     def remedy_without_meta(self) -> str:
         return (
             "Restore the meta file if you have a copy. Otherwise run "
-            f"{self.command('repair')}: the meta file is the only record of the job that wrote "
-            "the rows, so it cannot be rebuilt; repair moves the checkpoint's files aside to "
-            f"{self.store.display(self.files.quarantine)}/ (keeping their rows there) and the "
-            "next run computes every row again."
+            f"{self.command('repair')}. The meta file is the only record of the job that wrote "
+            "the rows, so it cannot be rebuilt. Repair moves the checkpoint's files aside to "
+            f"{self.store.display(self.files.quarantine)}/, keeping their rows there. The next "
+            "run computes every row again."
         )
 
     def remedy_merged(self) -> str:
         return (
             f"Run {self.command('verify')} to see every problem, then {self.command('repair')}"
-            ": it rebuilds the checkpoint from what is readable and keeps the damaged file in "
-            f"{self.store.display(self.files.quarantine)}/; the rows lost with it are computed "
+            ". Repair rebuilds the checkpoint from what is readable and keeps the damaged file in "
+            f"{self.store.display(self.files.quarantine)}/. The rows lost with it are computed "
             "again on the next run."
         )
 

@@ -97,9 +97,9 @@ class AssetSettings:
     )
     budget: Budget | None = setting(
         None,
-        "A Budget: prices per model read against two of the usage_columns, so each "
-        "materialization records its cost, and the spend limits max_run_cost and max_asset_cost "
-        "(every shard and run) that stop new calls with BudgetExceededError when reached.",
+        "A Budget: prices per model, read against two of the usage_columns, so each "
+        "materialization records its cost. Its spend limits, max_run_cost and max_asset_cost "
+        "(every shard and run), stop new calls with BudgetExceededError when reached.",
     )
 
     def __post_init__(self) -> None:

@@ -76,7 +76,7 @@ def why_code(code: str) -> str | None:
     if code in _THROTTLED:
         return (
             f"the store kept throttling requests ({code}) after several attempts with back-off; "
-            "run again later (it resumes), and if it persists raise min_flush_seconds or "
+            "run again later (it resumes). If it persists, raise min_flush_seconds or "
             "checkpoint_interval, run fewer shards at once under one prefix, or raise "
             "config_kwargs.retries.max_attempts in storage_options"
         )
@@ -104,7 +104,7 @@ def _why(store: Store, exc: BaseException) -> str | None:
     if any(isinstance(e, OSError) and e.errno in full for e in chain(exc)):
         return (
             "no space left on the device (or the disk quota is used up); free some space or "
-            "point base_dir at a larger disk, then run again: it resumes from what was stored"
+            "point base_dir at a larger disk. Then run again: it resumes from what was stored"
         )
     errnos = {getattr(e, "errno", None) for e in chain(exc)}
     if errno.EROFS in errnos:
@@ -177,8 +177,8 @@ def refused(store: Store, path: str, exc: OSError, action: str) -> StorageError:
         what = f"the folder {failed}" if action == "creating the folder" else "a file"
         why = (
             f"the operating system refused to create {what} in {_nearest_existing(failed)}, "
-            "which exists but takes nothing new (a virtual file system such as /proc or /sys); "
-            "point base_dir at a folder on a writable disk"
+            "which exists but takes nothing new (a virtual file system such as /proc or /sys). "
+            "Point base_dir at a folder on a writable disk"
         )
     reason = errno.errorcode.get(exc.errno or 0, "")
     said = f"{type(exc).__name__}: {reason + ' ' if reason else ''}{exc.strerror or exc}"
