@@ -69,8 +69,8 @@ EXACT_FLOATS_KEY = "floats_as_text"
 def value_text(column: str, dtype: pl.DataType, *, hash_format: int = HASH_FORMAT) -> pl.Expr:
     """The canonical text of a column's values (see the module docstring).
 
-    ``hash_format=1``: the text of earlier versions, where NaN, infinities and null inside nested
-    values were all JSON's ``null`` (used only to recognise rows stored by them).
+    ``hash_format=1``: the text of format 1, where NaN, infinities and null inside nested values
+    are all JSON's ``null``. It serves only to recognise rows stored in that format.
     """
     if dtype == pl.String:
         return pl.col(column)
@@ -230,7 +230,7 @@ def row_hashes(
 ) -> np.ndarray:
     """The input hash of each row over ``columns`` (id first, then the input columns).
 
-    ``hash_format=1``: as earlier versions computed it (see ``value_text``).
+    ``hash_format=1``: the hash of format 1 (see ``value_text``).
     """
     exprs = [
         pl.when(pl.col(c).is_null())

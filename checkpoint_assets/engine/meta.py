@@ -41,12 +41,12 @@ class Meta:
     usage: dict[str, float] = field(default_factory=dict)  # usage_columns summed, same time
     finalized_at: float | None = None
     format_version: int = FORMAT_VERSION
-    # The oldest input hash format its rows may carry (see ``hashing.py``): a meta without it
-    # was written by versions whose format 1 could not tell NaN, infinities and null apart inside
-    # nested values. It stays 1 while the checkpoint lives, since rows of that format remain.
+    # The oldest input hash format its rows may carry (see ``hashing.py``). A meta without it
+    # holds rows of format 1, which cannot tell NaN, infinities and null apart inside nested
+    # values. It stays 1 while the checkpoint lives, since rows of that format remain.
     input_hash_format: int = HASH_FORMAT
     # The fingerprint of the function of the last finished run (``function_fingerprint.py``):
-    # None in metas of earlier versions, and when the run was given none.
+    # None in older metas, and when the run was given none.
     function_fingerprint: dict[str, str] | None = None
 
     def to_json(self) -> bytes:

@@ -110,7 +110,7 @@ class Scheme:
             return cls("shard", shard=shard, key=shard.key)
         if kind == "partition":
             return cls("partition", key=str(data.get("key")))
-        return cls("unpartitioned")  # "all" in checkpoints written before this name
+        return cls("unpartitioned")  # older checkpoints record it as "all"
 
 
 def rule_changed(stored: Scheme | None, current: Scheme | None) -> bool:
