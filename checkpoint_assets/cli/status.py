@@ -56,8 +56,8 @@ def status(base_dir: str | None, as_json: bool, options: dict[str, Any]) -> None
     store = open_store(base_dir, options)
     listing = store.list_recursive(store.root)  # one listing for every checkpoint's files
     by_name = layout.files_by_name(((f.path, f) for f in listing), store.root)
-    # Each checkpoint costs a request or more (its meta; parts and lock when it has them): read
-    # one after the other, a thousand shards on an object store would take a thousand round trips.
+    # Each checkpoint costs a request or more: its meta, and its parts and lock when it has them.
+    # Read one after the other, a thousand shards on an object store take a thousand round trips.
     with ThreadPoolExecutor(STATUS_READERS) as pool:
         summaries = list(pool.map(lambda item: _summary(store, *item), by_name.items()))
     if as_json:

@@ -179,9 +179,9 @@ class Checkpoint:
         while True:  # again after a part is moved aside: parts it covered are live again
             live, redundant = _split(listed)
             parts = [p for p in live if p.last > watermark]
-            # A part covered by another (compaction's input left by a crash, usually) is read
-            # too: the part covering it may be one that a run wrote under the same flush number
-            # after a listing that missed this one, holding other rows.
+            # A part covered by another is read too. It is usually compaction's input, left by a
+            # crash. But the part covering it may hold other rows: a run may have written it
+            # under the same flush number, after a listing that missed this one.
             covered = [p for p in redundant if p.last > watermark]
             damaged = self._read_parts(
                 parts + covered, base_seq, id_column, outputs, frames_of, quarantine

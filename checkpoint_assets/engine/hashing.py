@@ -61,7 +61,7 @@ _SEED = np.uint64(0xC4EC)  # "checkpoint": the fold's starting value
 _CHUNK_ROWS = 1 << 20
 _SPACE = 1 << 64  # the hash space
 MAX_SHARDS = (1 << 32) - 1  # keeps the exact shard arithmetic within uint64
-# The input hash format: 2 tells NaN, infinities and null apart inside nested values; 1 did not.
+# The input hash format: 2 tells NaN, infinities and null apart inside nested values; 1 does not.
 HASH_FORMAT = 2
 EXACT_FLOATS_KEY = "floats_as_text"
 
@@ -90,9 +90,9 @@ def value_text(column: str, dtype: pl.DataType, *, hash_format: int = HASH_FORMA
     text = pl.struct(_rewrite(value, dtype, _as_hex).alias("v")).struct.json_encode()
     if hash_format < 2 or not _holds(dtype, _is_float):
         return text
-    # JSON has no NaN or infinity: polars writes them as null. A value holding one (or a null
-    # float, which the earlier text could not tell from them) has every float inside it as text,
-    # under another key, so the text of every other value stays as it was.
+    # JSON has no NaN or infinity: polars writes them as null. A value holding one, or a null
+    # float, has every float inside it as text, under another key. (Format 1 cannot tell these
+    # apart.) So the text of every other value stays as it is in format 1.
     exact = pl.struct(_rewrite(value, dtype, _as_exact_text).alias(EXACT_FLOATS_KEY))
     return (
         pl.when(_any_unclear_float(value, dtype)).then(exact.struct.json_encode()).otherwise(text)

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from checkpoint_assets.engine.layout import Files
     from checkpoint_assets.engine.storage import Store
 
-# Bumped with every new key (2: function_fingerprint): a reader refuses a newer format by name
-# (``NewerFormatError``) instead of calling it corrupt, or dropping keys it does not know when it
+# Bumped with every new key (2: function_fingerprint). A reader refuses a newer format by name
+# (``NewerFormatError``). It neither calls it corrupt nor drops keys it does not know when it
 # writes meta again. Meta is always written in the writer's own format.
 FORMAT_VERSION = 2
 
