@@ -203,9 +203,9 @@ class Settings(AssetSettings):
         """The most a hard kill (SIGKILL, a lost node) can lose: rows computed whose results
         are not durable yet, which a later run computes again (see ``engine/sink.py``).
 
-        ``rows_per_second`` matters only with a minimum time between flushes
-        (``min_flush_seconds``, or ``store_min_flush_seconds`` when that is None: 5 s on
-        object stores): the buffer then holds the rows of that time.
+        ``rows_per_second`` matters only with a minimum time between flushes. That is
+        ``min_flush_seconds``, or ``store_min_flush_seconds`` when it is None (5 s on object
+        stores). The buffer then holds the rows of that time.
 
         >>> Settings("id", checkpoint_interval=64, batch_size=1, max_concurrency=32).loss_bound()
         LossBound(buffered=160, writing=160, held=40, batch_rows=1)
