@@ -33,7 +33,7 @@ def checkpoint_checks(asset: dg.AssetsDefinition) -> list[dg.AssetChecksDefiniti
       reports the ids never computed, with severity ERROR (after a run with ``limit``, say, or
       new input rows). It reports the ids stored as failed, with severity WARN when those are
       the only gap.
-    - ``failed_rows`` passes when no row of the partition is stored as failed; it reports their
+    - ``failed_rows`` passes when no row of the partition is stored as failed. It reports their
       count, fraction and the most frequent errors with sample ids (severity WARN).
 
     Example::

@@ -197,8 +197,9 @@ def _failed_runs_of(
     of each partition's latest attempt without a materialization comes from one query. Dagster's
     own partition status is computed with that query, and every event log storage implements it.
 
-    A run that Dagster's own run retries will re-execute (``dagster/will_retry``, retry not yet
-    launched) is left to them: retrying it here too would run the shard twice. A run that
+    A run that Dagster's own run retries will re-execute is left to them. Such a run is tagged
+    ``dagster/will_retry``, its retry not yet launched. Retrying it here too would run the shard
+    twice. A run that
     submitted provider batches and ended (``pending.PENDING_TAG``) did not fail: its partition
     is ``provider_batches_sensor``'s.
     """

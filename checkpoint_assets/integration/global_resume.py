@@ -1,6 +1,6 @@
 """``global_resume_asset``: reconcile finished rows across every shard scheme of an asset.
 
-The built asset reads storage directly and depends on the checkpointed asset for lineage only,
+The built asset reads storage directly. It depends on the checkpointed asset for lineage only,
 so it can be materialized before any shard of a new scheme exists. It builds one table per
 checkpoint tag, since tags never mix: ``<asset>_global_resume/<tag>.parquet``. That is where the
 IO manager would store a partition ``<tag>`` of it. The table is streamed in the keyed layout of

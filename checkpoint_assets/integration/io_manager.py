@@ -124,8 +124,11 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
         return os.path.abspath(".checkpoints")
 
     def store(self) -> Store:
-        """The store under ``base_dir``; one for the IO manager's life (Dagster makes one per
-        run), so that a run's reads and writes are counted in one place."""
+        """The store under ``base_dir``, one for the IO manager's life.
+
+        Dagster makes one IO manager per run, so a run's reads and writes are counted in one
+        place.
+        """
         if self._store is None:
             self._store = self._open()
         return self._store

@@ -1,7 +1,7 @@
 """Shard partitions: a plain ``StaticPartitionsDefinition`` whose keys say ``<i>-of-<n>``.
 
-Dagster rejects custom ``PartitionsDefinition`` subclasses and rebuilds static ones from a
-snapshot in the webserver and daemon, so everything a shard needs is in its key (see
+Dagster rejects custom ``PartitionsDefinition`` subclasses. It rebuilds static ones from a
+snapshot in the webserver and daemon. So everything a shard needs is in its key (see
 ``checkpoint_assets.engine.scheme``).
 """
 

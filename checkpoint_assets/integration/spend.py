@@ -65,8 +65,11 @@ class AssetSpend:
         self._current, self._shown = partition, 0.0
 
     def refresh(self) -> None:
-        """While a shard runs, with ``max_asset_cost``: show what it spent so far to the other
-        shards (an observation, only when it changed) and take what they spent meanwhile."""
+        """While a shard runs, with ``max_asset_cost``: exchange spend with the other shards.
+
+        Show what this shard spent so far (an observation, only when it changed). Take what the
+        others spent meanwhile.
+        """
         cost = self.spend.spent - self._mark[0]
         key = self._current or ""
         if cost > self._shown:
