@@ -63,8 +63,10 @@ class Found:
 
 
 def checkpoint_names(store: Store, folder: str) -> list[str]:
-    """Names (relative to the store root) of the checkpoints in ``folder``, one tag's folder;
-    not those of another asset whose key continues the path (``a`` and ``a/default``)."""
+    """Names (relative to the store root) of the checkpoints in ``folder``, one tag's folder.
+
+    Those of another asset whose key continues the path are left out (``a`` and ``a/default``).
+    """
     return _names(store, folder, folder.count("/") + 1)
 
 
@@ -115,8 +117,9 @@ def write_table(store: Store, folder: str, id_column: str, path: str) -> tuple[i
 
 def _newest(id_column: str, by_order: list[Checkpoint]) -> Callable[[pl.DataFrame], pl.DataFrame]:
     """One row per id of a bucket: that of the newest finalized checkpoint (``by_order``: the
-    checkpoints by ``_ORDER``). Ids are unique within each one: one that is not is corrupt,
-    said as ``load`` says it (its merged file was read a row group at a time, unchecked)."""
+    checkpoints by ``_ORDER``). Ids are unique within each one. One that is not is corrupt,
+    said as ``load`` says it. (Its merged file was read a row group at a time, unchecked.)
+    """
 
     def resolve(rows: pl.DataFrame) -> pl.DataFrame:
         rows = rows.sort(_ORDER, maintain_order=True)

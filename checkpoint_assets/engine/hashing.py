@@ -1,6 +1,6 @@
 """Stable, vectorised hashes: shard assignment, per-row input hashes, fingerprints.
 
-Everything here is specified by bytes, not by a library's internal hash, so the same data gives
+Everything here is specified by bytes, not by a library's internal hash. So the same data gives
 the same values on every machine, version and process (``tests/engine/test_hashing.py`` pins
 them):
 

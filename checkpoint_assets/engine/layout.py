@@ -154,8 +154,11 @@ def names_in(paths: Iterable[str], root: str) -> list[str]:
 
 
 def files_by_name(paths: Iterable[tuple[str, T]], root: str) -> dict[str, list[T]]:
-    """Group listed files (``(full path, info)`` pairs) by the checkpoint that owns them, in one
-    pass: comparing each file with each checkpoint would take minutes for thousands of shards."""
+    """Group listed files (``(full path, info)`` pairs) by the checkpoint that owns them.
+
+    It takes one pass. Comparing each file with each checkpoint would take minutes for
+    thousands of shards.
+    """
     listing = list(paths)
     found: dict[str, list[T]] = {name: [] for name in names_in((p for p, _ in listing), root)}
     by_merged = {posixpath.join(root, name) + MERGED: name for name in found}

@@ -109,8 +109,11 @@ class MetaFile:
         )
 
     def required(self) -> Meta:
-        """The meta file, for a command that needs it; else a ``CheckpointError`` saying what
-        is missing and what to do (restore it or ``repair``; or that there is no checkpoint)."""
+        """The meta file, for a command that needs it.
+
+        Without it, a ``CheckpointError`` says what is missing and what to do: restore it, or
+        run ``repair``. Or it says that there is no checkpoint.
+        """
         meta = self.read()
         if meta is None:
             data = self.data_files()

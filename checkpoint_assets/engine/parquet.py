@@ -41,7 +41,8 @@ def encode(
     """Parquet bytes of ``rows``: a part (``part=True``) or a merged file.
 
     Strings are stored as Arrow string views (polars' own layout), which read back into polars
-    without a copy; where pyarrow cannot write views (some nested columns), as plain strings.
+    without a copy. Where pyarrow cannot write views (some nested columns), they are plain
+    strings.
 
     - ``distinct``: columns whose values are (nearly) all different, the ids. They are written
       without a dictionary, which pyarrow would build and then drop. Integer ones are
@@ -141,8 +142,11 @@ def decode_groups(raw: bytes) -> Iterator[pl.DataFrame]:
 def _open(
     raw: bytes,
 ) -> tuple[pq.ParquetFile, list[str], Callable[[pl.DataFrame], pl.DataFrame]]:
-    """The file of ``raw`` (its pages checked as read), the columns to read from it, and what
-    completes a frame of them: the constant columns (``decode``), in the file's order."""
+    """The file of ``raw`` (its pages checked as read), the columns to read from it, and more.
+
+    The third item completes a frame of those columns: the constant columns (``decode``), in the
+    file's order.
+    """
     file = pq.ParquetFile(pa.BufferReader(raw), pre_buffer=False, page_checksum_verification=True)
     names = file.schema_arrow.names
     constants = _constants(raw, file)
@@ -209,8 +213,8 @@ def _groups(file: pq.ParquetFile, columns: list[str]) -> Iterator[pl.DataFrame]:
 def _constants(raw: bytes, file: pq.ParquetFile) -> dict[str, object]:
     """The columns of ``file`` (``raw``) that hold one value, or only nulls, in every row.
 
-    The candidates come from the statistics; each is then read, a row group at a time (its pages
-    checked), and kept only if every value equals the candidate's. Strings are read as
+    The candidates come from the statistics. Each is then read, a row group at a time (its pages
+    checked). It is kept only if every value equals the candidate's. Strings are read as
     dictionaries: 4 bytes a row instead of a 16-byte view. Read before the other columns, these
     short-lived buffers leave no gaps among the ones that stay.
     """

@@ -123,8 +123,10 @@ class BatchProvider(Protocol):
         ...
 
     def find(self, tag: str, since: float) -> str | None:
-        """The id of the batch created with ``tag`` at or after ``since`` (seconds since the
-        epoch, a little before the tag was recorded), or None if there is none."""
+        """The id of the batch created with ``tag`` at or after ``since``, or None if there is none.
+
+        ``since`` is in seconds since the epoch, a little before the tag was recorded.
+        """
         ...
 
     def poll(self, batch_id: str) -> Status:
