@@ -1,5 +1,7 @@
-"""pyarrow's view of a store, for lazy scans of stored Parquet: every read is one ranged GET,
-counted in the store (``requests``, ``bytes_read``) like any other request.
+"""pyarrow's view of a store, for lazy scans of stored Parquet.
+
+Every read is one ranged GET, counted in the store (``requests``, ``bytes_read``) like any other
+request.
 
 fsspec's own file objects read ahead: s3fs fetches 50 MiB past each read. Through them, a shard's
 scan of a stored source would fetch far more than its row groups, and nothing would count it.

@@ -121,8 +121,11 @@ class Store:
 
     @contextlib.contextmanager
     def put_file(self, path: str) -> Iterator[str]:
-        """A local file to write ``path``'s content into (by a writer that streams, such as
-        polars' ``sink_parquet``); stored whole when the block ends, never when it raises."""
+        """A local file to write ``path``'s content into, for a writer that streams.
+
+        Polars' ``sink_parquet`` is such a writer. The file is stored whole when the block ends,
+        never when it raises.
+        """
         fd, local = tempfile.mkstemp(suffix=".parquet")
         os.close(fd)
         try:

@@ -168,9 +168,10 @@ class translate:
 
 def refused(store: Store, path: str, exc: OSError, action: str) -> StorageError:
     """The error for a file or folder the operating system would not create, while ``action``
-    ``path``: the path, the OS's reason, and what to do. A missing parent that cannot be made
-    (under ``/proc`` the OS answers ENOENT, under ``/sys`` EPERM, even to root) is said as such,
-    not as a missing file."""
+    ``path``: the path, the OS's reason, and what to do. A missing parent that cannot be made is
+    said as such, not as a missing file. (Under ``/proc`` the OS answers ENOENT, under ``/sys``
+    EPERM, even to root.)
+    """
     why = _why(store, exc)
     if why is None:
         failed = str(exc.filename or path)
