@@ -1,7 +1,7 @@
 """One checkpoint on storage: its files (see ``layout.py``), read, merged, compacted, finalized.
 
-Sequence numbers order everything. A flush takes the next number after the highest one on storage
-(the merged file's watermark or any part's ``<last>``), so the order survives restarts and never
+Sequence numbers order everything. A flush takes the next number after the highest one on storage:
+the merged file's watermark or any part's ``<last>``. So the order survives restarts and never
 depends on clocks. The merged file records, inside its own Parquet metadata, the highest sequence
 it contains (the watermark): parts at or below it are already merged. That makes finalize
 crash-safe with a single atomic write. It merges, writes ``<name>.parquet`` (atomic), then deletes
@@ -11,7 +11,7 @@ deletes.
 Rows are resolved per id by the rule of ``rows.py``; compaction is described in
 ``compaction.py``.
 
-Damaged files (what is said about them, the quarantine they go to) are ``damage.py``'s; parts
+Damaged files (what is said about them, the quarantine they go to) are ``damage.py``'s. Parts
 missing from a listing that lags behind writes (gaps in the flush numbers) are ``gaps.py``'s.
 """
 
@@ -164,8 +164,8 @@ class Checkpoint:
         """Read the merged file and every part above its watermark, resolved to one row per id.
 
         ``outputs``, the job's output columns when known, must be in every file with successes.
-        ``quarantine``: the caller holds the lock, so an unreadable part is moved aside with a
-        warning on this logger and its rows count as not done; without it, it raises. An
+        ``quarantine``: the caller holds the lock. So an unreadable part is moved aside with a
+        warning on this logger, and its rows count as not done. Without it, it raises. An
         unreadable merged file always raises (see ``damage.py``). A listing that leaves
         a gap in the sequence raises ``StorageError`` unless ``accept_gaps`` (``Stored.gaps``).
         """
@@ -387,8 +387,8 @@ def _since(frame: pl.DataFrame, base_seq: int) -> pl.DataFrame:
 def _marks(ids: pl.Series, current_ids: pl.Series) -> pl.Expr:
     """``_current`` for each stored id: is it in this run's input?
 
-    An expression, not a Series: a new Series of one chunk beside columns read in many would make
-    the next ``select`` copy every column into one chunk.
+    An expression, not a Series. A new Series of one chunk, beside columns read in many, would
+    make the next ``select`` copy every column into one chunk.
     """
     if ids.equals(current_ids):  # stored in the input's order: every row is current
         return pl.lit(True).alias(CURRENT)
