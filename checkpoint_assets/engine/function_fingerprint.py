@@ -11,9 +11,9 @@ named parts, each a 32-hex-digit BLAKE3 digest, so a change can be named:
   blank lines, formatting and docstrings do not count. Without readable source (a function made
   by ``exec``, a frozen app), it is the bytecode instead. That is ``co_code``, ``co_names`` and
   ``co_consts``, recursively into nested code objects; it changes with the Python version.
-- ``constant:NAME``: a module-level constant or closure variable the function names (a prompt
-  kept in ``PROMPT = "..."``): str, bytes, numbers, bools, None, and tuples of them, by
-  ``repr``. Helper functions it calls are not followed.
+- ``constant:NAME``: a module-level constant or closure variable the function names, such as a
+  prompt kept in ``PROMPT = "..."``. It counts str, bytes, numbers, bools, None, and tuples of
+  them, by ``repr``. Helper functions it calls are not followed.
 - ``resource:KEY.SETTING``: each entry of ``checkpoint_fingerprint()`` of a resource the function
   takes (model, temperature, never secrets), as canonical JSON.
 """

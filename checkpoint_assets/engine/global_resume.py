@@ -1,7 +1,7 @@
 """Global resume: finished rows of other checkpoints of an asset, whatever their shard scheme.
 
-After a change of shard count (8 -> 16, 16 -> 4, unpartitioned -> sharded) a row's finished result
-may sit in a checkpoint of the old scheme. Two ways to find it:
+The shard count may change: 8 -> 16, 16 -> 4, unpartitioned -> sharded. A row's finished result
+may then sit in a checkpoint of the old scheme. Two ways to find it:
 
 - ``shard_rows``, for a run of range shards. Every shard is one contiguous range of the hash
   space. So a shard of the new count reads only the checkpoints of each earlier count whose

@@ -36,7 +36,7 @@ them):
   instead of a value's hash. The input hash is stored with each result and detects changed
   inputs per row.
 - A partition's input fingerprint is BLAKE3 over the row count and the sum and xor of its row
-  hashes (order-independent, so re-ordering the input is not a change).
+  hashes. It ignores order, so re-ordering the input is not a change.
 - A job fingerprint is BLAKE3 over a canonical JSON of the settings that change results.
 
 Row hashes use XXH3 rather than BLAKE3. A 64-bit hash of either has the same chance of missing a
@@ -212,8 +212,8 @@ def overlapping(index: int, n: int, other: int) -> range:
 def shard_key(column: str, dtype: pl.DataType) -> pl.Expr:
     """The shard key of each id in ``column`` (``h - 2**63`` as Int64), computed by polars.
 
-    A null id has key ``-2**63`` (``h = 0``), as ``shard_of`` puts it in shard 0: the shard's
-    run then reports it rather than losing it.
+    A null id has key ``-2**63`` (``h = 0``), as ``shard_of`` puts it in shard 0. The shard's run
+    then reports it rather than losing it.
     """
     flipped = _text_hash(column, dtype).fill_null(0) ^ pl.lit(1 << 63, pl.UInt64)
     return flipped.reinterpret(signed=True)

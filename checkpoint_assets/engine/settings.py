@@ -200,8 +200,10 @@ class Settings(AssetSettings):
     def loss_bound(
         self, rows_per_second: float = 0.0, store_min_flush_seconds: float = 0.0
     ) -> LossBound:
-        """The most a hard kill (SIGKILL, a lost node) can lose: rows computed whose results
-        are not durable yet, which a later run computes again (see ``engine/sink.py``).
+        """The most a hard kill (SIGKILL, a lost node) can lose.
+
+        That is the rows computed whose results are not durable yet. A later run computes them
+        again (see ``engine/sink.py``).
 
         ``rows_per_second`` matters only with a minimum time between flushes. That is
         ``min_flush_seconds``, or ``store_min_flush_seconds`` when it is None (5 s on object
