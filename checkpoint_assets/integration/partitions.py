@@ -17,9 +17,10 @@ def shard_partitions(n: int) -> dg.StaticPartitionsDefinition:
     """Partitions that split an input into ``n`` shards by a stable hash of each row's id.
 
     Keys are ``"<i>-of-<n>"`` with ``i`` zero-padded to the width of ``n``. A row belongs to
-    shard ``floor(xxh3_64(str(id)) * n / 2**64)`` (see ``checkpoint_assets.engine.sharding.hashing``).
-    Each shard is one contiguous range of the hash space. A row never moves between shards when
-    the input is reordered, grows, shrinks, or is limited.
+    shard ``floor(xxh3_64(str(id)) * n / 2**64)``
+    (see ``checkpoint_assets.engine.sharding.hashing``). Each shard is one contiguous range of
+    the hash space. A row never moves between shards when the input is reordered, grows,
+    shrinks, or is limited.
 
     Examples:
         >>> shard_partitions(16).get_partition_keys()[:2]
