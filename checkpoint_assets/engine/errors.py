@@ -1,11 +1,11 @@
 """Errors raised by the checkpoint engine.
 
 Each error carries the facts of what happened (ids, paths, fingerprints) as attributes, and a
-``remedy``: what to do. Each class declares its own remedy twice: in the engine's terms
-(``engine_remedy``: settings, the CLI) and in Dagster's (``dagster_remedy``: run config keys,
-``code_version``, the sensor), which the Dagster layer asks for with
+``remedy``: what to do. Each class words its own remedy twice. ``engine_remedy`` is in the
+engine's terms (settings, the CLI). ``dagster_remedy`` is in Dagster's (run config keys,
+``code_version``, the sensor); the Dagster layer asks for it with
 :meth:`CheckpointError.in_dagster_terms`. A remedy given where the error is raised (``advise``)
-says more than the class's and is kept in both. The message a user reads is always ``what
+says more than the class's, so it is kept in both. The message a user reads is always ``what
 happened`` followed by ``what to do``. The failing operation never touches stored work.
 """
 
