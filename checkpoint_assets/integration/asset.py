@@ -12,24 +12,31 @@ from typing import Any
 import dagster as dg
 import polars as pl
 
-from checkpoint_assets.engine import function_fingerprint, hashing, runner
-from checkpoint_assets.engine.budget import Spend
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.calls.budget import Spend
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.layout import DEFAULT_TAG, asset_folder
 from checkpoint_assets.engine.errors import (
     BatchesPendingError,
     CheckpointError,
     RunStoppedError,
     TooManyFailuresError,
 )
-from checkpoint_assets.engine.global_resume import JOB, shard_rows
-from checkpoint_assets.engine.layout import DEFAULT_TAG, asset_folder
-from checkpoint_assets.engine.scheme import Scheme, Shard, rows_in
+from checkpoint_assets.engine.loop import runner
+from checkpoint_assets.engine.loop.shard_run import ShardRun
+from checkpoint_assets.engine.plan import function_fingerprint
+from checkpoint_assets.engine.plan.global_resume import JOB, shard_rows
 from checkpoint_assets.engine.settings import RunStats, Settings
+from checkpoint_assets.engine.sharding import hashing
+from checkpoint_assets.engine.sharding.scheme import Scheme, Shard, rows_in
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration import run_config
-from checkpoint_assets.integration.advice import advise
-from checkpoint_assets.integration.arguments import AssetArguments, SourceSpec, keyword_arguments_of
+from checkpoint_assets.integration.arguments import (
+    AssetArguments,
+    CommonArguments,
+    SourceSpec,
+    keyword_arguments_of,
+)
 from checkpoint_assets.integration.function import Signature
 from checkpoint_assets.integration.global_resume import global_resume_key, table_path
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
@@ -96,12 +103,12 @@ class Calls:
     resources: tuple[str, ...]
     code: dict[str, str]
     bind: Callable[[dg.AssetExecutionContext, Any], Any]
-    loop: type[runner.Run] | None = None
+    loop: type[ShardRun] | None = None
     config: type[CheckpointRunConfig] = CheckpointRunConfig
 
 
 def define(
-    fn: Callable[..., Any], calls: Calls, a: AssetArguments, kinds: set[str] | None = None
+    fn: Callable[..., Any], calls: Calls, a: CommonArguments, kinds: set[str] | None = None
 ) -> dg.AssetsDefinition:
     """The Dagster asset that runs ``calls`` over the shards of ``a.source`` (``fn``: its name
     and docstring)."""
@@ -182,13 +189,13 @@ def define(
                     pending[key] = e  # its other shards are submitted too
                     continue
                 except CheckpointError as e:
-                    raise advise(e) from None
+                    raise e.in_dagster_terms() from None
                 frames.append(frame)
                 stats.append(one)
             if pending:
                 raise end_pending(context, pending)
             if too_many:
-                raise advise(TooManyFailuresError.of_several(too_many))
+                raise TooManyFailuresError.of_several(too_many).in_dagster_terms()
         result = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
         context.add_output_metadata(
             md.materialization(
@@ -258,7 +265,7 @@ def _run_partition(
     imported: pl.DataFrame | None,
     printed: dict[str, str],
     spend: AssetSpend | None,
-    loop: type[runner.Run] | None = None,
+    loop: type[ShardRun] | None = None,
 ) -> tuple[pl.DataFrame, RunStats]:
     """Run one partition's checkpoint over its input rows; returns its result and stats."""
     if config.limit is not None:

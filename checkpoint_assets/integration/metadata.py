@@ -11,7 +11,7 @@ from typing import Any
 import dagster as dg
 import polars as pl
 
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
     BudgetExceededError,
     CheckpointError,
@@ -28,6 +28,8 @@ from checkpoint_assets.engine.storage.base import Usage
 ID_COLUMN = "checkpoint_assets/id_column"
 SOURCE = "checkpoint_assets/source"
 RETRY_FAILED = "checkpoint_assets/retry_failed"
+PROVIDER = "checkpoint_assets/provider"  # a provider batch asset's resource key
+ENDPOINT = "checkpoint_assets/endpoint"  # and its endpoint, when it names one
 GLOBAL_RESUME_OF = "checkpoint_assets/global_resume_of"
 
 # Materialization metadata (besides the counts of ``COUNTS``).
