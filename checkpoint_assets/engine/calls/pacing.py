@@ -200,14 +200,10 @@ class _Bucket:
         _, at, remaining, own, refused_then = last
         dt = max(ticket.at - at, 0.0)
         regained = self.rate * dt
-        own_drew = (own_now - own) - (refused_now - refused_then)
         if remaining + regained >= self.cap:
-            # Full in between: what the key lacks now is all that shows of its draw (less than
-            # it drew). A share measured low, whether others ended or a hiccup misled it, then
-            # rises within a few answers instead of holding while the budget goes unused.
-            key_drew = self.cap - stated.remaining
-        else:
-            key_drew = remaining + regained - stated.remaining
+            return  # full in between: what the key drew is hidden by the cap
+        key_drew = remaining + regained - stated.remaining
+        own_drew = (own_now - own) - (refused_now - refused_then)
         decay = math.exp(-dt / _SHARE_SECONDS)
         self.key_sum = self.key_sum * decay + max(key_drew, 0.0)
         self.own_sum = self.own_sum * decay + max(own_drew, 0.0)
