@@ -55,7 +55,7 @@ def build(base_dir: str, folder: str, rows: int, count: int) -> None:
             checkpoint,
             config,
             job=data.JOB,
-            scheme=scheme,
+            context=runner.RunContext(scheme=scheme),
         )
 
 

@@ -32,7 +32,7 @@ from checkpoint_assets.engine.errors import (
     TooManyFailuresError,
 )
 from checkpoint_assets.engine.meta import Meta
-from checkpoint_assets.engine.runner import prepare, run
+from checkpoint_assets.engine.runner import RunContext, prepare, run
 from checkpoint_assets.engine.scheme import Scheme, Shard
 from checkpoint_assets.engine.settings import OnInputChange, RunStats, Settings
 from checkpoint_assets.engine.storage import Store, open_store
@@ -50,6 +50,7 @@ __all__ = [
     "OnInputChange",
     "OutageError",
     "PerRow",
+    "RunContext",
     "RunStats",
     "Scheme",
     "Settings",

@@ -6,12 +6,12 @@ against the input's, so 10**8 finished ids need no Python objects per row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import polars as pl
 
-from checkpoint_assets.engine import hashing
 from checkpoint_assets.engine.errors import InputChangedError, InvalidIdsError
 from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH, distinct_count
 from checkpoint_assets.engine.settings import OnInputChange
@@ -24,6 +24,8 @@ _FIT_INT64 = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UIn
 # copy of other rows or order (a shard's rows, a stored source ordered by shard key). Null where
 # unknown. Without it, positions are ``df``'s own.
 SOURCE_ROW = "_source_row"
+# The hash of a row's input columns (its id left out), when the run dedupes: equal inputs share it.
+DEDUPE_KEY = "__dedupe_key"
 
 
 def validate_ids(df: pl.DataFrame, id_column: str) -> None:
@@ -119,14 +121,16 @@ def plan(
     resume: bool,
     retry_failed: bool,
     on_input_change: OnInputChange,
-    rehash_columns: Sequence[str] | None = None,
+    earlier_hashes: Callable[[pl.DataFrame], np.ndarray] | None = None,
 ) -> Plan:
-    """Split ``inputs`` (with ``_input_hash``) into rows to compute and rows already done.
+    """Split ``inputs`` (the keys of the input rows: id and ``_input_hash``) into rows to
+    compute and rows already done.
 
-    ``rehash_columns``: the id and input columns, when the stored hashes may be of hash format 1.
-    A stored row whose hash differs from its input's but equals the format-1 hash of it may or
-    may not have another input (format 1 wrote NaN, infinities and null inside nested values
-    alike): it is recomputed, and counted in ``rehashed`` rather than as changed.
+    ``earlier_hashes``: the hash format 1 of some of ``inputs``' rows, when the stored hashes
+    may be of that format. A stored row whose hash differs from its input's but equals the
+    format-1 hash of it may or may not have another input (format 1 wrote NaN, infinities and
+    null inside nested values alike): it is recomputed, and counted in ``rehashed``, not as
+    changed.
     """
     total = inputs.height
     if not resume or stored.height == 0:
@@ -152,8 +156,8 @@ def plan(
     ).row(0, named=True)
     changed = joined.filter(found & ~same) if counts["changed"] else joined.clear()
     rehashed = 0
-    if changed.height and rehash_columns:
-        earlier = hashing.row_hashes(changed, rehash_columns, hash_format=1)
+    if changed.height and earlier_hashes is not None:
+        earlier = earlier_hashes(changed)
         unclear = changed.get_column("__stored_hash").to_numpy() == earlier
         rehashed = int(unclear.sum())
         changed = changed.filter(pl.Series(~unclear))
@@ -225,16 +229,13 @@ class Copies:
         )
 
 
-def dedupe(
-    todo: pl.DataFrame, id_column: str, input_columns: list[str]
-) -> tuple[pl.DataFrame, Copies]:
-    """The rows to compute (one per distinct input) and the copies that take their results."""
-    key = hashing.row_hashes(todo, input_columns)
-    keyed = todo.with_columns(pl.Series("__key", key, dtype=pl.UInt64))
-    reps = keyed.unique(subset=["__key"], keep="first", maintain_order=True)
+def dedupe(todo: pl.DataFrame, id_column: str) -> tuple[pl.DataFrame, Copies]:
+    """The rows to compute (one per distinct input, by ``DEDUPE_KEY``) and the copies that take
+    their results."""
+    reps = todo.unique(subset=[DEDUPE_KEY], keep="first", maintain_order=True)
     copies = (
-        keyed.join(reps.select(pl.col(id_column).alias("__rep"), "__key"), on="__key")
+        todo.join(reps.select(pl.col(id_column).alias("__rep"), DEDUPE_KEY), on=DEDUPE_KEY)
         .filter(pl.col(id_column) != pl.col("__rep"))
         .select(id_column, "__rep", INPUT_HASH, ATTEMPTS)
     )
-    return reps.drop("__key"), Copies(copies)
+    return reps, Copies(copies)

@@ -42,7 +42,7 @@ from polars.testing import assert_frame_equal
 from polars.testing.parametric import dtypes, series
 
 from checkpoint_assets import cli
-from checkpoint_assets.engine import hashing, parquet, runner
+from checkpoint_assets.engine import parquet, runner
 from checkpoint_assets.engine.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
     CheckpointError,
@@ -661,10 +661,9 @@ def _as_written_by_hash_format_1(box: Sandbox, df: pl.DataFrame, s: runner.Setti
     del raw["input_hash_format"]
     checkpoint.store.put(checkpoint.files.meta, json.dumps(raw, indent=2).encode())
     stored = checkpoint.load(ID, meta.base_seq, list(meta.output_schema or {}))
-    columns = [ID, *s.input_columns]
     inputs = runner.prepare(df, s)
-    earlier = inputs.select(
-        ID, pl.Series("__earlier", hashing.row_hashes(inputs, columns, hash_format=1))
+    earlier = inputs.keys.select(
+        ID, pl.Series("__earlier", inputs.earlier_hashes(inputs.keys), dtype=pl.UInt64)
     )
     rows = (
         stored.rows.drop(CURRENT, strict=False)

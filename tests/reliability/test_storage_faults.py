@@ -29,7 +29,7 @@ from helpers.fault_proxy import Fault, FaultProxy
 from helpers.faulty_store import StoreFault, faulty
 from helpers.jobs import Storage
 
-from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
 from checkpoint_assets.engine import gaps as gaps_module
 from checkpoint_assets.engine.errors import StorageError
 from checkpoint_assets.engine.repair import repair
@@ -73,7 +73,7 @@ def _run(
         Checkpoint(store, "job"),
         settings,
         job={"v": 1},
-        logger=logger,
+        context=RunContext(logger=logger),
     )
     return result
 
