@@ -190,8 +190,10 @@ def prepare(source: pl.DataFrame | Inputs, settings: Settings) -> Prepared:
     dtype = rows.schema.get(id_column)
     if dtype is None or not (dtype.is_integer() or dtype == pl.String):
         # Refused: missing, or of another type (named with some of its values).
-        found = pl.concat(rows.slices([id_column])) if dtype is not None else None
-        validate_ids(pl.DataFrame(schema=rows.schema) if found is None else found, id_column)
+        found = pl.DataFrame(schema=rows.schema)
+        if dtype is not None:
+            found = pl.concat([found.select(id_column), *rows.slices([id_column])])
+        validate_ids(found, id_column)
     missing = [c for c in settings.input_columns if c not in rows.schema]
     if missing:
         raise MissingColumnsError(missing, list(rows.schema))

@@ -136,31 +136,15 @@ def plan(
     if not resume or stored.height == 0:
         todo = inputs.with_columns(pl.lit(0, pl.Int32).alias(ATTEMPTS))
         return Plan(todo, 0, 0, 0, _count_dropped(inputs, stored, id_column), total)
-
-    prior = stored.select(
-        id_column,
-        pl.col(INPUT_HASH).alias("__stored_hash"),
-        pl.col(ERROR).is_null().alias("__ok"),
-        pl.col(ATTEMPTS).alias("__attempts"),
-    )
-    joined = inputs.hstack(_align(inputs.get_column(id_column), prior, id_column))
-    found = pl.col("__ok").is_not_null()
-    same = pl.col("__stored_hash") == pl.col(INPUT_HASH)
-    done = found & same & pl.col("__ok")
-    failed = found & same & ~pl.col("__ok")
+    joined = _joined(inputs, stored, id_column)
     counts = joined.select(
-        found.sum().alias("found"),
-        (found & ~same).sum().alias("changed"),
-        done.sum().alias("done"),
-        failed.sum().alias("failed"),
+        _FOUND.sum().alias("found"),
+        (_FOUND & ~_SAME).sum().alias("changed"),
+        _DONE.sum().alias("done"),
+        _FAILED.sum().alias("failed"),
     ).row(0, named=True)
-    changed = joined.filter(found & ~same) if counts["changed"] else joined.clear()
-    rehashed = 0
-    if changed.height and earlier_hashes is not None:
-        earlier = earlier_hashes(changed)
-        unclear = changed.get_column("__stored_hash").to_numpy() == earlier
-        rehashed = int(unclear.sum())
-        changed = changed.filter(pl.Series(~unclear))
+    changed = joined.filter(_FOUND & ~_SAME) if counts["changed"] else joined.clear()
+    changed, rehashed = _unclear_left_out(changed, earlier_hashes)
     if changed.height and on_input_change == OnInputChange.fail:
         sample = changed.get_column(id_column).head(5).to_list()
         raise InputChangedError(changed.height, total, sample)
@@ -169,12 +153,48 @@ def plan(
     dropped = stored.height - int(counts["found"])  # ids are unique on both sides
     if resumed + kept_failed == total:  # nothing left to do: skip filtering every row
         todo = inputs.clear().with_columns(pl.lit(0, pl.Int32).alias(ATTEMPTS))
-        return Plan(todo, resumed, kept_failed, changed.height, dropped, total, rehashed)
-    keep_out = done if retry_failed else done | failed
-    todo = (
+    else:
+        todo = _todo(joined, retry_failed)
+    return Plan(todo, resumed, kept_failed, changed.height, dropped, total, rehashed)
+
+
+# Over ``_joined``'s frame: whether a row is stored, with the same input, done or failed.
+_FOUND = pl.col("__ok").is_not_null()
+_SAME = pl.col("__stored_hash") == pl.col(INPUT_HASH)
+_DONE = _FOUND & _SAME & pl.col("__ok")
+_FAILED = _FOUND & _SAME & ~pl.col("__ok")
+
+
+def _joined(inputs: pl.DataFrame, stored: pl.DataFrame, id_column: str) -> pl.DataFrame:
+    """``inputs`` with what ``stored`` holds of each row: its input hash, whether it is done,
+    its calls so far (nulls where it holds none)."""
+    prior = stored.select(
+        id_column,
+        pl.col(INPUT_HASH).alias("__stored_hash"),
+        pl.col(ERROR).is_null().alias("__ok"),
+        pl.col(ATTEMPTS).alias("__attempts"),
+    )
+    return inputs.hstack(_align(inputs.get_column(id_column), prior, id_column))
+
+
+def _unclear_left_out(
+    changed: pl.DataFrame, earlier_hashes: Callable[[pl.DataFrame], np.ndarray] | None
+) -> tuple[pl.DataFrame, int]:
+    """The ``changed`` rows whose input did change, and how many of them may not have: their
+    stored hash is their input's format-1 hash (see ``plan``)."""
+    if not changed.height or earlier_hashes is None:
+        return changed, 0
+    unclear = changed.get_column("__stored_hash").to_numpy() == earlier_hashes(changed)
+    return changed.filter(pl.Series(~unclear)), int(unclear.sum())
+
+
+def _todo(joined: pl.DataFrame, retry_failed: bool) -> pl.DataFrame:
+    """The rows of ``joined`` to compute, with their calls so far (0 if their input changed)."""
+    keep_out = _DONE if retry_failed else _DONE | _FAILED
+    return (
         joined.filter(~keep_out.fill_null(False))
         .with_columns(
-            pl.when(same)
+            pl.when(_SAME)
             .then(pl.col("__attempts"))
             .otherwise(0)
             .fill_null(0)
@@ -183,7 +203,6 @@ def plan(
         )
         .drop("__stored_hash", "__ok", "__attempts")
     )
-    return Plan(todo, resumed, kept_failed, changed.height, dropped, total, rehashed)
 
 
 def _align(ids: pl.Series, prior: pl.DataFrame, id_column: str) -> pl.DataFrame:
