@@ -11,7 +11,7 @@
    (``VmHWM``, see ``bench/lake_scan.py``):
 
    - ``checkpointed``: shard 3 of ``shards`` (the last, with fewer) of a checkpointed asset over
-     that source (a trivial function) through ``execute_in_process`` of the Definitions' job,
+     that source (a trivial function of batches of ``BATCH_ROWS`` rows) through ``execute_in_process`` of the Definitions' job,
      with a fresh checkpoint;
    - ``scan``: ``pl.scan_parquet`` of the same stored file, filtered to the same shard's rows by
      the stored shard key column, collected by the streaming engine (the best a reader can do);
@@ -47,6 +47,7 @@ from checkpoint_assets.engine.scheme import shard_key_column
 
 ID = "id"
 TEXT = "text"
+BATCH_ROWS = 1_000  # rows per call: what the function holds, the rest stays in storage
 SHARD = 3  # the shard measured (the last one when there are fewer)
 CHUNK_ROWS = 500_000
 MIB = 1024**2
@@ -72,6 +73,7 @@ def definitions(folder: str, shards: int) -> dg.Definitions:
         "id_column": ID,
         "partitions_def": shard_partitions(shards),
         "checkpoint_interval": 1_000_000,
+        "batch_size": BATCH_ROWS,
     }
     lake_scored = checkpointed_asset(source="lake_source", name="lake_scored", **options)(trivial)
     empty_scored = checkpointed_asset(source="empty_source", name="empty_scored", **options)(
