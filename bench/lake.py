@@ -11,8 +11,8 @@
    (``VmHWM``, see ``bench/lake_scan.py``):
 
    - ``checkpointed``: shard 3 of ``shards`` (the last, with fewer) of a checkpointed asset over
-     that source (a trivial function of batches of ``BATCH_ROWS`` rows) through ``execute_in_process`` of the Definitions' job,
-     with a fresh checkpoint;
+     that source (a trivial function of batches of ``BATCH_ROWS`` rows) through
+     ``execute_in_process`` of the Definitions' job, with a fresh checkpoint;
    - ``scan``: ``pl.scan_parquet`` of the same stored file, filtered to the same shard's rows by
      the stored shard key column, collected by the streaming engine (the best a reader can do);
    - ``empty``: the same checkpointed run over a stored source of no rows: the fixed cost of a
