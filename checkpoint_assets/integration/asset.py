@@ -259,7 +259,9 @@ class _AssetRun:
         pending: dict[str | None, BatchesPendingError] = {}
         # On a failure: what the run spent counts, though no shard materializes.
         recorded = self.spend.recorded_on_failure() if self.spend else contextlib.nullcontext()
-        with ShardRows(self.source, self.settings.id_column, self.keys) as rows, recorded:
+        remote = not self.store.local  # a source it stored is on the same store
+        shards = ShardRows(self.source, self.settings.id_column, self.keys, remote=remote)
+        with shards as rows, recorded:
             for key in self.keys:
                 try:
                     frame, one = self._run_saved(key, rows.of(key))

@@ -95,14 +95,25 @@ class ShardRows:
     The filter is applied to the source as it is, so polars pushes it down to the scan: the
     source's own computed columns are computed for these rows only. A stored source (ordered by
     the shard key) is read a key range of about ``SLICE_ROWS`` rows at a time, each read taking
-    the few row groups its range overlaps; any other source streams once into local files, one
+    the few row groups its range overlaps (``remote``: off local disk, its slices are kept in a
+    local file as they are first fetched, and read again from it); any other source streams
+    once into local files, one
     per shard (``keyed.Buckets``), read back a batch at a time (held in memory when they fit in
     its buffer). A partition key that is no shard takes every row. Use as a context manager:
     the local files are removed at its end.
     """
 
-    def __init__(self, source: pl.LazyFrame, id_column: str, keys: Sequence[str | None]) -> None:
+    def __init__(
+        self,
+        source: pl.LazyFrame,
+        id_column: str,
+        keys: Sequence[str | None],
+        *,
+        remote: bool = False,
+    ) -> None:
         schema = source.collect_schema()
+        self.remote = remote  # a stored source off local disk: fetched once, kept locally
+        self.spools: list[Buckets] = []
         self.numbered = SOURCE_ROW in schema  # stored with the source
         if not self.numbered and any(c.startswith(SHARD_KEY_PREFIX) for c in schema):
             # Stored ordered by shard key without its rows: their places are not known.
@@ -140,8 +151,8 @@ class ShardRows:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.spill is not None:
-            self.spill.__exit__(*exc)
+        for files in [*self.spools, *([self.spill] if self.spill is not None else [])]:
+            files.__exit__(*exc)
 
     def of(self, key: str | None) -> Inputs:
         """The input rows of shard ``key`` (or of a partition key that takes them all)."""
@@ -171,10 +182,26 @@ class ShardRows:
             for low, high in itertools.pairwise(bounds)
         ]
         source = self.source
+        if not self.remote:
+            return lambda columns: (source.filter(r).select(columns).collect() for r in ranges)
+        spool = Buckets(pl.lit(0))
+        self.spools.append(spool)
+        kept: list[str] = []  # the columns spooled, once a first read has ended
 
         def read(columns: Sequence[str]) -> Iterator[pl.DataFrame]:
+            """On the first read, each slice fetched is kept in a local file too; later reads
+            of those columns come from it, so a remote source is fetched once."""
+            if kept and set(columns) <= set(kept):
+                yield from (f.select(columns) for f in spool.read(0))
+                return
             for inside in ranges:
-                yield source.filter(inside).select(columns).collect()
+                rows = source.filter(inside).select(columns).collect()
+                if not kept:
+                    spool.add(rows)
+                yield rows
+            if not kept:
+                spool.spill()
+                kept.extend(columns)
 
         return read
 
