@@ -12,20 +12,23 @@ from typing import Any
 import dagster as dg
 import polars as pl
 
-from checkpoint_assets.engine import function_fingerprint, hashing, runner
-from checkpoint_assets.engine.budget import Spend
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.calls.budget import Spend
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.layout import DEFAULT_TAG, asset_folder
 from checkpoint_assets.engine.errors import (
     BatchesPendingError,
     CheckpointError,
     RunStoppedError,
     TooManyFailuresError,
 )
-from checkpoint_assets.engine.global_resume import JOB, shard_rows
-from checkpoint_assets.engine.inputs import Inputs, Limited
-from checkpoint_assets.engine.layout import DEFAULT_TAG, asset_folder
-from checkpoint_assets.engine.scheme import Scheme, Shard, rows_in
+from checkpoint_assets.engine.loop import runner
+from checkpoint_assets.engine.loop.shard_run import ShardRun
+from checkpoint_assets.engine.plan import function_fingerprint
+from checkpoint_assets.engine.plan.global_resume import JOB, shard_rows
+from checkpoint_assets.engine.plan.inputs import Inputs, Limited
 from checkpoint_assets.engine.settings import RunStats, Settings
+from checkpoint_assets.engine.sharding import hashing
+from checkpoint_assets.engine.sharding.scheme import Scheme, Shard, rows_in
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.engine.storage.base import Usage
 from checkpoint_assets.integration import metadata as md
@@ -98,7 +101,7 @@ class Calls:
     resources: tuple[str, ...]
     code: dict[str, str]
     bind: Callable[[dg.AssetExecutionContext, Any], Any]
-    loop: type[runner.Run] | None = None
+    loop: type[ShardRun] | None = None
     config: type[CheckpointRunConfig] = CheckpointRunConfig
 
 
@@ -173,7 +176,7 @@ class _AssetRun:
     source: pl.LazyFrame
     keys: list[str | None]
     call: Any  # the function with its resources, or a ProviderJob
-    loop: type[runner.Run] | None
+    loop: type[ShardRun] | None
     settings: Settings
     job: dict[str, Any]
     printed: dict[str, str]  # the function's fingerprint, its resources' included

@@ -8,7 +8,7 @@ The chain, for an upstream stored by ``CheckpointIOManager``::
                      written in bounded memory (``keyed.py``; a LazyFrame is never collected whole)
     checkpointed ──> load_input    ──> scan()           a LazyFrame over the stored file
     asset body   ──> ShardRows(as_lazy(source), ...)    each shard read a key range at a time
-                     (engine/inputs.py); the reader skips row groups whose keys miss the range
+                     (engine/plan/inputs.py); the reader skips row groups whose keys miss the range
 
 Any other source (a LazyFrame an upstream returns, a DataFrame, another IO manager's table) is
 filtered by ``rows_in``, the shard key computed from the id column as the rows stream past into
@@ -28,14 +28,14 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from checkpoint_assets.engine import hashing
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.inputs import SLICE_ROWS, FrameInputs, Inputs
-from checkpoint_assets.engine.keyed import ROW_GROUP_ROWS, Buckets, Resolve, write_keyed
-from checkpoint_assets.engine.resume import SOURCE_ROW
+from checkpoint_assets.engine.plan.inputs import SLICE_ROWS, FrameInputs, Inputs
+from checkpoint_assets.engine.plan.resume import SOURCE_ROW
 from checkpoint_assets.engine.rows import BOOKKEEPING, CURRENT, ERROR, SEQ, distinct_count
-from checkpoint_assets.engine.scheme import (
+from checkpoint_assets.engine.sharding import hashing
+from checkpoint_assets.engine.sharding.keyed import ROW_GROUP_ROWS, Buckets, Resolve, write_keyed
+from checkpoint_assets.engine.sharding.scheme import (
     SHARD_KEY_PREFIX,
     Frame,
     Shard,
@@ -87,7 +87,7 @@ EVERY_ROW = Shard(0, 1)  # what a partition key that is no shard takes
 
 
 class ShardRows:
-    """The input rows of each shard of one run, read a slice at a time (engine/inputs.py): no
+    """The input rows of each shard of one run, read a slice at a time (engine/plan/inputs.py): no
     shard's input is held whole. Where their ids will be refused (null or duplicated), each row
     carries its row in the source (``SOURCE_ROW``): stored with a stored source, else found by
     reading the source's id column once more, on that error path only.

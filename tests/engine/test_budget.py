@@ -20,8 +20,8 @@ from checkpoint_assets.engine import (
     prepare,
     run,
 )
-from checkpoint_assets.engine.batches import RowResult
-from checkpoint_assets.engine.budget import Budget, Price, Spend
+from checkpoint_assets.engine.calls.batches import RowResult
+from checkpoint_assets.engine.calls.budget import Budget, Price, Spend
 from checkpoint_assets.engine.errors import BudgetExceededError, CheckpointError
 
 ID = "ticket_id"

@@ -23,7 +23,7 @@ from checkpoint_assets.engine import (
     prepare,
     run,
 )
-from checkpoint_assets.engine.function_fingerprint import changes, of_function, of_resources
+from checkpoint_assets.engine.plan.function_fingerprint import changes, of_function, of_resources
 
 LABEL = "Route this ticket."
 

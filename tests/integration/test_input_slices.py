@@ -22,10 +22,10 @@ from helpers.read_counting_fs import PROTOCOL, ReadCountingFileSystem
 from helpers.row_groups import groups_in
 
 from checkpoint_assets import CheckpointIOManager, checkpointed_asset, shard_partitions
-from checkpoint_assets.engine import hashing, keyed
-from checkpoint_assets.engine.inputs import SLICE_ROWS
-from checkpoint_assets.engine.keyed import ROW_GROUP_ROWS
-from checkpoint_assets.engine.scheme import shard_key_column
+from checkpoint_assets.engine.plan.inputs import SLICE_ROWS
+from checkpoint_assets.engine.sharding import hashing, keyed
+from checkpoint_assets.engine.sharding.keyed import ROW_GROUP_ROWS
+from checkpoint_assets.engine.sharding.scheme import shard_key_column
 
 ROWS = 240_000  # one shard of 2: about 7 row groups, 4 slices
 BATCH = 4_000

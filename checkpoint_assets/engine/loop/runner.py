@@ -8,7 +8,7 @@
     Run.work     read the rows to compute a slice at a time and call the function on batches of
                  ``batch_size`` rows (threads, or asyncio for an
                  ``async def``, up to ``max_concurrency`` in flight; rate limits in throttle.py;
-                 retries, poison rows, broken functions and outages in calls.py) and hand
+                 retries, poison rows, broken functions and outages in caller.py) and hand
                  results to the sink, which flushes every ``checkpoint_interval`` rows without
                  holding up the calls (sink.py); on any exception, SIGTERM or SIGINT, flush what
                  is done before leaving; no call starts once the lock is lost or the run is over
@@ -26,15 +26,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine import hashing, workers
-from checkpoint_assets.engine.batches import Batch, PerRow, height
-from checkpoint_assets.engine.budget import Spend
-from checkpoint_assets.engine.calls import BatchFn, Caller, Outcome, outage_threshold
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.calls import workers
+from checkpoint_assets.engine.calls.batches import Batch, PerRow, height
+from checkpoint_assets.engine.calls.budget import Spend
+from checkpoint_assets.engine.calls.caller import BatchFn, Caller, Outcome, outage_threshold
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
     BudgetExceededError,
     CheckpointError,
@@ -42,22 +42,20 @@ from checkpoint_assets.engine.errors import (
     OutageError,
     QuotaExhaustedError,
 )
-from checkpoint_assets.engine.inputs import Prepared, prepare
-from checkpoint_assets.engine.lock import Lease
-from checkpoint_assets.engine.opening import Job, Opened, open_run
+from checkpoint_assets.engine.loop.lock import Lease
+from checkpoint_assets.engine.loop.shard_run import RunContext, ShardRun
+from checkpoint_assets.engine.loop.sink import MemorySink, PartWriter, Sink
+from checkpoint_assets.engine.plan.inputs import Prepared, prepare
+from checkpoint_assets.engine.plan.opening import Job, Opened, open_run
 from checkpoint_assets.engine.rows import ERROR, INPUT_HASH
 from checkpoint_assets.engine.settings import RunStats, Settings
-from checkpoint_assets.engine.shard_run import RunContext, ShardRun
-from checkpoint_assets.engine.sink import MemorySink, PartWriter, Sink
-
-if TYPE_CHECKING:
-    from checkpoint_assets.engine.provider_batches import ProviderJob
+from checkpoint_assets.engine.sharding import hashing
 
 __all__ = ["Prepared", "Run", "RunContext", "prepare", "run"]
 
 
 def run(
-    fn: BatchFn | PerRow | ProviderJob,
+    fn: BatchFn | PerRow | Any,  # Any: what ``context.loop`` takes
     inputs: Prepared,
     checkpoint: Checkpoint | None,
     settings: Settings,
@@ -78,7 +76,7 @@ def run(
     When the checkpoint recorded another function fingerprint under the same job, the run
     warns (once its stored results are reused) and reports it in ``stats``; when it finishes,
     the checkpoint records this one. No call starts once ``spend`` reaches a limit
-    (see engine/budget.py).
+    (see engine/calls/budget.py).
     """
     context = context or RunContext()
     if isinstance(fn, PerRow):
@@ -99,7 +97,7 @@ def run(
 class _Shard:
     """One shard's run, up to its work loop: the lock, the opening and the sink."""
 
-    fn: BatchFn | PerRow | ProviderJob
+    fn: BatchFn | PerRow | Any
     inputs: Prepared
     settings: Settings
     job: Mapping[str, Any]
@@ -162,7 +160,7 @@ class _Shard:
         )
 
     def _work(self, opened: Opened, sink: Sink) -> tuple[pl.DataFrame, RunStats]:
-        work = self.context.loop or Run
+        work: type[ShardRun] = self.context.loop or Run
         shard = work(self.fn, self.inputs, self.settings, opened, sink, self.stats, self.context)
         return shard.execute()
 

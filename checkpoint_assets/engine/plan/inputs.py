@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from checkpoint_assets.engine import hashing
 from checkpoint_assets.engine.errors import CheckpointError, MissingColumnsError
-from checkpoint_assets.engine.resume import DEDUPE_KEY, SOURCE_ROW, validate_ids
+from checkpoint_assets.engine.plan.resume import DEDUPE_KEY, SOURCE_ROW, validate_ids
 from checkpoint_assets.engine.rows import ATTEMPTS, INPUT_HASH, distinct_count
 from checkpoint_assets.engine.settings import Settings
+from checkpoint_assets.engine.sharding import hashing
 
 # Rows read at a time: two row groups of the keyed layout (``keyed.ROW_GROUP_ROWS``).
 SLICE_ROWS = 1 << 15

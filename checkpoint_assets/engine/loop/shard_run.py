@@ -25,24 +25,21 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine.batches import Record, build
-from checkpoint_assets.engine.budget import Spend
+from checkpoint_assets.engine.calls.batches import Record, build
+from checkpoint_assets.engine.calls.budget import Spend
+from checkpoint_assets.engine.calls.throttle import Throttle
 from checkpoint_assets.engine.errors import CheckpointError, TooManyFailuresError
-from checkpoint_assets.engine.inputs import Prepared
-from checkpoint_assets.engine.lock import RunWatch
-from checkpoint_assets.engine.opening import Opened
+from checkpoint_assets.engine.loop.lock import RunWatch
+from checkpoint_assets.engine.loop.sink import Logger, Sink
+from checkpoint_assets.engine.plan.inputs import Prepared
+from checkpoint_assets.engine.plan.opening import Opened
 from checkpoint_assets.engine.rows import ERROR, NO_RESULT, outputs_of
-from checkpoint_assets.engine.scheme import Scheme
 from checkpoint_assets.engine.settings import RunStats, Settings
-from checkpoint_assets.engine.sink import Logger, Sink
-from checkpoint_assets.engine.throttle import Throttle
-
-if TYPE_CHECKING:
-    from checkpoint_assets.engine.runner import Run
+from checkpoint_assets.engine.sharding.scheme import Scheme
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +63,7 @@ class RunContext:
     imported: pl.DataFrame | None = None
     function_fingerprint: Mapping[str, str] | None = None
     spend: Spend | None = None
-    loop: type[Run] | None = None
+    loop: type[ShardRun] | None = None
 
     @property
     def log(self) -> Logger:
