@@ -3,9 +3,10 @@
 The source is stored on a filesystem that records every byte range read
 (``helpers/read_counting_fs.py``), in row groups of ``keyed.ROW_GROUP_ROWS`` rows. A run reads
 its shard twice, the same key ranges each time: once to hash every row, then again as the calls
-take the rows. So a row group read twice as often by the end as at some call was read by the
-second pass before that call. The function records, at each call, which row groups the second
-pass had read: never more than the slice its rows come from.
+take the rows (from a local copy of the first read, for a source off local disk: the first test
+reads the source again, so its reads show). So a row group read twice as often by the end as at
+some call was read by the second read before that call. The function records, at each call,
+which row groups the second read had reached: never more than the slice its rows come from.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from checkpoint_assets.engine.plan.inputs import SLICE_ROWS
 from checkpoint_assets.engine.sharding import hashing, keyed
 from checkpoint_assets.engine.sharding.keyed import ROW_GROUP_ROWS
 from checkpoint_assets.engine.sharding.scheme import shard_key_column
+from checkpoint_assets.integration import asset as asset_module
+from checkpoint_assets.integration.source import ShardRows
 
 ROWS = 240_000  # one shard of 2: about 7 row groups, 4 slices
 BATCH = 4_000
@@ -66,9 +69,19 @@ def _group_of(path: str, keys: pl.Series) -> int:
     )
 
 
-def test_a_shard_reads_its_input_a_slice_at_a_time_as_its_calls_need_it(tmp_path: Path) -> None:
+class _Refetching(ShardRows):
+    """``ShardRows`` reading a source off local disk again instead of keeping a local copy of
+    what it fetched: the second read then shows in the store's byte ranges."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "remote": False})
+
+
+def _run_shard(tmp_path: Path) -> tuple[list[tuple[int, Counter[int]]], Counter[int], int]:
+    """Shard 1 of 2 over a stored source: at each call, its rows' last row group and the reads
+    of each group so far; the reads at the end; the rows of the shard."""
     path = str(tmp_path / "tickets.parquet")
-    seen: list[tuple[int, Counter[int]]] = []  # per call: its rows' last group, groups read
+    seen: list[tuple[int, Counter[int]]] = []
 
     @dg.asset(name="tickets")
     def upstream() -> pl.DataFrame:
@@ -100,17 +113,36 @@ def test_a_shard_reads_its_input_a_slice_at_a_time_as_its_calls_need_it(tmp_path
     rows = result.asset_materializations_for_node("routed")[0].metadata["rows_total"].value
     assert isinstance(rows, int) and rows > 3 * SLICE_ROWS  # several slices, row groups more
     assert len(seen) == -(-rows // BATCH)  # every row called once
-    final = _body_reads(path)
+    return seen, _body_reads(path), rows
+
+
+def test_a_shard_reads_its_input_a_slice_at_a_time_as_its_calls_need_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(asset_module, "ShardRows", _Refetching)
+
+    seen, final, _ = _run_shard(tmp_path)
+
     shard_groups = sorted(final)
     assert len(shard_groups) > 3 * SLICE_ROWS // ROW_GROUP_ROWS
-    assert all(final[g] % 2 == 0 for g in shard_groups)  # two passes over the same ranges
+    assert all(final[g] % 2 == 0 for g in shard_groups)  # two reads of the same ranges
     for group, reads in seen:
-        by_second_pass = [g for g in shard_groups if reads[g] > final[g] // 2]
+        by_second_read = [g for g in shard_groups if reads[g] > final[g] // 2]
         # The reader is at most a slice ahead of the rows being called (a slice of
         # SLICE_ROWS rows overlaps at most 1 + SLICE_ROWS / ROW_GROUP_ROWS groups).
-        assert max(by_second_pass) <= group + 1 + SLICE_ROWS // ROW_GROUP_ROWS, (group, reads)
+        assert max(by_second_read) <= group + 1 + SLICE_ROWS // ROW_GROUP_ROWS, (group, reads)
     first_reads = seen[0][1]
     assert [g for g in shard_groups if first_reads[g] > final[g] // 2] != shard_groups
+
+
+def test_a_shard_fetches_a_source_off_local_disk_once(tmp_path: Path) -> None:
+    """Its first read keeps each slice in a local file, which the calls read again."""
+    seen, final, _ = _run_shard(tmp_path)
+
+    # Each row group once, or twice at the edge of two slices.
+    assert final and all(final[g] <= 2 for g in final)
+    assert sum(final.values()) < 1.5 * len(final)
+    assert all(reads == final for _, reads in seen)  # all fetched before the first call
 
 
 @pytest.mark.parametrize("shards", [None, 2])
