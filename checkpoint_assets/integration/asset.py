@@ -33,8 +33,12 @@ from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.engine.storage.base import Usage
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration import run_config
-from checkpoint_assets.integration.advice import advise
-from checkpoint_assets.integration.arguments import AssetArguments, SourceSpec, keyword_arguments_of
+from checkpoint_assets.integration.arguments import (
+    AssetArguments,
+    CommonArguments,
+    SourceSpec,
+    keyword_arguments_of,
+)
 from checkpoint_assets.integration.function import Signature
 from checkpoint_assets.integration.global_resume import global_resume_key, table_path
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
@@ -106,7 +110,7 @@ class Calls:
 
 
 def define(
-    fn: Callable[..., Any], calls: Calls, a: AssetArguments, kinds: set[str] | None = None
+    fn: Callable[..., Any], calls: Calls, a: CommonArguments, kinds: set[str] | None = None
 ) -> dg.AssetsDefinition:
     """The Dagster asset that runs ``calls`` over the shards of ``a.source`` (``fn``: its name
     and docstring)."""
@@ -128,7 +132,7 @@ def define(
 def _asset_options(
     fn: Callable[..., Any],
     calls: Calls,
-    a: AssetArguments,
+    a: CommonArguments,
     source_key: dg.AssetKey,
     kinds: set[str] | None,
 ) -> dict[str, Any]:
@@ -193,7 +197,7 @@ class _AssetRun:
         config: Any,
         source: pl.LazyFrame,
         calls: Calls,
-        a: AssetArguments,
+        a: CommonArguments,
         base: Settings,
         source_key: dg.AssetKey,
     ) -> "_AssetRun":
@@ -275,13 +279,13 @@ class _AssetRun:
                     pending[key] = e  # its other shards are submitted too
                     continue
                 except CheckpointError as e:
-                    raise advise(e) from None
+                    raise e.in_dagster_terms() from None
                 frames.append(frame)
                 stats.append(one)
             if pending:
                 raise end_pending(self.context, pending)
             if too_many:
-                raise advise(TooManyFailuresError.of_several(too_many))
+                raise TooManyFailuresError.of_several(too_many).in_dagster_terms()
         return frames, stats
 
     def _run_saved(self, key: str | None, rows: Inputs) -> tuple[pl.DataFrame, RunStats]:
