@@ -28,8 +28,8 @@ At 50 ms an answer, 32 calls in flight take about one core of this client (the p
 event loop is the bound), so on a machine of 2 cores these figures weigh the CPU a side spends
 as much as how it adapts. No 429, 5 % random 429s and the limit of 32 started at 64 also run at
 250 ms an answer (2,400 rows), and so does the limit change: there the endpoint is the bound, as
-it is with real models (they answer in seconds). The limit change there has no target for its time back:
-10 s is 40 answers' time of one call, not 200.
+it is with real models (they answer in seconds). The limit change there has no target for its
+time back: 10 s is 40 answers' time of one call, not 200.
 
 Figures per side: rows/s, CPU seconds of this process per 1,000 answered calls (all threads;
 the server runs in its own process) and the package's over the loop's, 429s the server answered
