@@ -1,10 +1,12 @@
 """Errors raised by the checkpoint engine.
 
 Each error carries the facts of what happened (ids, paths, fingerprints) as attributes, and a
-``remedy``: what to do, in the engine's terms. The Dagster layer re-words the remedy in Dagster's
-terms (run config keys, ``code_version``) with :meth:`CheckpointError.advise`; the message a user
-reads is always ``what happened`` followed by ``what to do``. The failing operation never touches
-stored work.
+``remedy``: what to do. Each class words its own remedy twice. ``engine_remedy`` is in the
+engine's terms (settings, the CLI). ``dagster_remedy`` is in Dagster's (run config keys,
+``code_version``, the sensor); the Dagster layer asks for it with
+:meth:`CheckpointError.in_dagster_terms`. A remedy given where the error is raised (``advise``)
+says more than the class's, so it is kept in both. The message a user reads is always ``what
+happened`` followed by ``what to do``. The failing operation never touches stored work.
 """
 
 from __future__ import annotations
@@ -13,11 +15,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-# The likely cause of a checkpoint whose files contradict its job, and what to do, written once.
-SHARED_CHECKPOINT = (
-    "Two different jobs probably share this checkpoint: give each its own checkpoint tag, or "
-    "start over with resume=False."
-)
+_RERUN = "Materialize the partition again, or let failed_partitions_sensor retry it: it resumes."
 
 
 class CheckpointError(Exception):
@@ -31,17 +29,43 @@ class CheckpointError(Exception):
     temporary Dagster instance. Catch ``CheckpointError`` to handle every error of the package.
     """
 
-    def __init__(self, what: str, remedy: str = "") -> None:
+    def __init__(self, what: str, remedy: str | None = None) -> None:
         super().__init__(what)
         self.what = what
-        self.remedy = remedy
+        self._given = remedy  # said where it was raised; None: the class's own
+        self._dagster = False  # the class's own remedy in Dagster's terms
 
     def __str__(self) -> str:
         return f"{self.what} {self.remedy}".strip()
 
+    @property
+    def remedy(self) -> str:
+        """What to do: the one given where the error was raised, else the class's own."""
+        if self._given is not None:
+            return self._given
+        return self.dagster_remedy() if self._dagster else self.engine_remedy()
+
+    @remedy.setter
+    def remedy(self, remedy: str) -> None:
+        self._given = remedy
+
+    def engine_remedy(self) -> str:
+        """The class's remedy in the engine's terms (settings, the CLI)."""
+        return ""
+
+    def dagster_remedy(self) -> str:
+        """The class's remedy in Dagster's terms (run config keys, ``code_version``, the
+        sensor); the engine's words where they are the same."""
+        return self.engine_remedy()
+
     def advise(self, remedy: str) -> CheckpointError:
-        """Replace the remedy (the Dagster layer words it in Dagster's terms); returns self."""
+        """Give the remedy of this occurrence, kept in every layer; returns self."""
         self.remedy = remedy
+        return self
+
+    def in_dagster_terms(self) -> CheckpointError:
+        """Word the class's remedy for a Dagster user (for ``raise e.in_dagster_terms()``)."""
+        self._dagster = True
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -70,10 +94,12 @@ class InvalidIdsError(CheckpointError):
         what = f"The id column {column!r} {problem}"
         if self.sample:
             what += f", e.g. {self.sample}"
-        super().__init__(
-            what + ".",
+        super().__init__(what + ".")
+
+    def engine_remedy(self) -> str:
+        return (
             "Every row needs a unique integer or string id: fix the source, or choose another "
-            "id column.",
+            "id column."
         )
 
 
@@ -83,9 +109,15 @@ class MissingColumnsError(CheckpointError):
     def __init__(self, missing: Sequence[str], available: Sequence[str]) -> None:
         self.missing = list(missing)
         self.available = list(available)
-        super().__init__(
-            f"The input has no column(s) {self.missing} (it has {self.available}).",
-            "Set input_columns to columns of the source, or add the missing ones to the source.",
+        super().__init__(f"The input has no column(s) {self.missing} (it has {self.available}).")
+
+    def engine_remedy(self) -> str:
+        return "Set input_columns to columns of the source, or add the missing ones to the source."
+
+    def dagster_remedy(self) -> str:
+        return (
+            "Set the checkpointed asset's `input_columns=` to columns of its source asset, or "
+            "add the missing columns to the source."
         )
 
 
@@ -104,9 +136,19 @@ class InputChangedError(CheckpointError):
             "Checkpoint input fingerprint does not match current data. "
             f"{changed} of {total} finished rows changed their input columns since their "
             f"results were stored (ids {self.sample_ids}...). Results are never joined "
-            "to different inputs.",
+            "to different inputs."
+        )
+
+    def engine_remedy(self) -> str:
+        return (
             "Run with on_input_change='recompute' to recompute just the changed rows, "
-            "resume=False to recompute everything, or a new checkpoint tag.",
+            "resume=False to recompute everything, or a new checkpoint tag."
+        )
+
+    def dagster_remedy(self) -> str:
+        return (
+            "Run with `on_input_change: recompute` in run config to recompute just the changed "
+            "rows, `resume: false` to recompute everything, or set a new `checkpoint_tag`."
         )
 
 
@@ -117,14 +159,21 @@ class JobMismatchError(CheckpointError):
     what the function now returns.
     """
 
-    REMEDY = (
-        "Use a new checkpoint tag (or code version) for this job, or run with resume=False to "
-        "replace the stored results."
-    )
-
     def __init__(self, path: str, what: str) -> None:
         self.path = path
-        super().__init__(what, self.REMEDY)
+        super().__init__(what)
+
+    def engine_remedy(self) -> str:
+        return (
+            "Use a new checkpoint tag (or code version) for this job, or run with resume=False "
+            "to replace the stored results."
+        )
+
+    def dagster_remedy(self) -> str:
+        return (
+            "For a new job, change the asset's `code_version` or set a new `checkpoint_tag` in "
+            "run config; to replace the stored results, run with `resume: false`."
+        )
 
 
 class JobChangedError(JobMismatchError):
@@ -144,15 +193,32 @@ class JobChangedError(JobMismatchError):
             f"Checkpoint {path} was written by a different job of this asset ({differs}). Results "
             "of one job are never mixed with another's.",
         )
-        self.remedy = (
+
+    def engine_remedy(self) -> str:
+        return (
             "To start the new job here, run once with resume=False: it replaces the stored "
             "results, and later runs resume the new ones. To keep both, use a new checkpoint "
             f"tag. To resume the stored results, set {self.restore()}."
         )
 
+    def dagster_remedy(self) -> str:
+        restore = " and ".join(
+            f"the asset's `{k}` back to {old!r}" if k in _ARGUMENTS else f"`{k}` back to {old!r}"
+            for k, (old, _) in self.changed.items()
+        )
+        return (
+            "To start the new job here, materialize once with `resume: false` in run config: it "
+            "replaces the stored results, and later runs resume the new ones. To keep both, set "
+            f"a new `checkpoint_tag` in run config. To resume the stored results, set {restore}."
+        )
+
     def restore(self) -> str:
         """The settings and values that resume the stored results, in words."""
         return " and ".join(f"{k} back to {old!r}" for k, (old, _) in self.changed.items())
+
+
+# Job settings that are arguments of the decorators (the others are run config keys).
+_ARGUMENTS = ("code_version", "id_column", "input_columns")
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -163,10 +229,23 @@ class CorruptCheckpointError(CheckpointError):
     ``checkpoint-assets verify`` lists every problem.
     """
 
-    def __init__(self, path: str, problem: str, remedy: str = SHARED_CHECKPOINT) -> None:
+    def __init__(self, path: str, problem: str, remedy: str | None = None) -> None:
         self.path = path
         self.problem = problem
         super().__init__(f"Checkpoint file {path} {problem}.", remedy)
+
+    # Without a remedy of its own: the likely cause is two jobs sharing the checkpoint.
+    def engine_remedy(self) -> str:
+        return (
+            "Two different jobs probably share this checkpoint: give each its own checkpoint "
+            "tag, or start over with resume=False."
+        )
+
+    def dagster_remedy(self) -> str:
+        return (
+            "Two different jobs probably share this checkpoint: give each its own "
+            "`checkpoint_tag` in run config, or start over with `resume: false`."
+        )
 
 
 class NewerFormatError(CheckpointError):
@@ -179,9 +258,13 @@ class NewerFormatError(CheckpointError):
         self.readable = readable
         super().__init__(
             f"Checkpoint file {path} was written by a newer version of checkpoint-assets (format "
-            f"{found}; this version reads up to {readable}). Nothing was read or changed.",
+            f"{found}; this version reads up to {readable}). Nothing was read or changed."
+        )
+
+    def engine_remedy(self) -> str:
+        return (
             "Upgrade checkpoint-assets (pip install -U checkpoint-assets) in every process that "
-            "runs, reads or repairs this checkpoint; or give this version a new checkpoint tag.",
+            "runs, reads or repairs this checkpoint; or give this version a new checkpoint tag."
         )
 
 
@@ -196,7 +279,7 @@ class LockHeldError(CheckpointError):
     process gone on its host, or its lease expired) is taken over with a warning.
     """
 
-    def __init__(self, what: str, remedy: str = "") -> None:
+    def __init__(self, what: str, remedy: str | None = None) -> None:
         super().__init__(what, remedy)
         self.holder: str | None = None  # who holds it, when known
 
@@ -216,9 +299,11 @@ class RunStoppedError(CheckpointError):
         self.done = done
         super().__init__(
             f"{label}: stopped by itself: {reason}. It stored the {done:,} rows it computed "
-            "and released the lock.",
-            "Run it again: it resumes.",
+            "and released the lock."
         )
+
+    def engine_remedy(self) -> str:
+        return "Run it again: it resumes."
 
 
 class StorageError(CheckpointError):
@@ -238,12 +323,6 @@ class TooManyFailuresError(CheckpointError):
     few of them): when they are most of the failures, the function has a bug to fix, and the
     message says so instead of suggesting to tolerate them.
     """
-
-    NO_RESULT_REMEDY = (
-        "Make the function return one row per input id (with the id column), or raise for the "
-        "rows it cannot do: they are stored as failed and retried. The ids with no row are "
-        "computed again on the next run."
-    )
 
     def __init__(
         self,
@@ -265,16 +344,34 @@ class TooManyFailuresError(CheckpointError):
             f"max_failed_fraction={allowed:.2%}. Every other row is checkpointed"
         )
         if not self.missing_results:
-            super().__init__(
-                f"{label}: {over} (last error: {last_error or 'stored'}).",
-                "The failed rows are computed again on the next run (while retry_failed is on).",
-            )
+            super().__init__(f"{label}: {over} (last error: {last_error or 'stored'}).")
             return
         more = "..." if no_result > len(self.no_result_ids) else ""
         super().__init__(
             f"{label}: the function returned no row for {no_result:,} of the {total:,} ids it "
-            f"was given (ids {self.no_result_ids}{more}), so {over}.",
-            self.NO_RESULT_REMEDY,
+            f"was given (ids {self.no_result_ids}{more}), so {over}."
+        )
+
+    def engine_remedy(self) -> str:
+        if self.missing_results:
+            return (
+                "Make the function return one row per input id (with the id column), or raise "
+                "for the rows it cannot do: they are stored as failed and retried. The ids with "
+                "no row are computed again on the next run."
+            )
+        return "The failed rows are computed again on the next run (while retry_failed is on)."
+
+    def dagster_remedy(self) -> str:
+        if self.missing_results:
+            return (
+                "Make the function return one row per input id (with the asset's `id_column`), "
+                "or raise for the rows it cannot do: they are stored as failed and retried. "
+                "Then materialize the partition again: only the failed rows are computed."
+            )
+        return (
+            "The failed rows are retried on the next run while `retry_failed` is on (materialize "
+            "the partition again, or let failed_partitions_sensor do it); raise "
+            "`max_failed_fraction` to tolerate them."
         )
 
     @property
@@ -291,8 +388,6 @@ class TooManyFailuresError(CheckpointError):
         combined.total = sum(e.total for e in errors)
         combined.no_result = sum(e.no_result for e in errors)
         combined.no_result_ids = [i for e in errors for i in e.no_result_ids][:5]
-        if combined.missing_results:
-            combined.remedy = cls.NO_RESULT_REMEDY
         return combined
 
 
@@ -316,9 +411,14 @@ class OutageError(CheckpointError):
         super().__init__(
             f"{label}: stopped early after {calls} calls in a row failed (last error: "
             f"{last_error}). The endpoint looks down or the quota is spent; {_ran(done)}, and "
-            "the rest were not marked failed.",
-            "Run again when it is back: the run resumes.",
+            "the rest were not marked failed."
         )
+
+    def engine_remedy(self) -> str:
+        return "Run again when it is back: the run resumes."
+
+    def dagster_remedy(self) -> str:
+        return f"When the endpoint is back: {_RERUN}"
 
 
 class QuotaExhaustedError(CheckpointError):
@@ -334,9 +434,19 @@ class QuotaExhaustedError(CheckpointError):
         self.done = done
         super().__init__(
             f"{label}: stopped early, {why}. The quota looks spent; {_ran(done)}, and no row was "
-            "marked failed.",
+            "marked failed."
+        )
+
+    def engine_remedy(self) -> str:
+        return (
             "Check the endpoint's quota or plan, or raise max_throttle_seconds; running again "
-            "resumes.",
+            "resumes."
+        )
+
+    def dagster_remedy(self) -> str:
+        return (
+            "Check the endpoint's quota or plan, or raise the asset's `max_throttle_seconds`; "
+            f"then {_RERUN[0].lower()}{_RERUN[1:]}"
         )
 
 
@@ -355,9 +465,14 @@ class FunctionError(CheckpointError):
         self.done = done
         super().__init__(
             f"{label}: the function is broken, not the endpoint: {problem}. It stopped at "
-            f"once; {_ran(done)}.",
-            "Fix the function and run again: the run resumes.",
+            f"once; {_ran(done)}."
         )
+
+    def engine_remedy(self) -> str:
+        return "Fix the function and run again: the run resumes."
+
+    def dagster_remedy(self) -> str:
+        return f"Fix the function, then: {_RERUN}"
 
 
 class BudgetExceededError(CheckpointError):
@@ -396,9 +511,20 @@ class BudgetExceededError(CheckpointError):
         )
         super().__init__(
             f"{label}: stopped at the spend limit: {limit_name} is {limit:.4f} USD and "
-            f"{spender} has spent {spent:.4f} USD. {stop}; {_ran(done)}.",
-            f"Raise {limit_name} (or remove it) to go on: running again resumes where this "
-            "stopped.",
+            f"{spender} has spent {spent:.4f} USD. {stop}; {_ran(done)}."
+        )
+
+    def engine_remedy(self) -> str:
+        return (
+            f"Raise {self.limit_name} (or remove it) to go on: running again resumes where this "
+            "stopped."
+        )
+
+    def dagster_remedy(self) -> str:
+        return (
+            f"To go on, raise the limit for a run in run config, `budget: {{{self.limit_name}: "
+            "<USD>}` (or in the asset's `budget=`), and materialize the partition again: it "
+            "resumes where this stopped. failed_partitions_sensor does not retry it."
         )
 
 
@@ -432,7 +558,11 @@ class BatchesPendingError(CheckpointError):
             f"{label}: {rows:,} row(s) are submitted in {len(self.batches)} provider batch(es) "
             f"that have not ended yet ({', '.join(self.batches[:5])}"
             f"{', ...' if len(self.batches) > 5 else ''}); they are recorded in the checkpoint "
-            f"and will not be submitted again; {_ran(done)}. The shard is not finished yet.",
+            f"and will not be submitted again; {_ran(done)}. The shard is not finished yet."
+        )
+
+    def engine_remedy(self) -> str:
+        return (
             "Run it again once they end (it collects their results without submitting them "
-            "again), or run with waiting on to wait for them.",
+            "again), or run with waiting on to wait for them."
         )

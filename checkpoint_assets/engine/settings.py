@@ -10,15 +10,13 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from checkpoint_assets.engine.calls.budget import Budget
 from checkpoint_assets.engine.checkpoints.compaction import COMPACT_AT, COMPACT_FANOUT
+from checkpoint_assets.engine.fields import setting
 
 DEFAULT_LEASE_SECONDS = 300.0
-# The key of a setting's meaning in its field's metadata.
-DOC = "doc"
-T = TypeVar("T")
 
 
 class OnInputChange(enum.StrEnum):
@@ -28,23 +26,73 @@ class OnInputChange(enum.StrEnum):
     recompute = "recompute"
 
 
-def setting(default: T, doc: str) -> T:
-    """A field of ``AssetSettings``: its default and what it means, in one place.
+@dataclass(frozen=True, kw_only=True)
+class RowSettings:
+    """What an asset declares about its rows, whatever computes them (a function, or a
+    provider's batch API): the one declaration of each of these settings.
 
-    Typed as its default, as ``dataclasses.field`` is, so that mypy checks the default.
+    ``checkpointed_asset`` and ``provider_batch_asset`` take these fields as keyword arguments,
+    ``CheckpointedAssetComponent`` as attributes. All are derived from the fields (type, default,
+    ``DOC``), and the docs' reference shows them. Values out of range are refused by name, never
+    replaced.
     """
-    return field(default=default, metadata={DOC: doc})
+
+    retry_failed: bool = setting(True, "Compute rows stored as failed again on the next run.")
+    on_input_change: OnInputChange | Literal["fail", "recompute"] = setting(
+        "fail", "fail, or recompute finished rows whose input changed."
+    )
+    dedupe: bool = setting(False, "Call the function once per distinct input; copies share it.")
+    max_failed_fraction: float = setting(
+        0.0, "Above this fraction of failed rows the run fails (after checkpointing the rest)."
+    )
+    max_attempts: int = setting(
+        3,
+        "Attempts per row: calls of a failing batch before it is split to isolate poison rows. "
+        "Through a provider's batch API: requests of a row that failed in a transient way.",
+    )
+    usage_columns: Sequence[str] = setting(
+        (),
+        "Numeric output columns (tokens, cost) summed into the metadata as usage/<col> (this "
+        "run) and usage_total/<col> (every stored row).",
+    )
+    budget: Budget | None = setting(
+        None,
+        "A Budget: prices per model, read against two of the usage_columns, so each "
+        "materialization records its cost. Its spend limits, max_run_cost and max_asset_cost "
+        "(every shard and run), stop new calls with BudgetExceededError when reached.",
+    )
+
+    def __post_init__(self) -> None:
+        # Accept the plain strings "fail" / "recompute" as well as the enum, and any sequence of
+        # usage columns (kept as a tuple: settings are frozen).
+        object.__setattr__(self, "on_input_change", OnInputChange(self.on_input_change))
+        object.__setattr__(self, "usage_columns", tuple(self.usage_columns))
+        # Refused by name rather than replaced: 0 attempts would call nothing, a negative
+        # fraction means nothing.
+        _at_least(self, 1, "max_attempts")
+        if not 0.0 <= self.max_failed_fraction <= 1.0:
+            raise ValueError(
+                f"max_failed_fraction must be between 0 and 1, got {self.max_failed_fraction}"
+            )
+        unpriced = (
+            [c for c in self.budget.columns if c not in self.usage_columns] if self.budget else []
+        )
+        if unpriced:
+            raise ValueError(
+                f"the budget prices the token columns {unpriced}, which are not among "
+                f"usage_columns {list(self.usage_columns)}: add them to usage_columns (or name "
+                "the budget's input_tokens / output_tokens after the usage columns you have)"
+            )
+
+    def settings(self) -> dict[str, Any]:
+        """The values of these fields (only these, in a subclass too), by name."""
+        return {f.name: getattr(self, f.name) for f in fields(RowSettings)}
 
 
 @dataclass(frozen=True, kw_only=True)
-class AssetSettings:
-    """What an asset declares about how its runs behave: the one declaration of each setting.
-
-    ``checkpointed_asset`` takes these fields as keyword arguments, ``CheckpointedAssetComponent``
-    as attributes, both derived from the fields here (type, default, ``DOC``): a new setting is
-    one field here, and the docs' reference shows it. Values out of range are refused by name,
-    never replaced.
-    """
+class AssetSettings(RowSettings):
+    """What an asset declares about how its runs behave: its rows' settings, and how the
+    function is called and its results flushed (see ``RowSettings``)."""
 
     checkpoint_interval: int = setting(
         16, "Rows per flush (parts are written every this many rows)."
@@ -60,14 +108,6 @@ class AssetSettings:
         "Never flush more often than this (default 0 locally, 5 on object stores, where each "
         "flush costs requests).",
     )
-    retry_failed: bool = setting(True, "Compute rows stored as failed again on the next run.")
-    on_input_change: OnInputChange | Literal["fail", "recompute"] = setting(
-        "fail", "fail, or recompute finished rows whose input changed."
-    )
-    dedupe: bool = setting(False, "Call the function once per distinct input; copies share it.")
-    max_failed_fraction: float = setting(
-        0.0, "Above this fraction of failed rows the run fails (after checkpointing the rest)."
-    )
     max_concurrency: int = setting(
         1, "Batches in flight at once (threads, or asyncio tasks for an async function)."
     )
@@ -79,9 +119,6 @@ class AssetSettings:
         "Follow what the endpoint sustains between the two (false: keep max_concurrency, for an "
         "endpoint whose limit is known).",
     )
-    max_attempts: int = setting(
-        3, "Calls of a failing batch before it is split to isolate poison rows."
-    )
     retry_delay_seconds: float = setting(
         1.0,
         "First delay between attempts, doubled each time (also the first back-off of a rate "
@@ -90,23 +127,9 @@ class AssetSettings:
     max_throttle_seconds: float = setting(
         600.0, "Stop after being rate limited this long without a single successful call."
     )
-    usage_columns: Sequence[str] = setting(
-        (),
-        "Numeric output columns (tokens, cost) summed into the metadata as usage/<col> (this "
-        "run) and usage_total/<col> (every stored row).",
-    )
-    budget: Budget | None = setting(
-        None,
-        "A Budget: prices per model read against two of the usage_columns, so each "
-        "materialization records its cost, and the spend limits max_run_cost and max_asset_cost "
-        "(every shard and run) that stop new calls with BudgetExceededError when reached.",
-    )
 
     def __post_init__(self) -> None:
-        # Accept the plain strings "fail" / "recompute" as well as the enum, and any sequence of
-        # usage columns (kept as a tuple: settings are frozen).
-        object.__setattr__(self, "on_input_change", OnInputChange(self.on_input_change))
-        object.__setattr__(self, "usage_columns", tuple(self.usage_columns))
+        super().__post_init__()
         if self.checkpoint_interval < 1:
             raise ValueError(
                 f"checkpoint_interval must be at least 1, got {self.checkpoint_interval}"
@@ -124,28 +147,11 @@ class AssetSettings:
                 f"min_concurrency must be between 1 and max_concurrency "
                 f"({self.max_concurrency}), got {self.min_concurrency}"
             )
-        # Refused by name rather than replaced: 0 attempts would call nothing, a negative delay
-        # or fraction means nothing.
-        _at_least(self, 1, "max_attempts")
         _at_least(self, 0, "flush_seconds", "retry_delay_seconds")
         if self.min_flush_seconds is not None:
             _at_least(self, 0, "min_flush_seconds")
-        if not 0.0 <= self.max_failed_fraction <= 1.0:
-            raise ValueError(
-                f"max_failed_fraction must be between 0 and 1, got {self.max_failed_fraction}"
-            )
-        unpriced = (
-            [c for c in self.budget.columns if c not in self.usage_columns] if self.budget else []
-        )
-        if unpriced:
-            raise ValueError(
-                f"the budget prices the token columns {unpriced}, which are not among "
-                f"usage_columns {list(self.usage_columns)}: add them to usage_columns (or name "
-                "the budget's input_tokens / output_tokens after the usage columns you have)"
-            )
 
     def settings(self) -> dict[str, Any]:
-        """The values of these fields (only these, in a subclass too), by name."""
         return {f.name: getattr(self, f.name) for f in fields(AssetSettings)}
 
 
@@ -179,29 +185,35 @@ class Settings(AssetSettings):
 
     @property
     def max_unflushed_rows(self) -> int:
-        """Rows that may wait for storage before dispatching waits for it too: while a flush is
-        being written, rows done meanwhile join the next one (group commit) up to this bound."""
+        """Rows that may wait for storage before dispatching waits for it too.
+
+        While a flush is being written, rows done meanwhile join the next one (group commit), up
+        to this bound.
+        """
         return 2 * self.checkpoint_interval + self.max_concurrency * self.batch_rows
 
     @property
     def batches_held(self) -> int:
         """Batches a shard holds at once: in flight, or done and not yet handed to the sink.
 
-        ``max_concurrency`` calls, plus a quarter more done batches, so a worker whose call has
-        returned takes its next batch without waiting for the run loop to take its result (that
-        round trip between threads costs one-row calls about 5 % of their throughput).
+        That is ``max_concurrency`` calls, plus a quarter more done batches. A worker whose call
+        has returned then takes its next batch without waiting for the run loop to take its
+        result. Waiting for that round trip between threads would cost one-row calls about 5 %
+        of their throughput.
         """
         return self.max_concurrency + -(-self.max_concurrency // 4)
 
     def loss_bound(
         self, rows_per_second: float = 0.0, store_min_flush_seconds: float = 0.0
     ) -> LossBound:
-        """The most a hard kill (SIGKILL, a lost node) can lose: rows computed whose results
-        are not durable yet, which a later run computes again (see ``engine/loop/sink.py``).
+        """The most a hard kill (SIGKILL, a lost node) can lose.
 
-        ``rows_per_second`` matters only with a minimum time between flushes
-        (``min_flush_seconds``, or ``store_min_flush_seconds`` when that is None: 5 s on
-        object stores): the buffer then holds the rows of that time.
+        That is the rows computed whose results are not durable yet. A later run computes them
+        again (see ``engine/loop/sink.py``).
+
+        ``rows_per_second`` matters only with a minimum time between flushes. That is
+        ``min_flush_seconds``, or ``store_min_flush_seconds`` when it is None (5 s on object
+        stores). The buffer then holds the rows of that time.
 
         >>> Settings("id", checkpoint_interval=64, batch_size=1, max_concurrency=32).loss_bound()
         LossBound(buffered=160, writing=160, held=40, batch_rows=1)
@@ -218,10 +230,13 @@ class Settings(AssetSettings):
         """The most storage requests (on S3) a run into a new checkpoint makes, given the
         flushes it made and how long it held the lock (see ``engine/storage/base.py``):
 
-        - 13 to start and finish: the lock (a conditional PUT; a GET and a DELETE to release
-          it), the meta (a GET and a PUT at the start, a PUT when the outputs are known, a PUT
-          at the end), the merged file (a GET at the start and at finalize, a PUT), the parts'
-          listing (at the start and at finalize) and one DELETE of the merged parts;
+        - 13 to start and finish:
+            - the lock: a conditional PUT, then a GET and a DELETE to release it;
+            - the meta: a GET and a PUT at the start, a PUT when the outputs are known, a PUT at
+              the end;
+            - the merged file: a GET at the start and at finalize, and a PUT;
+            - the parts' listing, at the start and at finalize;
+            - one DELETE of the merged parts;
         - one PUT per flush (the last rows go into the merged file instead);
         - a PUT and a DELETE per compaction: eight parts become one once 56 exist, so at most
           one per seven parts beyond 55;
@@ -239,10 +254,10 @@ class Settings(AssetSettings):
 class LossBound:
     """What a hard kill can lose, term by term (``Settings.loss_bound``), in rows:
 
-    - ``buffered``: the rows done since the last flush. About one ``checkpoint_interval`` (or
-      the rows done in the minimum time between flushes) while storage keeps up; when it lags,
-      rows join the next flush (group commit) up to ``max_unflushed_rows``, and the last batch
-      may cross that by all its rows but one.
+    - ``buffered``: the rows done since the last flush. While storage keeps up, that is about
+      one ``checkpoint_interval``, or the rows done in the minimum time between flushes. When
+      storage lags, rows join the next flush (group commit) up to ``max_unflushed_rows``. The
+      last batch may cross that bound by all its rows but one.
     - ``writing``: the flush being written, at most one, no larger than the buffer was.
     - ``held``: the calls in flight and the results the run loop has not taken yet,
       ``batches_held`` batches.
@@ -265,7 +280,7 @@ class LossBound:
         return buffered + self.held // self.batch_rows
 
 
-def _at_least(settings: AssetSettings, least: int, *names: str) -> None:
+def _at_least(settings: RowSettings, least: int, *names: str) -> None:
     for name in names:
         value = getattr(settings, name)
         if value < least:

@@ -1,10 +1,13 @@
-"""The arguments of ``checkpointed_asset``, declared once as ``AssetArguments``.
+"""The arguments of the decorators, each declared once as a dataclass field.
 
-``AssetArguments`` is ``AssetSettings`` (how runs behave, with the engine's defaults) plus what
-goes to Dagster (source, partitions, name, ...). The decorator takes its fields as keyword
-arguments (``keyword_arguments_of`` gives it their signature, so mypy and IDEs know them), its
-docstring lists them from their ``DOC``, and ``CheckpointedAssetComponent`` derives its YAML
-attributes from them. A new argument is one field here, or in ``AssetSettings`` for a setting.
+``CommonArguments`` is what every checkpointed asset takes: the rows, ``RowSettings`` (with the
+engine's defaults) and what goes to Dagster (name, group, owners, ...). ``AssetArguments`` adds
+how ``checkpointed_asset`` calls its function (the rest of ``AssetSettings``);
+``ProviderArguments`` (``provider_asset.py``) adds the provider's. A decorator takes the fields
+of its dataclass as keyword arguments (``keyword_arguments_of`` gives it their signature, so mypy
+and IDEs know them), its docstring lists them from their ``DOC``, and
+``CheckpointedAssetComponent`` derives its YAML attributes from them. A new argument is one field
+here, or in ``RowSettings`` or ``AssetSettings`` for a setting.
 
 No ``from __future__ import annotations`` here: the Component reads the fields' types at runtime.
 """
@@ -13,12 +16,13 @@ import functools
 import inspect
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, ParamSpec, TypeVar
 
 import dagster as dg
 
-from checkpoint_assets.engine.settings import DOC, AssetSettings, setting
+from checkpoint_assets.engine.fields import DOC, required, setting
+from checkpoint_assets.engine.settings import AssetSettings, RowSettings
 
 SourceSpec = str | dg.AssetKey | dg.AssetsDefinition | Sequence[str]
 P = ParamSpec("P")
@@ -29,13 +33,11 @@ R = TypeVar("R")
 class _Rows:
     """Where the rows come from and how they split (first in the signature)."""
 
-    source: SourceSpec = field(
-        metadata={
-            DOC: "The upstream asset with the rows: its key (a/b for a prefix), an AssetKey, a "
-            "key path or the AssetsDefinition."
-        }
+    source: SourceSpec = required(
+        "The upstream asset with the rows: its key (a/b for a prefix), an AssetKey, a key path "
+        "or the AssetsDefinition."
     )
-    id_column: str = field(metadata={DOC: "Unique integer or string id of each row."})
+    id_column: str = required("Unique integer or string id of each row.")
     input_columns: Sequence[str] | None = setting(
         None, "The columns the function reads and that fingerprint a row (default: all but the id)."
     )
@@ -51,9 +53,8 @@ class _Rows:
 
 
 @dataclass(frozen=True, kw_only=True)
-class AssetArguments(AssetSettings, _Rows):
-    """Every keyword argument of ``checkpointed_asset``: the rows, the asset's settings and what
-    goes to Dagster, in this order."""
+class _ToDagster:
+    """What goes to ``dagster.asset`` (last in the signature)."""
 
     name: str | None = setting(None, "Asset name (default: the function's name).")
     key_prefix: str | Sequence[str] | None = setting(None, "Asset key prefix.")
@@ -86,6 +87,18 @@ class AssetArguments(AssetSettings, _Rows):
     automation_condition: dg.AutomationCondition | None = setting(
         None, "When Dagster's automation materializes the asset's partitions."
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommonArguments(_ToDagster, RowSettings, _Rows):
+    """The keyword arguments of every checkpointed asset: the rows, their settings and what goes
+    to Dagster, in this order."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AssetArguments(CommonArguments, AssetSettings):
+    """Every keyword argument of ``checkpointed_asset``: the common ones, and how the function
+    is called (after the rows' settings)."""
 
 
 def _arguments_doc(arguments: Any) -> str:

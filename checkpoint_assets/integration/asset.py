@@ -31,8 +31,12 @@ from checkpoint_assets.engine.sharding.scheme import Scheme, Shard, rows_in
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration import run_config
-from checkpoint_assets.integration.advice import advise
-from checkpoint_assets.integration.arguments import AssetArguments, SourceSpec, keyword_arguments_of
+from checkpoint_assets.integration.arguments import (
+    AssetArguments,
+    CommonArguments,
+    SourceSpec,
+    keyword_arguments_of,
+)
 from checkpoint_assets.integration.function import Signature
 from checkpoint_assets.integration.global_resume import global_resume_key, table_path
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
@@ -104,7 +108,7 @@ class Calls:
 
 
 def define(
-    fn: Callable[..., Any], calls: Calls, a: AssetArguments, kinds: set[str] | None = None
+    fn: Callable[..., Any], calls: Calls, a: CommonArguments, kinds: set[str] | None = None
 ) -> dg.AssetsDefinition:
     """The Dagster asset that runs ``calls`` over the shards of ``a.source`` (``fn``: its name
     and docstring)."""
@@ -185,13 +189,13 @@ def define(
                     pending[key] = e  # its other shards are submitted too
                     continue
                 except CheckpointError as e:
-                    raise advise(e) from None
+                    raise e.in_dagster_terms() from None
                 frames.append(frame)
                 stats.append(one)
             if pending:
                 raise end_pending(context, pending)
             if too_many:
-                raise advise(TooManyFailuresError.of_several(too_many))
+                raise TooManyFailuresError.of_several(too_many).in_dagster_terms()
         result = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
         context.add_output_metadata(
             md.materialization(

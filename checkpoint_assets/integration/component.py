@@ -25,12 +25,13 @@ from pydantic import BaseModel, Field, create_model
 
 from checkpoint_assets.engine.calls.budget import Budget, Price
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.settings import DOC
+from checkpoint_assets.engine.fields import DOC
 from checkpoint_assets.integration.arguments import AssetArguments
 from checkpoint_assets.integration.asset import checkpointed_asset
 from checkpoint_assets.integration.checks import checkpoint_checks
 from checkpoint_assets.integration.global_resume import global_resume_asset
 from checkpoint_assets.integration.io_manager import CheckpointIOManager
+from checkpoint_assets.integration.models import model_of
 from checkpoint_assets.integration.partitions import shard_partitions
 from checkpoint_assets.integration.sensor import failed_partitions_sensor
 
@@ -171,27 +172,24 @@ BackfillPolicy = Annotated[
 ]
 
 
-class PriceSpec(dg.Model):
-    """One model's price (``Price``)."""
-
-    input: float = Field(description="USD per million input tokens.")
-    output: float = Field(description="USD per million output tokens.")
-    batch_discount: float = Field(
-        default=Price.batch_discount, description="Fraction off through the batch API."
+if TYPE_CHECKING:
+    PriceSpec = dg.Model
+    BudgetSpec = dg.Model
+else:
+    PriceSpec = model_of(Price, dg.Model, name="PriceSpec", module=__name__, doc="``Price``.")
+    BudgetSpec = model_of(
+        Budget,
+        dg.Model,
+        name="BudgetSpec",
+        module=__name__,
+        doc="Prices and spend limits (``Budget``).",
+        types={"prices": dict[str, PriceSpec]},
     )
 
 
-class BudgetSpec(dg.Model):
-    """Prices and spend limits (``Budget``)."""
-
-    prices: dict[str, PriceSpec] = Field(description="Price per model name.")
-    input_tokens: str = Field(default=Budget.input_tokens, description="Input tokens column.")
-    output_tokens: str = Field(default=Budget.output_tokens, description="Output tokens column.")
-    model_column: str | None = Field(default=None, description="Output column naming the model.")
-    max_run_cost: float | None = Field(default=None, description="USD one run may spend.")
-    max_asset_cost: float | None = Field(
-        default=None, description="USD the asset may spend, every shard and run."
-    )
+def _keys(declared: type) -> str:
+    """The fields of a dataclass as a YAML mapping's keys, in braces."""
+    return "{" + ", ".join(f.name for f in dataclasses.fields(declared)) + "}"
 
 
 def _budget(context: dg.ResolutionContext, value: Any) -> Budget | None:
@@ -207,9 +205,9 @@ BudgetArgument = Annotated[
         _budget,
         model_field_type=BudgetSpec | None,
         description=(
-            "Prices per model read against two usage_columns, and the spend limits: {prices: "
-            "{model: {input, output, batch_discount}}, input_tokens, output_tokens, "
-            "model_column, max_run_cost, max_asset_cost}."
+            "Prices per model read against two usage_columns, and the spend limits: "
+            + _keys(Budget).replace("prices", "prices: {model: " + _keys(Price) + "}")
+            + "."
         ),
         examples=[
             {

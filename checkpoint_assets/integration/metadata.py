@@ -28,6 +28,8 @@ from checkpoint_assets.engine.storage.base import Usage
 ID_COLUMN = "checkpoint_assets/id_column"
 SOURCE = "checkpoint_assets/source"
 RETRY_FAILED = "checkpoint_assets/retry_failed"
+PROVIDER = "checkpoint_assets/provider"  # a provider batch asset's resource key
+ENDPOINT = "checkpoint_assets/endpoint"  # and its endpoint, when it names one
 GLOBAL_RESUME_OF = "checkpoint_assets/global_resume_of"
 
 # Materialization metadata (besides the counts of ``COUNTS``).

@@ -1,20 +1,24 @@
 """``provider_batch_asset``: a checkpointed asset whose rows go through a provider's batch API.
 
+Its arguments are ``ProviderArguments``: those of every checkpointed asset (``CommonArguments``)
+and the provider's, whose defaults are ``ProviderJob``'s.
+
 No ``from __future__ import annotations`` here: Dagster reads the run config's annotations.
 """
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import dagster as dg
 from pydantic import Field
 
-from checkpoint_assets.engine.calls.budget import Budget
+from checkpoint_assets.engine.fields import required, setting
 from checkpoint_assets.engine.plan import function_fingerprint
 from checkpoint_assets.engine.providers.provider_batches import ProviderJob, ProviderRun
 from checkpoint_assets.engine.providers.submissions import BatchProvider
-from checkpoint_assets.engine.settings import OnInputChange, Settings
-from checkpoint_assets.integration.arguments import AssetArguments, SourceSpec
+from checkpoint_assets.integration import metadata as md
+from checkpoint_assets.integration.arguments import CommonArguments, keyword_arguments_of
 from checkpoint_assets.integration.asset import Calls, define
 from checkpoint_assets.integration.run_config import CheckpointRunConfig
 
@@ -30,35 +34,50 @@ class ProviderBatchRunConfig(CheckpointRunConfig):
     )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProviderArguments(CommonArguments):
+    """Every keyword argument of ``provider_batch_asset``: those of every checkpointed asset,
+    then the provider's."""
+
+    parse: Callable[[dict[str, Any]], Mapping[str, Any]] = required(
+        "The response body of one row -> its output columns (a dict, the same keys for every "
+        "row). An exception makes that row failed with its text."
+    )
+    provider: str = setting(
+        "openai",
+        "The resource key of the provider's resource: OpenAIResource, AnthropicResource, or "
+        "anything with batch_provider(endpoint).",
+    )
+    endpoint: str | None = setting(
+        None,
+        "The provider's API path of every request. OpenAI: /v1/chat/completions by default, "
+        "/v1/embeddings, /v1/responses. Anthropic: /v1/messages only.",
+    )
+    wait: bool = setting(
+        ProviderJob.wait,
+        "Wait for the batches in the run (True), or submit and end (False). Run config wait "
+        "overrides it.",
+    )
+    poll_seconds: float = setting(
+        ProviderJob.poll_seconds,
+        "The first wait between polls of a waiting run, doubled after each poll.",
+    )
+    max_poll_seconds: float = setting(
+        ProviderJob.max_poll_seconds, "The longest wait between polls."
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.poll_seconds <= 0 or self.max_poll_seconds < self.poll_seconds:
+            raise ValueError(
+                f"poll_seconds must be positive and at most max_poll_seconds, got "
+                f"{self.poll_seconds} and {self.max_poll_seconds}"
+            )
+
+
+@keyword_arguments_of(ProviderArguments)
 def provider_batch_asset(
-    *,
-    source: SourceSpec,
-    id_column: str,
-    parse: Callable[[dict[str, Any]], Mapping[str, Any]],
-    provider: str = "openai",
-    endpoint: str | None = None,
-    wait: bool = True,
-    poll_seconds: float = 30.0,
-    max_poll_seconds: float = 600.0,
-    input_columns: Sequence[str] | None = None,
-    partitions_def: dg.PartitionsDefinition | None = None,
-    retry_failed: bool = Settings.retry_failed,
-    dedupe: bool = Settings.dedupe,
-    max_failed_fraction: float = Settings.max_failed_fraction,
-    max_attempts: int = Settings.max_attempts,
-    on_input_change: OnInputChange | Literal["fail", "recompute"] = Settings.on_input_change,
-    usage_columns: Sequence[str] = (),
-    budget: Budget | None = None,
-    name: str | None = None,
-    key_prefix: str | Sequence[str] | None = None,
-    group_name: str | None = None,
-    code_version: str | None = None,
-    pool: str | None = None,
-    tags: Mapping[str, str] | None = None,
-    description: str | None = None,
-    metadata: Mapping[str, Any] | None = None,
-    io_manager_key: str = "io_manager",
-    backfill_policy: dg.BackfillPolicy | None = None,
+    arguments: ProviderArguments,
 ) -> Callable[[Callable[[dict[str, Any]], dict[str, Any]]], dg.AssetsDefinition]:
     """Turn ``request(row) -> dict`` into a checkpointed asset computed by a provider's batch
     API (OpenAI's Batch API, Anthropic's Message Batches): about half the price of per-row
@@ -75,6 +94,11 @@ def provider_batch_asset(
     it the run submits, records and fails with "Submitted, not materialized yet", and
     :func:`provider_batches_sensor` requests the run that collects the results once they end.
 
+    The arguments it shares with :func:`checkpointed_asset` mean the same. A ``budget`` prices
+    results at the provider's batch discount, and sends no submission whose estimated cost would
+    pass a limit. Every argument is keyword-only; they are the fields of ``ProviderArguments``
+    (listed below).
+
     Example::
 
         def parse(body: dict) -> dict:
@@ -85,71 +109,25 @@ def provider_batch_asset(
                               provider="openai", partitions_def=shard_partitions(4))
         def ticket_routing(row: dict) -> dict:
             return {"messages": [{"role": "user", "content": row["body"]}]}
-
-    The arguments it shares with :func:`checkpointed_asset` mean the same: ``source``,
-    ``id_column``, ``input_columns``, ``partitions_def``, ``retry_failed``, ``dedupe``,
-    ``max_failed_fraction``, ``on_input_change``, ``usage_columns`` and ``budget``. A budget
-    prices results at the provider's batch discount, and sends no submission whose estimated cost
-    would pass a limit. ``name``, ``key_prefix``, ``group_name``, ``code_version``, ``pool``,
-    ``tags``, ``description``, ``metadata``, ``io_manager_key`` and ``backfill_policy`` go to
-    ``dagster.asset``.
-
-    Args:
-        parse: The response body of one row -> its output columns (a dict, the same keys for
-            every row). An exception makes that row failed with its text.
-        max_attempts: Requests per row. A request that failed in a transient way (a server
-            error, a rate limit, an expired batch) goes again in a new batch, within the run,
-            until its row has had this many. An invalid request is a failed row at once.
-        provider: The resource key of the provider's resource: ``OpenAIResource``,
-            ``AnthropicResource``, or anything with ``batch_provider(endpoint)``.
-        endpoint: The provider's API path of every request. OpenAI: ``/v1/chat/completions`` by
-            default, ``/v1/embeddings``, ``/v1/responses``. Anthropic: ``/v1/messages`` only.
-        wait: Wait for the batches in the run (True), or submit and end (False). Run config
-            ``wait`` overrides it.
-        poll_seconds: The first wait between polls of a waiting run, doubled after each poll.
-        max_poll_seconds: The longest wait between polls.
     """
-    if poll_seconds <= 0 or max_poll_seconds < poll_seconds:
-        raise ValueError(
-            f"poll_seconds must be positive and at most max_poll_seconds, got {poll_seconds} "
-            f"and {max_poll_seconds}"
-        )
+    a = arguments
+    provider = a.provider
+    # The sensor reads the provider and endpoint from here (provider_batches_sensor).
+    said = {md.PROVIDER: provider} | ({} if a.endpoint is None else {md.ENDPOINT: a.endpoint})
+    declared = dataclasses.replace(a, metadata={**(a.metadata or {}), **said})
 
     def decorator(request: Callable[[dict[str, Any]], dict[str, Any]]) -> dg.AssetsDefinition:
         def bind(context: dg.AssetExecutionContext, config: ProviderBatchRunConfig) -> ProviderJob:
-            api = getattr(context.resources, provider).batch_provider(endpoint)
+            api = getattr(context.resources, provider).batch_provider(a.endpoint)
             if not isinstance(api, BatchProvider):
                 raise TypeError(f"resource {provider!r}: batch_provider() is no BatchProvider")
-            waits = wait if config.wait is None else config.wait
-            return ProviderJob(api, request, parse, waits, poll_seconds, max_poll_seconds)
+            waits = a.wait if config.wait is None else config.wait
+            return ProviderJob(api, request, a.parse, waits, a.poll_seconds, a.max_poll_seconds)
 
         code = function_fingerprint.of_function(request)
-        parsed = sorted(function_fingerprint.of_function(parse).items())  # "the constant parse"
+        parsed = sorted(function_fingerprint.of_function(a.parse).items())  # "the constant parse"
         code[function_fingerprint.CONSTANT + "parse"] = ",".join(f"{k}={v}" for k, v in parsed)
         calls = Calls((provider,), code, bind, ProviderRun, ProviderBatchRunConfig)
-        arguments = AssetArguments(
-            source=source,
-            id_column=id_column,
-            input_columns=input_columns,
-            partitions_def=partitions_def,
-            retry_failed=retry_failed,
-            dedupe=dedupe,
-            max_failed_fraction=max_failed_fraction,
-            max_attempts=max_attempts,
-            on_input_change=on_input_change,
-            usage_columns=tuple(usage_columns),
-            budget=budget,
-            name=name,
-            key_prefix=key_prefix,
-            group_name=group_name,
-            code_version=code_version,
-            pool=pool,
-            tags=tags,
-            description=description,
-            metadata=metadata,
-            io_manager_key=io_manager_key,
-            backfill_policy=backfill_policy,
-        )
-        return define(request, calls, arguments, kinds={"polars", "parquet", provider})
+        return define(request, calls, declared, kinds={"polars", "parquet", provider})
 
     return decorator

@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Never
 
 import dagster as dg
 
 from checkpoint_assets.engine.checkpoints.layout import UNPARTITIONED
+from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.providers.submissions import BatchProvider, State
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.events import records_after
@@ -76,29 +77,47 @@ def sensor_name(key: dg.AssetKey) -> str:
 
 def provider_batches_sensor(
     asset: dg.AssetsDefinition,
-    provider: str = "openai",
-    endpoint: str | None = None,
+    *,
     minimum_interval_seconds: int = 60,
     name: str | None = None,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
+    **provider_and_endpoint: Never,
 ) -> dg.SensorDefinition:
     """A sensor that requests a partition's run of ``asset`` (a :func:`provider_batch_asset`
     that submits and ends) once the provider batches it waits for have ended.
 
     Each tick polls only the batches of partitions that wait (one request per batch, stopping
     at a partition's first batch still running): a few requests a minute, however many rows.
-    ``provider`` and ``endpoint``: the resource key and endpoint the asset submits through.
+    It polls through the resource and endpoint the asset declares (its ``provider`` and
+    ``endpoint``), so they are not given here.
 
     Example::
 
         defs = dg.Definitions(
             assets=[tickets, ticket_routing],
-            sensors=[provider_batches_sensor(ticket_routing, provider="openai")],
+            sensors=[provider_batches_sensor(ticket_routing)],
             resources={"openai": OpenAIResource(...), "io_manager": CheckpointIOManager(...)},
         )
     """
     key = asset.key
     label = key.to_user_string()
+    if provider_and_endpoint:
+        given = ", ".join(f"{k}=" for k in provider_and_endpoint)
+        raise TypeError(
+            f"provider_batches_sensor takes the provider and endpoint from the asset's "
+            f"provider_batch_asset(provider=..., endpoint=...): call "
+            f"provider_batches_sensor({key.path[-1]}) without {given}."
+        )
+    declared = asset.metadata_by_key.get(key, {})
+    provider = md.plain(declared.get(md.PROVIDER))
+    endpoint = md.plain(declared.get(md.ENDPOINT))
+    if not isinstance(provider, str):
+        raise CheckpointError(
+            f"provider_batches_sensor({key.path[-1]}): {label} declares no provider in its "
+            "definition metadata, so it is not a provider_batch_asset.",
+            "Give the sensor the asset that provider_batch_asset made; for a "
+            "checkpointed_asset, use failed_partitions_sensor.",
+        )
 
     @dg.sensor(
         name=name or sensor_name(key),

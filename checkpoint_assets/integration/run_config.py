@@ -6,32 +6,55 @@ No ``from __future__ import annotations`` here: Dagster reads the config classes
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 from pydantic import Field, model_validator
 
-from checkpoint_assets.engine.calls.budget import Budget
+from checkpoint_assets.engine.calls.budget import LIMITS, Budget, check_limit
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.settings import OnInputChange, Settings
+from checkpoint_assets.engine.settings import AssetSettings, OnInputChange, Settings
+from checkpoint_assets.integration.models import given, model_of
 
-T = TypeVar("T")
+# The asset's settings a run may override: run config keys of the same name and meaning.
+OVERRIDDEN = ("checkpoint_interval", "batch_size", "retry_failed", "on_input_change")
 
 
-class BudgetLimits(dg.Config):
-    """The spend limits of one run, replacing the asset's budget's (``budget`` in run config)."""
+def _check_limits(limits: dict[str, Any]) -> None:
+    for name, value in limits.items():
+        check_limit(name, value)
 
-    max_run_cost: float | None = Field(
-        default=None, ge=0, description="USD this run may spend (default: the asset's)."
+
+if TYPE_CHECKING:
+    BudgetLimits = dg.Config
+    _AssetOverrides = dg.Config
+else:
+    BudgetLimits = model_of(
+        Budget,
+        dg.Config,
+        name="BudgetLimits",
+        module=__name__,
+        doc="The spend limits of one run, replacing the asset's budget's (``budget`` in run "
+        "config).",
+        only=LIMITS,
+        overrides=True,
+        check=_check_limits,
     )
-    max_asset_cost: float | None = Field(
-        default=None,
-        ge=0,
-        description="USD the asset may have spent, every shard and run (default: the asset's).",
+    # A value out of range is refused by the asset's own rule, which names the key.
+    _AssetOverrides = model_of(
+        AssetSettings,
+        dg.Config,
+        name="AssetOverrides",
+        module=__name__,
+        doc="The asset's settings a run overrides.",
+        only=OVERRIDDEN,
+        types={"on_input_change": OnInputChange},
+        overrides=True,
+        check=lambda values: AssetSettings(**values),
     )
 
 
-class CheckpointRunConfig(dg.Config):
+class CheckpointRunConfig(_AssetOverrides):
     """Run config of a checkpointed asset (UI launchpad, ``--config-json``)."""
 
     resume: bool = Field(
@@ -45,15 +68,6 @@ class CheckpointRunConfig(dg.Config):
     checkpoint_tag: str | None = Field(
         default=None, description="Name of the checkpoint, to keep separate runs apart."
     )
-    checkpoint_interval: int | None = Field(
-        default=None, ge=1, description="Rows per flush, at least 1 (overrides the asset's)."
-    )
-    batch_size: int | None = Field(
-        default=None,
-        ge=1,
-        description="Rows per call, at least 1 (overrides the asset's; default: the checkpoint "
-        "interval).",
-    )
     global_resume: bool = Field(
         default=False,
         description="Take finished rows from every checkpoint of the asset (after a reshard).",
@@ -61,16 +75,9 @@ class CheckpointRunConfig(dg.Config):
     limit: int | None = Field(
         default=None, ge=0, description="Process only the first N rows of the shard (a smoke run)."
     )
-    retry_failed: bool | None = Field(
-        default=None, description="Compute rows stored as failed again (default: the asset's)."
-    )
-    on_input_change: OnInputChange | None = Field(
-        default=None,
-        description="fail or recompute finished rows whose input changed (default: the asset's).",
-    )
     budget: BudgetLimits | None = Field(
         default=None,
-        description="{max_run_cost, max_asset_cost}: spend limits in USD replacing the asset's "
+        description=f"{{{', '.join(LIMITS)}}}: spend limits in USD replacing the asset's "
         "budget's (raise them to go on after BudgetExceededError).",
     )
 
@@ -91,13 +98,10 @@ def apply(base: Settings, config: CheckpointRunConfig, columns: Sequence[str]) -
     return dataclasses.replace(
         base,
         input_columns=base.input_columns or tuple(c for c in columns if c != base.id_column),
-        checkpoint_interval=_given(config.checkpoint_interval, base.checkpoint_interval),
-        batch_size=_given(config.batch_size, base.batch_size),
         resume=config.resume,
         checkpointing=config.checkpointing,
-        retry_failed=_given(config.retry_failed, base.retry_failed),
-        on_input_change=_given(config.on_input_change, base.on_input_change),
         budget=_budget(base.budget, config.budget),
+        **given(config, OVERRIDDEN),
     )
 
 
@@ -111,13 +115,4 @@ def _budget(base: Budget | None, limits: BudgetLimits | None) -> Budget | None:
             "what calls cost is unknown.",
             "Give the asset `budget=Budget(prices=...)`, or drop `budget` from run config.",
         )
-    return dataclasses.replace(
-        base,
-        max_run_cost=_given(limits.max_run_cost, base.max_run_cost),
-        max_asset_cost=_given(limits.max_asset_cost, base.max_asset_cost),
-    )
-
-
-def _given(value: T | None, asset_value: T) -> T:
-    """The run config's value when it gives one (0 and false included), else the asset's."""
-    return asset_value if value is None else value
+    return dataclasses.replace(base, **given(limits, LIMITS))

@@ -62,7 +62,7 @@ def _table(kind: str, what: str) -> str:
 
 
 def _arguments(arguments: Any) -> str:
-    from checkpoint_assets.engine.settings import DOC
+    from checkpoint_assets.engine.fields import DOC
 
     hints = typing.get_type_hints(arguments)
     rows = []

@@ -108,8 +108,8 @@ _HOME = os.environ.get("DAGSTER_HOME", ".")
 defs = dg.Definitions(
     assets=[llm_tickets, ticket_department_openai, ticket_department_claude],
     sensors=[
-        provider_batches_sensor(ticket_department_openai, provider="openai_chat"),
-        provider_batches_sensor(ticket_department_claude, provider="claude"),
+        provider_batches_sensor(ticket_department_openai),
+        provider_batches_sensor(ticket_department_claude),
     ],
     resources={
         "openai_chat": OpenAIResource(

@@ -14,7 +14,8 @@ import polars as pl
 import pytest
 
 from checkpoint_assets import CheckpointedAssetComponent, CheckpointIOManager, checkpointed_asset
-from checkpoint_assets.engine.settings import DOC, AssetSettings
+from checkpoint_assets.engine.fields import DOC
+from checkpoint_assets.engine.settings import AssetSettings
 from checkpoint_assets.integration.arguments import AssetArguments
 
 SETTINGS = [f.name for f in fields(AssetSettings)]

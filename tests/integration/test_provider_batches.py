@@ -12,12 +12,13 @@ and price results at the batch discount."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 import dagster as dg
@@ -28,17 +29,21 @@ from helpers.jobs import ASSET, ids_in_shard, stats, step_error
 from checkpoint_assets import (
     AnthropicResource,
     Budget,
+    CheckpointError,
     CheckpointIOManager,
     OpenAIResource,
     Price,
+    checkpointed_asset,
     failed_partitions_sensor,
     provider_batch_asset,
     provider_batches_sensor,
     shard_partitions,
 )
 from checkpoint_assets.engine import Checkpoint, open_store
+from checkpoint_assets.engine.providers.provider_batches import ProviderJob
 from checkpoint_assets.engine.providers.submissions import Limits, Request
 from checkpoint_assets.integration import metadata as md
+from checkpoint_assets.integration.arguments import CommonArguments
 from checkpoint_assets.integration.pending import PENDING_TAG
 from checkpoint_assets.integration.spend import STOPPED_BY_TAG
 from checkpoint_assets.resources.openai_batches import OpenAIBatches
@@ -351,7 +356,7 @@ def test_submit_and_end_then_the_sensor_requests_the_collecting_run(setup: Setup
     assert setup.provider()["creates"] == 1 and setup.provider()["submitted"] == 2_000
 
     retry = failed_partitions_sensor(routed, backoff_seconds=0)
-    collect = provider_batches_sensor(routed, provider=setup.api.key)
+    collect = provider_batches_sensor(routed)
     with dg.build_sensor_context(
         instance=setup.instance, resources={setup.api.key: setup.resource}
     ) as context:
@@ -531,3 +536,68 @@ def test_an_asset_budget_spans_shards_and_stops_the_second_shards_submissions(
 
 def _limit(**limits: float) -> dict[str, Any]:
     return {"ops": {ASSET: {"config": {"budget": limits}}}}
+
+
+def test_every_argument_every_checkpointed_asset_takes_is_one_of_provider_batch_asset() -> None:
+    parameters = inspect.signature(provider_batch_asset).parameters
+    for field in fields(CommonArguments):
+        default = inspect.Parameter.empty if field.default is MISSING else field.default
+        assert parameters[field.name].kind is inspect.Parameter.KEYWORD_ONLY, field.name
+        assert parameters[field.name].default == default, field.name
+    # A waiting run polls as the engine's ProviderJob does unless told otherwise.
+    assert parameters["poll_seconds"].default == ProviderJob.poll_seconds
+    assert parameters["max_poll_seconds"].default == ProviderJob.max_poll_seconds
+
+
+@pytest.mark.provider(rows=300)
+def test_shared_arguments_reach_the_asset_and_its_runs(setup: Setup) -> None:
+    days = ["2026-01-01", "2026-01-02"]
+
+    @dg.asset(name="tickets", partitions_def=dg.StaticPartitionsDefinition(days))
+    def daily(context) -> pl.DataFrame:  # type: ignore[no-untyped-def]
+        return setup.df.filter(pl.col(ID) % 2 == days.index(context.partition_key))
+
+    condition = dg.AutomationCondition.eager()
+    routed = setup.asset(
+        source_partition_mapping=dg.AllPartitionMapping(),  # one shard over both days
+        owners=["team:ml"],
+        kinds=["batch"],
+        op_tags={"queue": "batch"},
+        retry_policy=dg.RetryPolicy(max_retries=2),
+        automation_condition=condition,
+    )
+    spec = next(iter(routed.specs))
+    assert spec.owners == ["team:ml"] and spec.automation_condition == condition
+    assert spec.kinds == {"polars", "parquet", setup.api.key, "batch"}
+    assert routed.op.tags["queue"] == "batch"
+    assert routed.op.retry_policy == dg.RetryPolicy(max_retries=2)
+    resources = setup.resources()
+    for day in days:
+        assert dg.materialize([daily], partition_key=day, resources=resources).success
+    result = dg.materialize(
+        [daily, routed],
+        selection=[routed.key],
+        partition_key=SHARD,
+        instance=setup.instance,
+        resources=resources,
+    )
+    assert result.success
+    assert stats(result)["rows_computed"] == 300  # the rows of both days
+    assert setup.provider()["submitted"] == 300
+
+
+def test_the_sensor_reads_the_provider_from_the_asset_and_names_the_call_without_it() -> None:
+    routed = provider_batch_asset(
+        source="tickets", id_column=ID, parse=OPENAI.parse, provider="claude", name=ASSET
+    )(request)
+    sensor = provider_batches_sensor(routed)
+    assert sensor.required_resource_keys == {"claude"}
+    with pytest.raises(TypeError, match=rf"call provider_batches_sensor\({ASSET}\) without"):
+        provider_batches_sensor(routed, provider="claude")  # type: ignore[arg-type]
+
+    @checkpointed_asset(source="tickets", id_column=ID)
+    def computed(batch: pl.DataFrame) -> pl.DataFrame:
+        return batch
+
+    with pytest.raises(CheckpointError, match="use failed_partitions_sensor"):
+        provider_batches_sensor(computed)

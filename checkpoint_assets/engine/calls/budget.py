@@ -46,6 +46,7 @@ import polars as pl
 
 from checkpoint_assets.engine.calls.batches import Record, RowResult
 from checkpoint_assets.engine.errors import BudgetExceededError, CheckpointError
+from checkpoint_assets.engine.fields import required, setting
 
 PER = 1_000_000  # prices are per million tokens
 EPSILON = 1e-9  # USD: sums of floats that should meet a limit may miss it by rounding
@@ -53,12 +54,14 @@ EPSILON = 1e-9  # USD: sums of floats that should meet a limit may miss it by ro
 
 @dataclass(frozen=True)
 class Price:
-    """One model's price in USD per million tokens; ``batch_discount``: the fraction off through
-    the provider's batch API (0.5 at OpenAI and Anthropic)."""
+    """One model's price in USD per million tokens, and the fraction off through the
+    provider's batch API."""
 
-    input: float
-    output: float
-    batch_discount: float = 0.5
+    input: float = required("USD per million input tokens.")
+    output: float = required("USD per million output tokens.")
+    batch_discount: float = setting(
+        0.5, "Fraction off through the provider's batch API (0.5 at OpenAI and Anthropic)."
+    )
 
     def __post_init__(self) -> None:
         if (
@@ -78,12 +81,16 @@ class Budget:
     ``model_column`` every row is priced as the table's one model.
     """
 
-    prices: Mapping[str, Price]
-    input_tokens: str = "input_tokens"
-    output_tokens: str = "output_tokens"
-    model_column: str | None = None
-    max_run_cost: float | None = None
-    max_asset_cost: float | None = None
+    prices: Mapping[str, Price] = required("Price per model name.")
+    input_tokens: str = setting("input_tokens", "The usage column counting input tokens.")
+    output_tokens: str = setting("output_tokens", "The usage column counting output tokens.")
+    model_column: str | None = setting(
+        None, "The output column naming each row's model (default: the one model priced)."
+    )
+    max_run_cost: float | None = setting(None, "USD one run may spend, all its shards.")
+    max_asset_cost: float | None = setting(
+        None, "USD the asset may have spent, every shard and run."
+    )
 
     def __post_init__(self) -> None:
         prices = {str(m): p if isinstance(p, Price) else Price(**p) for m, p in self.prices.items()}
@@ -95,10 +102,8 @@ class Budget:
                 f"a Budget with several models ({sorted(prices)}) needs model_column: the output "
                 "column that names each row's model"
             )
-        for name in ("max_run_cost", "max_asset_cost"):
-            value = getattr(self, name)
-            if value is not None and not value >= 0:
-                raise ValueError(f"{name} must be 0 or more USD, got {value}")
+        for name in LIMITS:
+            check_limit(name, getattr(self, name))
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -151,6 +156,15 @@ class Budget:
             model: self.cost(model, _number(i), _number(o), batch=batch)
             for model, i, o in grouped.iter_rows()
         }
+
+
+LIMITS = ("max_run_cost", "max_asset_cost")  # the spend limits among the fields of a Budget
+
+
+def check_limit(name: str, value: float | None) -> None:
+    """Refuse a spend limit below 0 USD (None: no limit)."""
+    if value is not None and not value >= 0:
+        raise ValueError(f"{name} must be 0 or more USD, got {value}")
 
 
 def _number(value: Any) -> float:
