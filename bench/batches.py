@@ -46,7 +46,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and ``examples`
 
 import polars as pl
 
-from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
 from checkpoint_assets.engine.errors import BatchesPendingError, TooManyFailuresError
 from checkpoint_assets.engine.providers.provider_batches import ProviderJob, ProviderRun
 from checkpoint_assets.engine.providers.submission_records import Records
@@ -99,7 +99,14 @@ def shard_main(args: argparse.Namespace) -> None:
     inputs = prepare(shard_rows(args.rows, args.shard, args.shards), settings)
     pending, failed, entered = False, 0, time.time()
     try:
-        _, run_stats = run(job, inputs, checkpoint, settings, job={"bench": 1}, loop=ProviderRun)
+        _, run_stats = run(
+            job,
+            inputs,
+            checkpoint,
+            settings,
+            job={"bench": 1},
+            context=RunContext(loop=ProviderRun),
+        )
         computed = run_stats.rows_computed
     except BatchesPendingError:
         pending, computed = True, 0

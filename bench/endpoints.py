@@ -26,20 +26,23 @@ with 5 % of calls also refused at random all along; no 429 at all.
 
 At 50 ms an answer, 32 calls in flight take about one core of this client (the plain loop's own
 event loop is the bound), so on a machine of 2 cores these figures weigh the CPU a side spends
-as much as how it adapts. Two scenarios answer in 250 ms instead, so that the endpoint is the
-bound, as it is with real models (they answer in seconds): the limit of 32 started at 64 (2,400
-rows), and the limit change (no target for its time back: 10 s there is 40 answers' time of one
-call, not 200).
+as much as how it adapts. No 429, 5 % random 429s and the limit of 32 started at 64 also run at
+250 ms an answer (2,400 rows), and so does the limit change: there the endpoint is the bound, as
+it is with real models (they answer in seconds). The limit change there has no target for its
+time back: 10 s is 40 answers' time of one call, not 200.
 
-Figures per side: rows/s, 429s the server answered (its ``/stats``); for the package its
-throttle events, throttled seconds and concurrency at the end. The CPU per row of each side and the
-load average go to the details: on a busy machine the package's threads get a larger share of the
-CPU than the loop's one, which flatters the package.
+Figures per side: rows/s, CPU seconds of this process per 1,000 answered calls (all threads;
+the server runs in its own process) and the package's over the loop's, 429s the server answered
+(its ``/stats``); for the package its throttle events, throttled seconds and concurrency at the
+end. A CPU ratio holds on a busy machine, where a rate moves by a third from run to run. On a
+busy machine the package's threads also get a larger share of the CPU than the loop's one,
+which flatters the package's rate. The load average goes to the details.
 
 A smoke run (fewer than 1,000 rows) serves from threads of this process and runs the limit
 change 20 times faster: it checks the code, its figures mean nothing.
 
-    python -m bench.remote --only endpoints             # about 25 minutes
+    python -m bench.remote --only endpoints             # about 35 minutes
+    python -m bench.remote --only endpoints --pairs 1   # one pair of runs a scenario
 """
 
 from __future__ import annotations
@@ -111,6 +114,11 @@ class Side:
     @property
     def per_second(self) -> float:
         return self.rows / self.seconds
+
+    @property
+    def cpu_per_thousand(self) -> float:
+        """CPU seconds of this process per 1,000 answered calls (all its threads)."""
+        return 1000 * self.cpu_seconds / self.rows
 
     @property
     def settled_per_second(self) -> float:
@@ -202,17 +210,18 @@ def _compare(result: Result, endpoint: Endpoint, loop: Side, ours: Side) -> None
     result.add("package / loop", ratio, "x", op=">=", **target)
     settled = ours.settled_per_second / loop.settled_per_second
     result.add(f"package / loop from {SETTLED:g} s after the start", settled, "x")
+    for name, side in (("loop", loop), ("package", ours)):
+        result.add(f"CPU per 1,000 calls: {name}", side.cpu_per_thousand, "s")
+    result.add("CPU per call, package / loop", ours.cpu_per_thousand / loop.cpu_per_thousand, "x")
     result.add("429s answered: loop", loop.refused, "")
     result.add("429s answered: package", ours.refused, "")
     assert ours.run_stats is not None
-    sides = {"loop": loop, "package": ours}
     result.add("package: throttle events", ours.run_stats.throttle_events, "")
     result.add("package: throttled seconds", ours.run_stats.throttled_seconds, "s")
     result.add("package: concurrency at the end", ours.run_stats.concurrency_final, "")
     result.details |= {
         "rows": loop.rows,
         "seconds": {"loop": loop.seconds, "package": ours.seconds},
-        "cpu_ms_per_row": {s: 1000 * x.cpu_seconds / x.rows for s, x in sides.items()},
         "server": endpoint.server.argv(),
     }
 
@@ -338,30 +347,6 @@ def limit_change(
 def endpoints(rows: int, workdir: str, smoke: bool = False, pairs: int = PAIRS) -> list[Result]:
     """Every endpoint scenario (``pairs`` of runs each, ``CHANGE_PAIRS`` of the limit change).
     ``smoke``: servers in threads, the limit change 20 times faster, one pair of runs each."""
-    base: dict[str, Any] = {"latency_ms": LATENCY_MS, "retry_after_seconds": RETRY_AFTER}
-
-    def random_429(rate: float, target: float | None) -> Endpoint:
-        server = Server(rate_429=rate, **base)
-        return Endpoint(
-            f"random 429 {rate:.0%}", f"{rate:.0%} of requests get 429", server, target=target
-        )
-
-    limit_32 = Endpoint(
-        "limit 32 from 64",
-        "429 beyond 32 in flight; the package starts at 64, the loop has 32 workers; 2x the rows",
-        Server(max_in_flight=WORKERS, **base),
-        max_concurrency=2 * WORKERS,
-        target=0.8,
-    )
-    no_429 = Endpoint("no 429", "every request answered", Server(**base), target=0.85)
-    slow = {**base, "latency_ms": SLOW_MS}
-    limit_32_slow = Endpoint(
-        f"limit 32 from 64, {SLOW_MS:g} ms",
-        f"the same limit, answers in {SLOW_MS:g} ms: the endpoint is the bound, not this client",
-        Server(max_in_flight=WORKERS, **slow),
-        max_concurrency=2 * WORKERS,
-        target=0.8,
-    )
     texts = prompts(rows)
 
     def both(endpoint: Endpoint, texts: list[str] = texts) -> Result:
@@ -372,12 +357,42 @@ def endpoints(rows: int, workdir: str, smoke: bool = False, pairs: int = PAIRS) 
         unit, change_pairs = (0.05, 1) if smoke else (1.0, CHANGE_PAIRS)
         return limit_change(workdir, unit, in_thread=smoke, pairs=change_pairs, **server)
 
+    slow_texts = prompts(rows if smoke else SLOW_ROWS)
     return [
-        *(both(e) for e in (random_429(0.01, None), random_429(0.05, 0.8), random_429(0.2, 0.7))),
-        both(limit_32, prompts(2 * rows)),  # how soon it settles weighs less than in 5 s
+        *(both(e) for e in _scenarios(LATENCY_MS, {0.0: 0.9, 0.01: None, 0.05: 0.85, 0.2: 0.7})),
+        both(_limit_32(LATENCY_MS), prompts(2 * rows)),  # how soon it settles weighs less
         change(),
         change(rate_429=0.05, target=False),
-        both(no_429),
-        both(limit_32_slow, prompts(rows if smoke else SLOW_ROWS)),
+        *(both(e, slow_texts) for e in _scenarios(SLOW_MS, {0.0: None, 0.05: None})),
+        both(_limit_32(SLOW_MS), slow_texts),
         change(latency_ms=SLOW_MS, target=False),
     ]
+
+
+def _server(latency_ms: float, **more: Any) -> Server:
+    return Server(latency_ms=latency_ms, retry_after_seconds=RETRY_AFTER, **more)
+
+
+def _at(latency_ms: float) -> str:
+    return "" if latency_ms == LATENCY_MS else f", {latency_ms:g} ms"
+
+
+def _scenarios(latency_ms: float, targets: dict[float, float | None]) -> list[Endpoint]:
+    """No 429 (share 0) and random 429s on each share of requests, with their targets."""
+    endpoints = []
+    for rate, target in targets.items():
+        server = _server(latency_ms, rate_429=rate)
+        key = f"random 429 {rate:.0%}" if rate else "no 429"
+        title = f"{rate:.0%} of requests get 429" if rate else "every request answered"
+        endpoints.append(Endpoint(key + _at(latency_ms), title, server, target=target))
+    return endpoints
+
+
+def _limit_32(latency_ms: float) -> Endpoint:
+    return Endpoint(
+        f"limit 32 from 64{_at(latency_ms)}",
+        "429 beyond 32 in flight; the package starts at 64, the loop has 32 workers",
+        _server(latency_ms, max_in_flight=WORKERS),
+        max_concurrency=2 * WORKERS,
+        target=0.8,
+    )

@@ -1,6 +1,7 @@
 """Lake-scale sources: one shard of a large stored source, against a polars scan of its rows.
 
-``python -m bench.lake --rows 8000000 --text-bytes 500 --shards 16`` (``--smoke``: a tiny size)
+``python -m bench.lake --rows 8000000 --text-bytes 500 --shards 16`` (``--smoke``: a tiny size);
+``python -m bench.lake --rows 2000000 --text-bytes 2000 --shards 1``: one shard of 4 GB of text.
 
 1. Build: a source of ``rows`` rows (an integer id, ``text_bytes`` characters of hex text) is
    written as raw Parquet in chunks, then materialized through ``CheckpointIOManager`` by an
@@ -9,16 +10,17 @@
 2. Each measurement runs in its own process, which reports its wall time and peak RSS
    (``VmHWM``, see ``bench/lake_scan.py``):
 
-   - ``checkpointed``: shard 3 of ``shards`` of a checkpointed asset over that source (a trivial
-     function) through ``execute_in_process`` of the Definitions' job, with a fresh checkpoint;
+   - ``checkpointed``: shard 3 of ``shards`` (the last, with fewer) of a checkpointed asset over
+     that source (a trivial function of batches of ``BATCH_ROWS`` rows) through
+     ``execute_in_process`` of the Definitions' job, with a fresh checkpoint;
    - ``scan``: ``pl.scan_parquet`` of the same stored file, filtered to the same shard's rows by
      the stored shard key column, collected by the streaming engine (the best a reader can do);
    - ``empty``: the same checkpointed run over a stored source of no rows: the fixed cost of a
      Dagster run (imports, instance, events), paid whatever the size.
 
-Targets (issue 19): peak RSS at most 2x the scan's; wall at most 2x the scan's plus the empty
-run's, i.e. ``(checkpointed - empty) / scan <= 2`` (reported for CPU time too, which a busy
-machine disturbs less). Everything is under a temporary folder, removed at the end.
+Targets: peak RSS at most 1.5x the scan's, and under 1 GiB; wall at most 2x the scan's plus the
+empty run's, i.e. ``(checkpointed - empty) / scan <= 2`` (reported for CPU time too, which a
+busy machine disturbs less). Everything is under a temporary folder, removed at the end.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from checkpoint_assets.engine.sharding.scheme import shard_key_column
 
 ID = "id"
 TEXT = "text"
-SHARD = 3
+BATCH_ROWS = 1_000  # rows per call: what the function holds, the rest stays in storage
+SHARD = 3  # the shard measured (the last one when there are fewer)
 CHUNK_ROWS = 500_000
 MIB = 1024**2
 SOURCES = ["lake_source", "empty_source"]  # built together; the first is measured
@@ -70,6 +73,7 @@ def definitions(folder: str, shards: int) -> dg.Definitions:
         "id_column": ID,
         "partitions_def": shard_partitions(shards),
         "checkpoint_interval": 1_000_000,
+        "batch_size": BATCH_ROWS,
     }
     lake_scored = checkpointed_asset(source="lake_source", name="lake_scored", **options)(trivial)
     empty_scored = checkpointed_asset(source="empty_source", name="empty_scored", **options)(
@@ -80,6 +84,11 @@ def definitions(folder: str, shards: int) -> dg.Definitions:
         assets=[lake_source, empty_source, lake_scored, empty_scored],
         resources={"io_manager": store},
     )
+
+
+def measured(shards: int) -> int:
+    """The index of the shard measured."""
+    return min(SHARD, shards - 1)
 
 
 def write_raw(path: str, rows: int, text_bytes: int) -> None:
@@ -111,7 +120,7 @@ def run_child(module: str, args: list[str]) -> dict[str, Any]:
 
 def run_scan(folder: str, shards: int) -> dict[str, Any]:
     """The baseline, in a process that imports polars alone (``bench/lake_scan.py``)."""
-    first, end = hashing.shard_key_bounds(SHARD, shards)
+    first, end = hashing.shard_key_bounds(measured(shards), shards)
     path = os.path.join(folder, "store", "lake_source.parquet")
     bounds = [str(first), "none" if end is None else str(end)]
     return run_child("bench.lake_scan", [path, shard_key_column(ID), *bounds])
@@ -122,7 +131,7 @@ def child(kind: str, folder: str, shards: int) -> dict[str, Any]:
     rows and peak RSS."""
     started, cpu = time.perf_counter(), time.process_time()
     job = definitions(folder, shards).resolve_implicit_global_asset_job_def()
-    partition = shard_partitions(shards).get_partition_keys()[SHARD]
+    partition = shard_partitions(shards).get_partition_keys()[measured(shards)]
     selected = {"checkpointed": "lake_scored", "empty": "empty_scored"}
     assets = [selected[kind]] if kind in selected else SOURCES
     result = job.execute_in_process(
@@ -159,7 +168,8 @@ def main(rows: int, text_bytes: int, shards: int) -> dict[str, Any]:
     # The time a shard takes beyond a Dagster run's fixed cost, against the scan's (<= 2).
     for clock in ("seconds", "cpu"):
         figures[f"{clock}_ratio"] = (ran[clock] - empty[clock]) / scan[clock]
-    figures["targets_met"] = figures["rss_ratio"] <= 2 and figures["seconds_ratio"] <= 2
+    small = ran["peak_mib"] < 1024
+    figures["targets_met"] = figures["rss_ratio"] <= 1.5 and small and figures["seconds_ratio"] <= 2
     figures["size"] = {"rows": rows, "text_bytes": text_bytes, "shards": shards}
     return figures
 
@@ -175,7 +185,10 @@ def report(figures: dict[str, Any]) -> str:
             f"{kind:>13}: {f['seconds']:7.2f} s wall {f['cpu']:7.2f} s CPU "
             f"{f['peak_mib']:8.0f} MiB peak {f['rows']:>10} rows"
         )
-    lines.append(f"checkpointed / scan peak RSS: {figures['rss_ratio']:.2f} (target <= 2)")
+    lines.append(
+        f"checkpointed / scan peak RSS: {figures['rss_ratio']:.2f} (target <= 1.5; "
+        f"and under 1024 MiB)"
+    )
     lines.append(
         f"(checkpointed - empty run) / scan: wall {figures['seconds_ratio']:.2f} (target <= 2), "
         f"CPU {figures['cpu_ratio']:.2f}; targets met: {figures['targets_met']}"

@@ -327,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", type=int, default=3200, help="rows per run (3200: 5 s at the limit)")
     p.add_argument("--only", help="throughput, openai, throttled, kill, endpoints (default: all)")
+    p.add_argument("--pairs", type=int, default=endpoints.PAIRS, help="runs a side, endpoints")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -339,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         "openai": lambda rows, workdir: [openai_client(rows, workdir)],
         "throttled": lambda rows, workdir: [throttled(rows, workdir)],
         "kill": lambda rows, workdir: [kill(rows, workdir)],
-        "endpoints": lambda rows, workdir: endpoints.endpoints(rows, workdir, smoke=rows < 1000),
+        "endpoints": lambda rows, workdir: endpoints.endpoints(
+            rows, workdir, smoke=rows < 1000, pairs=args.pairs
+        ),
     }
     chosen = args.only.split(",") if args.only else list(runs)
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())

@@ -56,7 +56,7 @@ def build(base_dir: str, folder: str, rows: int, count: int) -> None:
             checkpoint,
             config,
             job=data.JOB,
-            scheme=scheme,
+            context=runner.RunContext(scheme=scheme),
         )
 
 

@@ -60,11 +60,11 @@ def main(input_path: str, base_dir: str, name: str) -> dict[str, Any]:
     phases["reading"] = time.perf_counter() - t
     t = time.perf_counter()
     inputs = runner.prepare(frame, config)
-    hashing.fingerprint(inputs.get_column("_input_hash").to_numpy())
+    hashing.fingerprint(inputs.keys.get_column("_input_hash").to_numpy())
     phases["fingerprint"] = time.perf_counter() - t
     t = time.perf_counter()
     plan(
-        inputs,
+        inputs.keys,
         stored.rows,
         data.ID,
         resume=True,

@@ -30,7 +30,7 @@ from checkpoint_assets.engine.errors import (
     StorageError,
     TooManyFailuresError,
 )
-from checkpoint_assets.engine.loop.runner import prepare, run
+from checkpoint_assets.engine.loop.runner import RunContext, prepare, run
 from checkpoint_assets.engine.settings import OnInputChange, RunStats, Settings
 from checkpoint_assets.engine.sharding.scheme import Scheme, Shard
 from checkpoint_assets.engine.storage import Store, open_store
@@ -48,6 +48,7 @@ __all__ = [
     "OnInputChange",
     "OutageError",
     "PerRow",
+    "RunContext",
     "RunStats",
     "Scheme",
     "Settings",

@@ -25,10 +25,12 @@ from checkpoint_assets.engine.loop import runner
 from checkpoint_assets.engine.loop.shard_run import ShardRun
 from checkpoint_assets.engine.plan import function_fingerprint
 from checkpoint_assets.engine.plan.global_resume import JOB, shard_rows
+from checkpoint_assets.engine.plan.inputs import Inputs, Limited
 from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.sharding.scheme import Scheme, Shard, rows_in
 from checkpoint_assets.engine.storage import Store
+from checkpoint_assets.engine.storage.base import Usage
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration import run_config
 from checkpoint_assets.integration.arguments import (
@@ -112,30 +114,101 @@ def define(
 ) -> dg.AssetsDefinition:
     """The Dagster asset that runs ``calls`` over the shards of ``a.source`` (``fn``: its name
     and docstring)."""
-    id_column = a.id_column
     source_key = _source_key(a.source)
-    base = Settings(id_column=id_column, input_columns=tuple(a.input_columns or ()), **a.settings())
-    definition_metadata = {
-        **(a.metadata or {}),
-        md.ID_COLUMN: id_column,
-        md.SOURCE: source_key.to_user_string(),
-        md.RETRY_FAILED: a.retry_failed,
-    }
+    base = Settings(
+        id_column=a.id_column, input_columns=tuple(a.input_columns or ()), **a.settings()
+    )
 
     def body(context: dg.AssetExecutionContext, config: Any, source: Any) -> pl.DataFrame:
+        shards = _AssetRun.of(context, config, as_lazy(source), calls, a, base, source_key)
+        return shards.materialize()
+
+    body.__annotations__["config"] = calls.config  # Dagster reads the run config's class here
+    body.__doc__ = fn.__doc__
+    asset: dg.AssetsDefinition = dg.asset(**_asset_options(fn, calls, a, source_key, kinds))(body)
+    return asset
+
+
+def _asset_options(
+    fn: Callable[..., Any],
+    calls: Calls,
+    a: CommonArguments,
+    source_key: dg.AssetKey,
+    kinds: set[str] | None,
+) -> dict[str, Any]:
+    """The arguments of ``dg.asset`` for the asset ``define`` builds."""
+    return {
+        "name": a.name or fn.__name__,
+        "key_prefix": a.key_prefix,
+        # The IO manager gives a source marked with the id column as a lazy scan.
+        "ins": {
+            "source": dg.AssetIn(
+                key=source_key,
+                metadata={md.ID_COLUMN: a.id_column},
+                partition_mapping=a.source_partition_mapping,
+            )
+        },
+        "partitions_def": a.partitions_def,
+        "group_name": a.group_name,
+        "code_version": a.code_version,
+        "pool": a.pool,
+        "tags": dict(a.tags) if a.tags else None,
+        "description": a.description or inspect.getdoc(fn),
+        "metadata": {
+            **(a.metadata or {}),
+            md.ID_COLUMN: a.id_column,
+            md.SOURCE: source_key.to_user_string(),
+            md.RETRY_FAILED: a.retry_failed,
+        },
+        "io_manager_key": a.io_manager_key,
+        "required_resource_keys": set(calls.resources) or None,
+        "backfill_policy": a.backfill_policy,
+        "kinds": {*(kinds or {"polars", "parquet"}), *(a.kinds or ())},
+        "owners": list(a.owners) if a.owners else None,
+        "op_tags": dict(a.op_tags) if a.op_tags else None,
+        "retry_policy": a.retry_policy,
+        "automation_condition": a.automation_condition,
+    }
+
+
+@dataclass(frozen=True)
+class _AssetRun:
+    """One materialization of a checkpointed asset: what its shards share, and running them."""
+
+    context: dg.AssetExecutionContext
+    config: CheckpointRunConfig
+    source: pl.LazyFrame
+    keys: list[str | None]
+    call: Any  # the function with its resources, or a ProviderJob
+    loop: type[ShardRun] | None
+    settings: Settings
+    job: dict[str, Any]
+    printed: dict[str, str]  # the function's fingerprint, its resources' included
+    io_manager: CheckpointIOManager
+    store: Store
+    started: Usage  # the store's counts when the step began (its source's first reads)
+    imported: pl.DataFrame | None  # global resume: read once for every shard of a ranged run
+    spend: AssetSpend | None
+
+    @classmethod
+    def of(
+        cls,
+        context: dg.AssetExecutionContext,
+        config: Any,
+        source: pl.LazyFrame,
+        calls: Calls,
+        a: CommonArguments,
+        base: Settings,
+        source_key: dg.AssetKey,
+    ) -> "_AssetRun":
         io_manager = checkpoint_io_manager(context, a.io_manager_key)
-        keys = (
-            list(context.partition_keys)
-            if context.has_partition_key_range or context.has_partition_key
-            else [None]
-        )
-        table = as_lazy(source)
+        multi = context.has_partition_key_range or context.has_partition_key
+        keys: list[str | None] = list(context.partition_keys) if multi else [None]
         call = calls.bind(context, config)
         store = io_manager.store()
         started = io_manager.step_usage(source_key)
-        settings = run_config.apply(base, config, user_columns(table.collect_schema().names()))
+        settings = run_config.apply(base, config, user_columns(source.collect_schema().names()))
         resources = {r: getattr(context.resources, r) for r in calls.resources}
-        printed = {**calls.code, **function_fingerprint.of_resources(resources)}
         job = {
             "format": JOB_FORMAT,
             "asset": context.asset_key.to_user_string(),
@@ -143,46 +216,63 @@ def define(
             "id_column": settings.id_column,
             "input_columns": list(settings.input_columns),
         }
-        imported = None  # read once for every shard of a ranged run
+        imported = None
         if config.global_resume:
             tag = config.checkpoint_tag
             imported = _global_rows(io_manager, store, context, job, keys, tag)
-        spend = _spend(context, settings, keys)
+        return cls(
+            context=context,
+            config=config,
+            source=source,
+            keys=keys,
+            call=call,
+            loop=calls.loop,
+            settings=settings,
+            job=job,
+            printed={**calls.code, **function_fingerprint.of_resources(resources)},
+            io_manager=io_manager,
+            store=store,
+            started=started,
+            imported=imported,
+            spend=_spend(context, settings, keys),
+        )
+
+    def materialize(self) -> pl.DataFrame:
+        """Run every shard; the result of all, with the materialization's metadata."""
+        frames, stats = self._run_all()
+        result = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
+        config = self.config
+        self.context.add_output_metadata(
+            md.materialization(
+                stats,
+                config.checkpoint_tag or DEFAULT_TAG,
+                config.checkpointing,
+                self.store.usage().since(self.started),
+                result,
+                self.settings.id_column,
+            )
+        )
+        if self.spend is not None:
+            for key in self.keys:
+                self.context.add_asset_metadata(self.spend.metadata(key), partition_key=key)
+        return result
+
+    def _run_all(self) -> tuple[list[pl.DataFrame], list[RunStats]]:
+        """Each shard's result and stats. A shard with too many failed rows, or with provider
+        batches still pending, does not stop the others: their retries are free."""
         frames: list[pl.DataFrame] = []
         stats: list[RunStats] = []
         too_many: list[TooManyFailuresError] = []
         pending: dict[str | None, BatchesPendingError] = {}
-        # Only these shards' rows, streamed; one shard's rows in memory at a time. On a
-        # failure: what the run spent counts, though no shard materializes.
-        with (
-            ShardRows(table, id_column, keys) as shard_rows,
-            spend.recorded_on_failure() if spend else contextlib.nullcontext(),
-        ):
-            for key in keys:
-                checkpoint = io_manager.checkpoint(
-                    context.asset_key, config.checkpoint_tag, key, store
-                )
-                saved = md.saved_on_failure(
-                    context, checkpoint, key, settings.id_column, config.checkpointing
-                )
+        # On a failure: what the run spent counts, though no shard materializes.
+        recorded = self.spend.recorded_on_failure() if self.spend else contextlib.nullcontext()
+        remote = not self.store.local  # a source it stored is on the same store
+        shards = ShardRows(self.source, self.settings.id_column, self.keys, remote=remote)
+        with shards as rows, recorded:
+            for key in self.keys:
                 try:
-                    with saved:  # on a failure or interrupt: say what the checkpoint holds
-                        frame, one = _run_partition(
-                            context,
-                            config,
-                            call,
-                            settings,
-                            checkpoint,
-                            shard_rows.of(key),  # one shard's rows held at a time
-                            key,
-                            job,
-                            imported,
-                            printed,
-                            spend,
-                            calls.loop,
-                        )
+                    frame, one = self._run_saved(key, rows.of(key))
                 except TooManyFailuresError as e:
-                    # A ranged run still finishes its other shards, so their retries are free.
                     too_many.append(e)
                     continue
                 except BatchesPendingError as e:
@@ -193,54 +283,54 @@ def define(
                 frames.append(frame)
                 stats.append(one)
             if pending:
-                raise end_pending(context, pending)
+                raise end_pending(self.context, pending)
             if too_many:
                 raise TooManyFailuresError.of_several(too_many).in_dagster_terms()
-        result = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
-        context.add_output_metadata(
-            md.materialization(
-                stats,
-                config.checkpoint_tag or DEFAULT_TAG,
-                config.checkpointing,
-                store.usage().since(started),
-                result,
-                settings.id_column,
-            )
-        )
-        if spend is not None:
-            for key in keys:
-                context.add_asset_metadata(spend.metadata(key), partition_key=key)
-        return result
+        return frames, stats
 
-    body.__annotations__["config"] = calls.config  # Dagster reads the run config's class here
-    body.__doc__ = fn.__doc__
-    return dg.asset(
-        name=a.name or fn.__name__,
-        key_prefix=a.key_prefix,
-        # The IO manager gives a source marked with the id column as a lazy scan.
-        ins={
-            "source": dg.AssetIn(
-                key=source_key,
-                metadata={md.ID_COLUMN: id_column},
-                partition_mapping=a.source_partition_mapping,
+    def _run_saved(self, key: str | None, rows: Inputs) -> tuple[pl.DataFrame, RunStats]:
+        """Run one shard; on a failure or interrupt, say what its checkpoint holds."""
+        checkpoint = self.io_manager.checkpoint(
+            self.context.asset_key, self.config.checkpoint_tag, key, self.store
+        )
+        saved = md.saved_on_failure(
+            self.context, checkpoint, key, self.settings.id_column, self.config.checkpointing
+        )
+        with saved:
+            return self._run_one(key, rows, checkpoint)
+
+    def _run_one(
+        self, partition: str | None, rows: Inputs, checkpoint: Checkpoint
+    ) -> tuple[pl.DataFrame, RunStats]:
+        """Run one partition's checkpoint over its input rows; returns its result and stats."""
+        context, spend = self.context, self.spend
+        limit = self.config.limit
+        inputs = runner.prepare(rows if limit is None else Limited(rows, limit), self.settings)
+        label = context.asset_key.to_user_string() + (f" {partition}" if partition else "")
+        watch = DagsterRunWatch(context.instance, context.run.run_id, label)
+        if spend is not None:
+            spend.start(partition)
+        shard = runner.RunContext(
+            scheme=Scheme.of(partition),
+            run_id=context.run.run_id,
+            watch=watch,
+            logger=context.log,  # type: ignore[arg-type]
+            label=label,
+            imported=self.imported,
+            function_fingerprint=self.printed,
+            spend=None if spend is None else spend.spend,
+            loop=self.loop,
+        )
+        try:
+            return runner.run(
+                self.call, inputs, checkpoint, self.settings, job=self.job, context=shard
             )
-        },
-        partitions_def=a.partitions_def,
-        group_name=a.group_name,
-        code_version=a.code_version,
-        pool=a.pool,
-        tags=dict(a.tags) if a.tags else None,
-        description=a.description or inspect.getdoc(fn),
-        metadata=definition_metadata,
-        io_manager_key=a.io_manager_key,
-        required_resource_keys=set(calls.resources) or None,
-        backfill_policy=a.backfill_policy,
-        kinds={*(kinds or {"polars", "parquet"}), *(a.kinds or ())},
-        owners=list(a.owners) if a.owners else None,
-        op_tags=dict(a.op_tags) if a.op_tags else None,
-        retry_policy=a.retry_policy,
-        automation_condition=a.automation_condition,
-    )(body)
+        except RunStoppedError:
+            watch.report_orphaned()  # after the lock is released: a new run may take it at once
+            raise
+        finally:
+            if spend is not None:
+                spend.finish(partition)
 
 
 def _spend(
@@ -251,53 +341,6 @@ def _spend(
         return None
     label = context.asset_key.to_user_string()
     return AssetSpend(context, Spend(settings.budget, label=label), keys)
-
-
-def _run_partition(
-    context: dg.AssetExecutionContext,
-    config: CheckpointRunConfig,
-    fn: Callable[..., Any],
-    settings: Settings,
-    checkpoint: Checkpoint,
-    source: pl.DataFrame,
-    partition: str | None,
-    job: dict[str, Any],
-    imported: pl.DataFrame | None,
-    printed: dict[str, str],
-    spend: AssetSpend | None,
-    loop: type[ShardRun] | None = None,
-) -> tuple[pl.DataFrame, RunStats]:
-    """Run one partition's checkpoint over its input rows; returns its result and stats."""
-    if config.limit is not None:
-        source = source.head(config.limit)
-    inputs = runner.prepare(source, settings)
-    label = context.asset_key.to_user_string() + (f" {partition}" if partition else "")
-    watch = DagsterRunWatch(context.instance, context.run.run_id, label)
-    if spend is not None:
-        spend.start(partition)
-    try:
-        return runner.run(
-            fn,
-            inputs,
-            checkpoint,
-            settings,
-            job=job,
-            scheme=Scheme.of(partition),
-            run_id=context.run.run_id,
-            watch=watch,
-            logger=context.log,  # type: ignore[arg-type]
-            label=label,
-            imported=imported,
-            function_fingerprint=printed,
-            spend=None if spend is None else spend.spend,
-            loop=loop,
-        )
-    except RunStoppedError:
-        watch.report_orphaned()  # after the lock is released: a new run may take it at once
-        raise
-    finally:
-        if spend is not None:
-            spend.finish(partition)
 
 
 def _global_rows(

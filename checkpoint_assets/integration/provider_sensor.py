@@ -108,16 +108,7 @@ def provider_batches_sensor(
             f"provider_batch_asset(provider=..., endpoint=...): call "
             f"provider_batches_sensor({key.path[-1]}) without {given}."
         )
-    declared = asset.metadata_by_key.get(key, {})
-    provider = md.plain(declared.get(md.PROVIDER))
-    endpoint = md.plain(declared.get(md.ENDPOINT))
-    if not isinstance(provider, str):
-        raise CheckpointError(
-            f"provider_batches_sensor({key.path[-1]}): {label} declares no provider in its "
-            "definition metadata, so it is not a provider_batch_asset.",
-            "Give the sensor the asset that provider_batch_asset made; for a "
-            "checkpointed_asset, use failed_partitions_sensor.",
-        )
+    provider, endpoint = _declared(asset)
 
     @dg.sensor(
         name=name or sensor_name(key),
@@ -161,6 +152,21 @@ def provider_batches_sensor(
         return dg.SensorResult(skip_reason=reason, cursor=state.to_json())
 
     return sensor
+
+
+def _declared(asset: dg.AssetsDefinition) -> tuple[str, Any]:
+    """The resource key and endpoint that ``provider_batch_asset`` recorded on ``asset``."""
+    key = asset.key
+    declared = asset.metadata_by_key.get(key, {})
+    provider = md.plain(declared.get(md.PROVIDER))
+    if not isinstance(provider, str):
+        raise CheckpointError(
+            f"provider_batches_sensor({key.path[-1]}): {key.to_user_string()} declares no "
+            "provider in its definition metadata, so it is not a provider_batch_asset.",
+            "Give the sensor the asset that provider_batch_asset made; for a "
+            "checkpointed_asset, use failed_partitions_sensor.",
+        )
+    return provider, md.plain(declared.get(md.ENDPOINT))
 
 
 def _follow(instance: dg.DagsterInstance, key: dg.AssetKey, state: PendingState) -> None:

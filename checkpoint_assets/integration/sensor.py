@@ -14,6 +14,7 @@ started does not count it twice.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -119,27 +120,8 @@ def failed_partitions_sensor(
         now = time.time()
         decision = _decide(state, failures, busy | set(held), now, max_retries, backoff_seconds)
         decision.held = sorted(held)
-        for partition in decision.reset:
-            context.log.info(f"{label} {_show(partition)} succeeded: its retry budget is reset.")
-        for partition in decision.newly_gave_up:
-            context.log.warning(
-                f"{label} {_show(partition)} failed again after {max_retries} retries (last "
-                f"failed run {failures[partition].run_id}); giving up on it. Fix the cause and "
-                "materialize it by hand: a success resets its budget."
-            )
-        requests = [
-            dg.RunRequest(
-                partition_key=None if partition == UNPARTITIONED else partition,
-                run_key=f"{partition}:{failure.run_id}",
-                tags={RETRY_OF_TAG: failure.run_id, RETRY_ATTEMPT_TAG: str(attempt)},
-            )
-            for partition, failure, attempt in decision.requests
-        ]
-        for partition, failure, attempt in decision.requests:
-            context.log.info(
-                f"Retrying {label} {_show(partition)} ({failure.why} in run {failure.run_id}), "
-                f"retry {attempt} of {max_retries}."
-            )
+        _log(context.log, label, decision, failures, max_retries)
+        requests = _run_requests(decision)
         if requests:
             return dg.SensorResult(run_requests=requests, cursor=state.to_json())
         return dg.SensorResult(
@@ -147,6 +129,41 @@ def failed_partitions_sensor(
         )
 
     return sensor
+
+
+def _log(
+    log: logging.Logger,
+    label: str,
+    decision: Decision,
+    failures: dict[str, Failure],
+    max_retries: int,
+) -> None:
+    """Say in the sensor's log which partitions got their budget back, gave up, or are retried."""
+    for partition in decision.reset:
+        log.info(f"{label} {_show(partition)} succeeded: its retry budget is reset.")
+    for partition in decision.newly_gave_up:
+        log.warning(
+            f"{label} {_show(partition)} failed again after {max_retries} retries (last "
+            f"failed run {failures[partition].run_id}); giving up on it. Fix the cause and "
+            "materialize it by hand: a success resets its budget."
+        )
+    for partition, failure, attempt in decision.requests:
+        log.info(
+            f"Retrying {label} {_show(partition)} ({failure.why} in run {failure.run_id}), "
+            f"retry {attempt} of {max_retries}."
+        )
+
+
+def _run_requests(decision: Decision) -> list[dg.RunRequest]:
+    """One run request per partition to retry, keyed so that a failed run is retried once."""
+    return [
+        dg.RunRequest(
+            partition_key=None if partition == UNPARTITIONED else partition,
+            run_key=f"{partition}:{failure.run_id}",
+            tags={RETRY_OF_TAG: failure.run_id, RETRY_ATTEMPT_TAG: str(attempt)},
+        )
+        for partition, failure, attempt in decision.requests
+    ]
 
 
 # -- what to do about them ---------------------------------------------------------------------

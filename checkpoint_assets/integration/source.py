@@ -7,18 +7,20 @@ The chain, for an upstream stored by ``CheckpointIOManager``::
                      with statistics, in row groups of ``ROW_GROUP_ROWS`` rows: the keyed layout,
                      written in bounded memory (``keyed.py``; a LazyFrame is never collected whole)
     checkpointed ──> load_input    ──> scan()           a LazyFrame over the stored file
-    asset body   ──> ShardRows(as_lazy(source), ...)    ``rows_in``'s filter, collected by the
-                     streaming engine; the reader skips row groups whose keys miss the shard
+    asset body   ──> ShardRows(as_lazy(source), ...)    each shard read a key range at a time
+                     (engine/plan/inputs.py); the reader skips row groups whose keys miss the range
 
 Any other source (a LazyFrame an upstream returns, a DataFrame, another IO manager's table) is
-filtered the same way, the shard key computed from the id column as the rows stream past. A
+filtered by ``rows_in``, the shard key computed from the id column as the rows stream past into
+local files, one per shard, read back a batch at a time. A
 partitioned source (``source_partition_mapping``) is one scan per partition, concatenated: the
 filter reaches each, so a shard reads its slice of every partition.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import polars as pl
@@ -28,6 +30,7 @@ import pyarrow.parquet as pq
 
 from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError
+from checkpoint_assets.engine.plan.inputs import SLICE_ROWS, FrameInputs, Inputs
 from checkpoint_assets.engine.plan.resume import SOURCE_ROW
 from checkpoint_assets.engine.rows import BOOKKEEPING, CURRENT, ERROR, SEQ, distinct_count
 from checkpoint_assets.engine.sharding import hashing
@@ -80,21 +83,37 @@ def without_shard_keys(frame: Frame) -> Frame:
     return frame if len(kept) == len(names) else frame.select(kept)
 
 
+EVERY_ROW = Shard(0, 1)  # what a partition key that is no shard takes
+
+
 class ShardRows:
-    """The input rows of each shard of one run, read once for all of them (a ranged run), with
-    no more than one shard's rows in memory at a time. Where their ids will be refused (null or
-    duplicated), each row carries its row in the source (``SOURCE_ROW``): stored with a stored
-    source, else found by reading the source's id column once more, on that error path only.
+    """The input rows of each shard of one run, read a slice at a time (engine/plan/inputs.py): no
+    shard's input is held whole. Where their ids will be refused (null or duplicated), each row
+    carries its row in the source (``SOURCE_ROW``): stored with a stored source, else found by
+    reading the source's id column once more, on that error path only.
 
     The filter is applied to the source as it is, so polars pushes it down to the scan: the
     source's own computed columns are computed for these rows only. A stored source (ordered by
-    the shard key) is scanned once per shard, each reading its own row groups; any other source
-    of several shards streams once into one local file per shard, read back as each shard runs.
-    Use as a context manager: the local files are removed at its end.
+    the shard key) is read a key range of about ``SLICE_ROWS`` rows at a time, each read taking
+    the few row groups its range overlaps (``remote``: off local disk, its slices are kept in a
+    local file as they are first fetched, and read again from it); any other source streams
+    once into local files, one
+    per shard (``keyed.Buckets``), read back a batch at a time (held in memory when they fit in
+    its buffer). A partition key that is no shard takes every row. Use as a context manager:
+    the local files are removed at its end.
     """
 
-    def __init__(self, source: pl.LazyFrame, id_column: str, keys: Sequence[str | None]) -> None:
+    def __init__(
+        self,
+        source: pl.LazyFrame,
+        id_column: str,
+        keys: Sequence[str | None],
+        *,
+        remote: bool = False,
+    ) -> None:
         schema = source.collect_schema()
+        self.remote = remote  # a stored source off local disk: fetched once, kept locally
+        self.spools: list[Buckets] = []
         self.numbered = SOURCE_ROW in schema  # stored with the source
         if not self.numbered and any(c.startswith(SHARD_KEY_PREFIX) for c in schema):
             # Stored ordered by shard key without its rows: their places are not known.
@@ -103,23 +122,28 @@ class ShardRows:
         self.source = source
         self.id_column = id_column
         self.columns = [*user_columns(schema.names()), *([SOURCE_ROW] if self.numbered else [])]
-        self.shards = [Shard.parse(k) if k is not None else None for k in keys]
-        self.held: pl.DataFrame | None = None  # rows of every key, filtered as each is asked
+        self.schema = pl.Schema({c: source.collect_schema()[c] for c in self.columns})
+        self.keys = list(keys)
+        # A key that is no shard (or none: unpartitioned) takes every row: the one shard of 1.
+        shards = [(Shard.parse(k) if k is not None else None) or EVERY_ROW for k in keys]
+        self.shards = list(dict.fromkeys(shards))  # each read once, whatever keys share it
+        self.shard_of = dict(zip(self.keys, shards, strict=True))
+        self.held: pl.DataFrame | None = None  # every row, when they fit in memory
         self.spill: Buckets | None = None
-        if any(s is None for s in self.shards) or id_column not in schema:
-            self.held = self.source.collect(engine="streaming")  # every key takes it all
-        elif len(keys) > 1 and shard_key_column(id_column) not in schema:
-            self._spill(keys, hashing.shard_key(id_column, schema[id_column]))
+        if id_column not in schema:
+            self.held = self.source.collect(engine="streaming")  # refused by prepare()
+        elif shard_key_column(id_column) not in schema:
+            self._spill(hashing.shard_key(id_column, schema[id_column]))
 
-    def _spill(self, keys: Sequence[str | None], key: pl.Expr) -> None:
-        """Stream the run's rows once into one local file per shard (by position in ``keys``);
-        rows that fit in the buffer stay in memory."""
+    def _spill(self, key: pl.Expr) -> None:
+        """Stream the run's rows once into one local file per shard (by position in
+        ``shards``); rows that fit in the buffer stay in memory."""
         position = pl.lit(None, pl.Int64)
         for index, shard in enumerate(self.shards):
-            assert shard is not None
             position = pl.when(shard_filter([shard], key)).then(index).otherwise(position)
         self.spill = Buckets(position)
-        for batch in rows_in(self.source, self.id_column, keys).collect_batches():
+        every = shard_filter(self.shards, key)
+        for batch in self.source.filter(every).collect_batches():
             self.spill.add(batch)
         self.held = self.spill.in_memory()
 
@@ -127,25 +151,63 @@ class ShardRows:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.spill is not None:
-            self.spill.__exit__(*exc)
+        for files in [*self.spools, *([self.spill] if self.spill is not None else [])]:
+            files.__exit__(*exc)
 
-    def of(self, key: str | None) -> pl.DataFrame:
+    def of(self, key: str | None) -> Inputs:
         """The input rows of shard ``key`` (or of a partition key that takes them all)."""
+        shard = self.shard_of[key]
+        index = self.shards.index(shard)
         if self.held is not None:
-            rows = rows_in(self.held, self.id_column, [key])
-        elif self.spill is not None:
-            index = [s.key if s else None for s in self.shards].index(key)
-            taken = self.spill.take(index)
-            rows = taken if taken is not None else self.source.clear().collect()
-        else:
-            rows = rows_in(self.source, self.id_column, [key]).collect(engine="streaming")
-        rows = rows.select(self.columns)
-        return rows if self.numbered else self._numbered(rows)
+            rows = rows_in(self.held, self.id_column, [key]).select(self.columns)
+            return _ShardInputs(self, FrameInputs(rows).slices)
+        if self.spill is not None:
+            spill = self.spill
+            read = lambda columns: (f.select(columns) for f in spill.read(index))  # noqa: E731
+            return _ShardInputs(self, read)
+        return _ShardInputs(self, self._key_ranges(shard))
 
-    def _numbered(self, rows: pl.DataFrame) -> pl.DataFrame:
-        """``rows`` with the source row of each whose id is null or duplicated, found by
-        numbering the source's ids; unchanged (at the cost of counting its ids) when none is.
+    def _key_ranges(self, shard: Shard) -> Callable[[Sequence[str]], Iterator[pl.DataFrame]]:
+        """How to read ``shard`` of a stored source: a range of its keys at a time, each of
+        about ``SLICE_ROWS`` rows (keys are hashes: evenly spread), counted from its key column
+        first. The reader skips the row groups outside each range by their statistics."""
+        key = pl.col(shard_key_column(self.id_column))
+        first, end = hashing.shard_key_bounds(shard.index, shard.count)
+        count = self.source.filter(shard_filter([shard], key)).select(pl.len()).collect().item()
+        parts = max(1, -(-count // SLICE_ROWS))
+        top = (1 << 63) if end is None else end
+        bounds = [first + (top - first) * i // parts for i in range(parts + 1)]
+        ranges = [
+            (key >= low) & (key < high) if high < (1 << 63) else key >= low
+            for low, high in itertools.pairwise(bounds)
+        ]
+        source = self.source
+        if not self.remote:
+            return lambda columns: (source.filter(r).select(columns).collect() for r in ranges)
+        spool = Buckets(pl.lit(0))
+        self.spools.append(spool)
+        kept: list[str] = []  # the columns spooled, once a first read has ended
+
+        def read(columns: Sequence[str]) -> Iterator[pl.DataFrame]:
+            """On the first read, each slice fetched is kept in a local file too; later reads
+            of those columns come from it, so a remote source is fetched once."""
+            if kept and set(columns) <= set(kept):
+                yield from (f.select(columns) for f in spool.read(0))
+                return
+            for inside in ranges:
+                rows = source.filter(inside).select(columns).collect()
+                if not kept:
+                    spool.add(rows)
+                yield rows
+            if not kept:
+                spool.spill()
+                kept.extend(columns)
+
+        return read
+
+    def numbered_ids(self, rows: pl.DataFrame) -> pl.DataFrame:
+        """``rows`` (a shard's ids) with the source row of each whose id is null or duplicated,
+        found by numbering the source's ids; unchanged when none is.
 
         A shard holds every row of an id, and of null ids (shard 0), in the source's order: its
         n-th row of an id is the source's n-th."""
@@ -173,6 +235,26 @@ class ShardRows:
             )
             .drop("__nth")
         )
+
+
+class _ShardInputs(Inputs):
+    """One shard's rows as ``ShardRows`` reads them (``read``: its reader of some columns)."""
+
+    def __init__(
+        self, rows: ShardRows, read: Callable[[Sequence[str]], Iterator[pl.DataFrame]]
+    ) -> None:
+        self.rows = rows
+        self.read = read
+
+    @property
+    def schema(self) -> pl.Schema:
+        return self.rows.schema
+
+    def slices(self, columns: Sequence[str]) -> Iterator[pl.DataFrame]:
+        return self.read(columns)
+
+    def numbered(self, ids: pl.DataFrame) -> pl.DataFrame:
+        return ids if self.rows.numbered else self.rows.numbered_ids(ids)
 
 
 def store_output(store: Store, path: str, value: Any, id_columns: Sequence[str]) -> int:

@@ -21,6 +21,7 @@ from helpers.jobs import Storage
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 from checkpoint_assets.engine.checkpoints.compaction import COMPACT_AT, COMPACT_FANOUT
+from checkpoint_assets.engine.plan.inputs import Prepared
 from checkpoint_assets.engine.rows import SEQ
 
 CHILD = Path(__file__).parents[1] / "helpers" / "crash_child.py"
@@ -246,7 +247,7 @@ class Crash(BaseException):
     """Stands for the process dying inside the function (nothing catches it)."""
 
 
-def _inputs(n: int) -> pl.DataFrame:
+def _inputs(n: int) -> Prepared:
     ids = list(range(n))
     return prepare(pl.DataFrame({"ticket_id": ids, "body": [f"b{i}" for i in ids]}), SETTINGS)
 
@@ -288,7 +289,7 @@ def test_crash_between_merged_write_and_part_delete_resumes_to_the_same_result(
     assert len(parts) == 3
     # Finalize writes the merged file, then deletes the parts; put them back as if the process
     # died between the two steps.
-    checkpoint.finalize("ticket_id", _inputs(20)["ticket_id"])
+    checkpoint.finalize("ticket_id", _inputs(20).keys["ticket_id"])
     for path, data in parts.items():
         checkpoint.store.put(path, data)
     calls: list[int] = []

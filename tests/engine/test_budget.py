@@ -11,7 +11,15 @@ import polars as pl
 import pytest
 from helpers.jobs import engine_settings, tickets
 
-from checkpoint_assets.engine import Checkpoint, PerRow, Settings, open_store, prepare, run
+from checkpoint_assets.engine import (
+    Checkpoint,
+    PerRow,
+    RunContext,
+    Settings,
+    open_store,
+    prepare,
+    run,
+)
 from checkpoint_assets.engine.calls.batches import RowResult
 from checkpoint_assets.engine.calls.budget import Budget, Price, Spend
 from checkpoint_assets.engine.errors import BudgetExceededError, CheckpointError
@@ -100,7 +108,14 @@ def test_a_limit_already_spent_starts_no_call(tmp_path: Any) -> None:
     checkpoint = Checkpoint(open_store(str(tmp_path / "checkpoints")), "job")
     spend = Spend(budget, asset_spent_before=1.5, label="tickets")
     with pytest.raises(BudgetExceededError, match=r"max_asset_cost is 1\.0000 USD"):
-        run(PerRow(fn), prepare(tickets(8), s), checkpoint, s, job={"t": 1}, spend=spend)
+        run(
+            PerRow(fn),
+            prepare(tickets(8), s),
+            checkpoint,
+            s,
+            job={"t": 1},
+            context=RunContext(spend=spend),
+        )
     assert fn.calls == 0
 
 

@@ -14,7 +14,15 @@ import polars as pl
 import pytest
 from helpers.jobs import route, tickets
 
-from checkpoint_assets.engine import Checkpoint, CheckpointError, Settings, open_store, prepare, run
+from checkpoint_assets.engine import (
+    Checkpoint,
+    CheckpointError,
+    RunContext,
+    Settings,
+    open_store,
+    prepare,
+    run,
+)
 from checkpoint_assets.engine.plan.function_fingerprint import changes, of_function, of_resources
 
 LABEL = "Route this ticket."
@@ -125,7 +133,14 @@ def _run(tmp_path: Path, fingerprint: dict[str, str] | None) -> Any:
     settings = Settings(id_column="ticket_id", input_columns=("body",))
     checkpoint = Checkpoint(open_store(str(tmp_path)), "job")
     inputs = prepare(tickets(8), settings)
-    _, stats = run(route, inputs, checkpoint, settings, job={}, function_fingerprint=fingerprint)
+    _, stats = run(
+        route,
+        inputs,
+        checkpoint,
+        settings,
+        job={},
+        context=RunContext(function_fingerprint=fingerprint),
+    )
     return stats
 
 
@@ -158,7 +173,14 @@ def test_a_run_that_reuses_nothing_is_quiet(
     checkpoint = Checkpoint(open_store(str(tmp_path)), "job")
     inputs = prepare(tickets(8), settings)
 
-    _, stats = run(route, inputs, checkpoint, settings, job={}, function_fingerprint={"code": "b"})
+    _, stats = run(
+        route,
+        inputs,
+        checkpoint,
+        settings,
+        job={},
+        context=RunContext(function_fingerprint={"code": "b"}),
+    )
 
     assert stats.function_changed == []
     assert caplog.text == ""

@@ -54,7 +54,6 @@ from checkpoint_assets.engine.errors import (
 )
 from checkpoint_assets.engine.loop import runner
 from checkpoint_assets.engine.rows import CURRENT, ERROR, INPUT_HASH, SEQ
-from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.storage import open_store
 
 settings.register_profile(
@@ -663,10 +662,9 @@ def _as_written_by_hash_format_1(box: Sandbox, df: pl.DataFrame, s: runner.Setti
     del raw["input_hash_format"]
     checkpoint.store.put(checkpoint.files.meta, json.dumps(raw, indent=2).encode())
     stored = checkpoint.load(ID, meta.base_seq, list(meta.output_schema or {}))
-    columns = [ID, *s.input_columns]
     inputs = runner.prepare(df, s)
-    earlier = inputs.select(
-        ID, pl.Series("__earlier", hashing.row_hashes(inputs, columns, hash_format=1))
+    earlier = inputs.keys.select(
+        ID, pl.Series("__earlier", inputs.earlier_hashes(inputs.keys), dtype=pl.UInt64)
     )
     rows = (
         stored.rows.drop(CURRENT, strict=False)

@@ -15,7 +15,7 @@ import openai
 import polars as pl
 import pytest
 
-from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
 from checkpoint_assets.engine.providers.provider_batches import ProviderJob, ProviderRun
 from checkpoint_assets.engine.providers.submission_records import Records
 from checkpoint_assets.engine.providers.submissions import BatchProvider, Limits, Request, custom_id
@@ -87,7 +87,12 @@ def _run(api: Api, adapter: BatchProvider, checkpoint: Checkpoint) -> pl.DataFra
     settings = Settings(id_column="id", input_columns=("body",), progress_seconds=1e9)
     df = pl.DataFrame({"id": range(ROWS), "body": [f"ticket {i}" for i in range(ROWS)]})
     result, _ = run(
-        job, prepare(df, settings), checkpoint, settings, job={"t": 1}, loop=ProviderRun
+        job,
+        prepare(df, settings),
+        checkpoint,
+        settings,
+        job={"t": 1},
+        context=RunContext(loop=ProviderRun),
     )
     return result
 

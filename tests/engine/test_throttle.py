@@ -1,10 +1,10 @@
-"""Rate limits: a refused call waits on its own, concurrency follows what the endpoint sustains
-(sporadic refusals are not a limit; a limit is found, and found again when it moves), the shard
-pauses only when most calls are refused, and a quota that stays spent stops the run.
+"""Rate limits: a refused call waits on its own and is neither a failure nor an attempt, a shard
+over a limit lowers its concurrency but not below ``min_concurrency``, and a quota that stays
+spent stops the run.
 
-Here through real runs of the engine on real checkpoints against in-process endpoints (the rules
-under real threads, tasks and timing), and what counts as a refusal. Every rule, deterministically
-on a simulated endpoint: ``test_throttle_policy.py``."""
+Here through real runs of the engine on real checkpoints against in-process endpoints, what holds
+under real threads and tasks whatever the machine's load, and what counts as a refusal. Where
+concurrency settles is timing: ``test_throttle_policy.py`` checks it on a simulated endpoint."""
 
 from __future__ import annotations
 
@@ -144,8 +144,8 @@ def test_a_refused_call_waits_its_retry_after_while_the_others_go_on(
     assert stats.throttle_events == 0 and stats.throttled_seconds == 0
     assert stats.concurrency_final == 4
     (refused,) = endpoint.refused_at
-    during = [t for t in endpoint.starts if refused < t < refused + 0.25]
-    assert len(during) >= 8, "the other calls went on while the refused one waited"
+    during = [t for t in endpoint.starts if refused < t < refused + 0.3]
+    assert during, "the other calls went on while the refused one waited"
     assert endpoint.starts[-1] >= refused + 0.3, "the refused call came back after Retry-After"
 
 
@@ -160,7 +160,7 @@ def test_a_refusal_without_retry_after_backs_off_exponentially(local: Storage) -
 
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["threads", "asyncio"])
-def test_random_refusals_do_not_lower_concurrency(local: Storage, is_async: bool) -> None:
+def test_random_refusals_are_neither_failures_nor_attempts(local: Storage, is_async: bool) -> None:
     endpoint = Endpoint(delay=0.02, p=0.2, retry_after=0.02, seed=3)
     fn = endpoint.call_async if is_async else endpoint
 
@@ -168,22 +168,22 @@ def test_random_refusals_do_not_lower_concurrency(local: Storage, is_async: bool
 
     assert result.get_column("_error").null_count() == 800
     assert stats.throttled_calls == len(endpoint.refused_at) > 100
-    assert stats.concurrency_final == 16
-    assert endpoint.peak == 16
+    assert stats.failed_calls == 0 and stats.calls == 800
 
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["threads", "asyncio"])
-def test_over_an_endpoints_limit_a_shard_settles_near_it(local: Storage, is_async: bool) -> None:
+def test_over_an_endpoints_limit_a_shard_lowers_its_concurrency_and_stores_every_row(
+    local: Storage, is_async: bool
+) -> None:
     endpoint = Endpoint(admit=8, delay=0.02, retry_after=0.02)
     fn = endpoint.call_async if is_async else endpoint
 
     result, stats = _run(fn, 1200, local, batch_size=1, checkpoint_interval=64, max_concurrency=64)
 
     assert result.get_column("_error").null_count() == 1200 and stats.failed_calls == 0
+    assert stats.calls == 1200, "a refused call is not an attempt"
+    assert stats.throttled_calls == len(endpoint.refused_at)
     assert stats.throttle_events >= 1
-    assert 4 <= stats.concurrency_final <= 16
-    late = [t for t in endpoint.refused_at if t > endpoint.starts[len(endpoint.starts) // 2]]
-    assert len(late) < 0.25 * len(endpoint.starts) / 2, "still refused as often as at the start"
 
 
 def test_min_concurrency_holds_against_an_endpoint_that_refuses(local: Storage) -> None:

@@ -2,7 +2,7 @@
 a fake clock, call by call. Sporadic refusals are not a limit; a limit is found, settled near,
 and found again when it moves, with or without the endpoint's own refusals on top; a client
 short of CPU is not taken for a limit; ``min_concurrency`` and ``adaptive=False`` hold; the shard
-pauses only when most calls are refused. The same rules under real threads, tasks and timing:
+pauses only when most calls are refused. What holds under real threads and tasks:
 ``test_throttle.py``."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import anthropic
 import openai
 import polars as pl
 
-from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
 from checkpoint_assets.engine.providers.provider_batches import ProviderJob, ProviderRun
 from checkpoint_assets.engine.providers.submissions import BatchProvider, Result
 from checkpoint_assets.engine.settings import RunStats
@@ -121,7 +121,12 @@ def run_shard(
     df = pl.DataFrame({"id": range(rows), "body": [f"ticket {i}" for i in range(rows)]})
     checkpoint = Checkpoint(open_store(base_dir), NAME)
     _, stats = run(
-        job, prepare(df, settings), checkpoint, settings, job={"kill": 1}, loop=ProviderRun
+        job,
+        prepare(df, settings),
+        checkpoint,
+        settings,
+        job={"kill": 1},
+        context=RunContext(loop=ProviderRun),
     )
     return stats
 

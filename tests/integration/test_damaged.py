@@ -23,7 +23,7 @@ import pytest
 from helpers.jobs import ASSET, Storage, build_job, route, run_logs, tickets
 
 from checkpoint_assets import LockHeldError
-from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
 from checkpoint_assets.engine.checkpoints.meta import FORMAT_VERSION
 from checkpoint_assets.engine.errors import CorruptCheckpointError, NewerFormatError
 from checkpoint_assets.engine.loop.lock import Lease
@@ -82,7 +82,14 @@ def engine_run(
         calls.extend(batch.get_column("ticket_id").to_list())
         return route(batch)
 
-    result, _ = run(fn, prepare(df, settings), checkpoint, settings, job={"v": 1}, logger=logger)
+    result, _ = run(
+        fn,
+        prepare(df, settings),
+        checkpoint,
+        settings,
+        job={"v": 1},
+        context=RunContext(logger=logger),
+    )
     return result
 
 

@@ -122,13 +122,13 @@ def test_each_stored_row_carries_the_hash_of_its_input() -> None:
         pl.when(pl.col("ticket_id") == 4).then(pl.lit("x")).otherwise("body").alias("body")
     )
 
-    a = prepare(df, settings).get_column(INPUT_HASH).to_list()
-    b = prepare(edited, settings).get_column(INPUT_HASH).to_list()
+    a = prepare(df, settings).keys.get_column(INPUT_HASH).to_list()
+    b = prepare(edited, settings).keys.get_column(INPUT_HASH).to_list()
 
     assert [x != y for x, y in zip(a, b, strict=True)] == [False] * 4 + [True, False]
-    assert hashing.fingerprint(prepare(df, settings)[INPUT_HASH].to_numpy()) != hashing.fingerprint(
-        prepare(edited, settings)[INPUT_HASH].to_numpy()
-    )
+    before = prepare(df, settings).keys[INPUT_HASH].to_numpy()
+    after = prepare(edited, settings).keys[INPUT_HASH].to_numpy()
+    assert hashing.fingerprint(before) != hashing.fingerprint(after)
 
 
 def test_reordering_columns_of_the_source_is_not_a_change(storage: Storage) -> None:

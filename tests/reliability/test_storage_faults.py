@@ -29,9 +29,10 @@ from helpers.fault_proxy import Fault, FaultProxy
 from helpers.faulty_store import StoreFault, faulty
 from helpers.jobs import Storage
 
-from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
 from checkpoint_assets.engine.checkpoints import gaps as gaps_module
 from checkpoint_assets.engine.errors import StorageError
+from checkpoint_assets.engine.plan.inputs import Prepared
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.engine.upkeep.repair import repair
 from checkpoint_assets.engine.upkeep.verify import problems
@@ -48,9 +49,13 @@ PART_PUT = r"\.parquet\.parts/part-"
 PARTS_LIST = r"list-type=2.*prefix=[^&]*\.parquet\.parts"
 
 
-def _inputs(n: int = ROWS) -> pl.DataFrame:
+def _source(n: int = ROWS) -> pl.DataFrame:
     ids = list(range(n))
-    return prepare(pl.DataFrame({"ticket_id": ids, "body": [f"b{i}" for i in ids]}), SETTINGS)
+    return pl.DataFrame({"ticket_id": ids, "body": [f"b{i}" for i in ids]})
+
+
+def _inputs(n: int = ROWS) -> Prepared:
+    return prepare(_source(n), SETTINGS)
 
 
 def _fn(calls: list[int]) -> Any:
@@ -73,7 +78,7 @@ def _run(
         Checkpoint(store, "job"),
         settings,
         job={"v": 1},
-        logger=logger,
+        context=RunContext(logger=logger),
     )
     return result
 
@@ -560,7 +565,8 @@ def test_two_parts_under_one_flush_number_are_both_read(storage: Storage, order:
     # part the next run wrote under the same number, holding other rows. Both names sort either
     # way, so one of the two orders would hide a part if either were skipped.
     checkpoint = Checkpoint(open_store(*storage), "job")
-    rows = _fn([])(_inputs()).join(_inputs(), on="ticket_id").drop("body")
+    hashes = _inputs().keys.select("ticket_id", "_input_hash")
+    rows = _fn([])(_source()).join(hashes, on="ticket_id")
     stamped = rows.with_columns(_error=pl.lit(None, pl.String), _attempts=1, _seq=1)
     old, new = stamped.slice(0, 4), stamped.slice(0, 8)  # the new part holds rows 4 to 7 too
     names = ["0" * 12, "f" * 12] if order == "old first" else ["f" * 12, "0" * 12]

@@ -22,6 +22,7 @@ import pyarrow as pa
 from checkpoint_assets.engine.rows import ATTEMPTS, BOOKKEEPING, ERROR, INPUT_HASH, NO_RESULT
 
 _ROWS_PER_CHUNK = 1024  # input rows turned into dicts at a time, for a per-row function
+_NO_ERROR = pl.Series(ERROR, [None], dtype=pl.String)
 
 
 class Broken(Exception):
@@ -297,7 +298,8 @@ def _each_row(records: Sequence[FrameResult]) -> int | pl.Series:
 
 
 def _no_errors(rows: int) -> pl.Series:
-    return pl.repeat(None, rows, dtype=pl.String, eager=True).alias(ERROR)
+    # ``new_from_index`` costs microseconds; ``pl.repeat`` runs a query, a tenth of a millisecond.
+    return _NO_ERROR.new_from_index(0, rows)
 
 
 def _one(record: Record, id_column: str, id_dtype: pl.DataType) -> pl.DataFrame:
@@ -308,10 +310,6 @@ def _one(record: Record, id_column: str, id_dtype: pl.DataType) -> pl.DataFrame:
 
 def _plus(used: int | pl.Expr | pl.Series) -> pl.Expr:
     return (pl.col(ATTEMPTS) + used).cast(pl.Int32).alias(ATTEMPTS)
-
-
-def _no_error() -> pl.Expr:
-    return pl.lit(None, pl.String).alias(ERROR)
 
 
 def _failed(rows: pl.DataFrame, id_column: str, error: str, used: int) -> pl.DataFrame:

@@ -88,13 +88,19 @@ class Gate:
 
     # -- inside the lock -------------------------------------------------------------------
     def _wake(self, slots: int | None) -> None:
-        """Wake ``slots`` waiters (None: all of them)."""
+        """Wake ``slots`` waiters (None: all of them). A waiter on this thread's own event loop
+        is woken directly: a wake-up through another thread costs a write to the loop's pipe."""
         self._cond.notify_all()
+        here = asyncio._get_running_loop()
         while self._waiters and (slots is None or slots > 0):
             waiter = self._waiters.popleft()
             if waiter.done():
                 continue
-            waiter.get_loop().call_soon_threadsafe(_set_done, waiter)
+            loop = waiter.get_loop()
+            if loop is here:
+                waiter.set_result(None)
+            else:
+                loop.call_soon_threadsafe(_set_done, waiter)
             if slots is not None:
                 slots -= 1
 

@@ -197,58 +197,12 @@ class Throttle(Gate):
         self._new_round()
 
     def _adapt(self, share: float, rate: float, answered: int, over: bool, now: float) -> None:
-        """Lower, keep or raise the limit after a round (see the module docstring)."""
-        if self._ceiling is not None and now - self._ceiling[1] > _FORGET_SECONDS:
-            self._ceiling = None
-            self._probe_wait = _FIRST_PROBE_WAIT
-        if self._trial is not None:
-            level, before, before_share, _ = self._trial
-            self._trial = None
-            # Refusals gone with half the calls (an eighth left at most: a round of a fixed
-            # background share keeps that few by chance only one time in 25 or so): the
-            # endpoint admitted about as many calls before as the answers per second then,
-            # times the time one takes now (Little).
-            gone = share <= before_share / 8
-            admitted = round(self.limit * before / rate) if gone and rate > 0 else level
-            if gone and rate >= _KEPT * before:
-                # As many answers with half the calls, and the refusals gone with the other
-                # half: a limit, below that level. Stay. (As many answers and as many refusals:
-                # a client short of CPU answers as many calls with half in flight; the
-                # refusals are the endpoint's, below.)
-                self._refused_at(level, now)
-                self._good, self._hold = None, 0
-                self._calm = 0
-            elif admitted < level:
-                # Fewer answers, hardly refused: a limit between the two levels, where the
-                # answers say. (The background, had it been one, would cost the few calls
-                # between that estimate and the level: the probes go back up to it.)
-                self._refused_at(level, now)
-                self._good, self._hold = admitted, 0
-                self._calm = 0
-                self._set_limit(admitted)
-                return
-            else:
-                # The refusals stayed: they are the endpoint's background. Back up, learn the
-                # background from this round (the round that started the trial was picked for
-                # its refusals, a biased sample), and stay at that level for a few rounds,
-                # taking the refusals as the background's for longer each time a trial says
-                # so again. What is learned later may go as far as this round's share and
-                # what chance hides in a round of its size: one round is a small sample.
-                self._found = max(self._found, share + _spread(share, answered))
-                self._learned = max(self._learned, share)
-                self._background = max(self._background, share)
-                self._set_limit(level)
-                self._good, self._hold, self._probe_by = level, _HOLD_ROUNDS, math.inf
-                self._calm = min(2 * self._calm or _HOLD_ROUNDS, _MAX_PROBE_WAIT)
-                self._calm_left = self._calm
-                return
-        if over:  # a streak of refusals: over a limit, no doubt
-            if self._good is not None and self.limit > self._good:
-                self._step_back(now)  # just past the last good level: back to it
-            else:
-                self._refused_at(self.limit, now)
-                self._good = None
-                self._lower(self.limit // 2)
+        """Lower, keep or raise the limit after a round: the cases of the module docstring."""
+        self._forget_an_old_refused_level(now)
+        if self._trial is not None and self._judge_the_trial(share, rate, answered, now):
+            return
+        if over:
+            self._refused_in_a_row(now)
             return
         spread = _spread(self._background, answered)
         excess = share > self._background + max(_MIN_MARGIN, _SIGMAS * spread)
@@ -257,49 +211,134 @@ class Throttle(Gate):
             if excess:
                 return  # a trial just said such refusals are the endpoint's: hold
         if excess:
-            if self._good is not None and self.limit > self._good:
-                self._step_back(now)  # refused just past the last good level
-            elif not self._nudged and self._ceiling_within(max(2, self.limit // 8)):
-                # Refused at a good level just below one refused for concurrency: that limit.
-                # An eighth lower, once; refused again there, a trial tells (module docstring).
-                self._nudged = True
-                self._refused_at(self.limit, now)
-                self._good = None
-                self._lower(self.limit - max(1, self.limit // 8))
-            else:
-                # Refused at a level that was clean: the endpoint's doing or a new limit?
-                # Half the calls for as long will tell, once there were enough refusals for
-                # it to: with fewer, half the calls at the endpoint's own share would as
-                # likely show none. Until then such rounds add up, and the level holds.
-                level = self.limit
-                _, calls, refused = self._weak if self._weak[0] == level else (0, 0, 0)
-                calls, refused = calls + answered, refused + self._refused
-                self._weak = (level, calls, refused)
-                self._step = 1
-                if refused >= _TRIAL_REFUSALS and self._lower(level // 2):
-                    self._trial = (level, self._rate, refused / calls, calls)
-                    self._weak = (0, 0, 0)
-                    self._nudged = False
+            self._refused_more_than_usual(answered, now)
             return
-        # The background follows clean rounds, up and down, never above what trials found
-        # (refusals of a shard creeping past a limit are not the endpoint's own). Followed
-        # only down, it would settle below the endpoint's share, rounds at that share would
-        # look like a few refusals too many, and the shard would hardly grow again.
+        self._follow_the_background(share)
+        if share > self._background + spread:
+            self._no_ground_to_grow()
+            return
+        self._clean_round(now)
+
+    # -- the cases of a round --------------------------------------------------------------
+    def _forget_an_old_refused_level(self, now: float) -> None:
+        """A level refused for concurrency is remembered ``_FORGET_SECONDS``."""
+        if self._ceiling is not None and now - self._ceiling[1] > _FORGET_SECONDS:
+            self._ceiling = None
+            self._probe_wait = _FIRST_PROBE_WAIT
+
+    def _judge_the_trial(self, share: float, rate: float, answered: int, now: float) -> bool:
+        """The round at half the calls ends the trial; True when it set the limit.
+
+        The refusals are gone with half the calls when an eighth of them is left at most (a
+        round of a fixed background share keeps that few by chance one time in 25 or so)."""
+        assert self._trial is not None
+        level, before, before_share, _ = self._trial
+        self._trial = None
+        gone = share <= before_share / 8
+        # The endpoint admitted about as many calls as it answered per second before, times
+        # the time one takes now (Little's law).
+        admitted = round(self.limit * before / rate) if gone and rate > 0 else level
+        if gone and rate >= _KEPT * before:
+            self._over_a_limit_stay(level, now)
+            return False
+        if admitted < level:
+            self._a_limit_between(level, admitted, now)
+            return True
+        self._the_refusals_are_the_endpoints(level, share, answered)
+        return True
+
+    def _over_a_limit_stay(self, level: int, now: float) -> None:
+        """As many answers with half the calls, the refusals gone with the other half: a limit
+        below ``level``. Stay. (As many answers and as many refusals: a client short of CPU
+        answers as many calls with half in flight; the refusals are the endpoint's.)"""
+        self._refused_at(level, now)
+        self._good, self._hold = None, 0
+        self._calm = 0
+
+    def _a_limit_between(self, level: int, admitted: int, now: float) -> None:
+        """Fewer answers, hardly refused: a limit between the two levels, where the answers say.
+        (Had it been the background, it costs the few calls up to ``level``: probes go back.)"""
+        self._refused_at(level, now)
+        self._good, self._hold = admitted, 0
+        self._calm = 0
+        self._set_limit(admitted)
+
+    def _the_refusals_are_the_endpoints(self, level: int, share: float, answered: int) -> None:
+        """The refusals stayed: they are the endpoint's background. Back up to ``level`` and
+        learn the background from this round (the round that started the trial was picked for
+        its refusals, a biased sample). Stay a few rounds, taking such refusals as background
+        for longer each time a trial says so again. What is learned later may reach this
+        round's share plus what chance hides in a round of its size."""
+        self._found = max(self._found, share + _spread(share, answered))
+        self._learned = max(self._learned, share)
+        self._background = max(self._background, share)
+        self._set_limit(level)
+        self._good, self._hold, self._probe_by = level, _HOLD_ROUNDS, math.inf
+        self._calm = min(2 * self._calm or _HOLD_ROUNDS, _MAX_PROBE_WAIT)
+        self._calm_left = self._calm
+
+    def _refused_in_a_row(self, now: float) -> None:
+        """A streak of refusals: over a limit, no doubt. Just past the last good level: back to
+        it; else half the calls at once."""
+        if self._good is not None and self.limit > self._good:
+            self._step_back(now)
+            return
+        self._refused_at(self.limit, now)
+        self._good = None
+        self._lower(self.limit // 2)
+
+    def _refused_more_than_usual(self, answered: int, now: float) -> None:
+        """More refusals than the background and chance explain."""
+        if self._good is not None and self.limit > self._good:
+            self._step_back(now)  # refused just past the last good level
+        elif not self._nudged and self._ceiling_within(max(2, self.limit // 8)):
+            self._an_eighth_lower(now)
+        else:
+            self._towards_a_trial(answered)
+
+    def _an_eighth_lower(self, now: float) -> None:
+        """Refused at a good level just below one refused for concurrency: that limit. An
+        eighth lower, once; refused again there, a trial tells."""
+        self._nudged = True
+        self._refused_at(self.limit, now)
+        self._good = None
+        self._lower(self.limit - max(1, self.limit // 8))
+
+    def _towards_a_trial(self, answered: int) -> None:
+        """Refused at a level that was clean: the endpoint's doing or a new limit? Half the
+        calls for as long will tell, once such rounds at this level add up to
+        ``_TRIAL_REFUSALS``: with fewer, half the calls at the endpoint's own share would as
+        likely show none. Until then the level holds."""
+        level = self.limit
+        _, calls, refused = self._weak if self._weak[0] == level else (0, 0, 0)
+        calls, refused = calls + answered, refused + self._refused
+        self._weak = (level, calls, refused)
+        self._step = 1
+        if refused >= _TRIAL_REFUSALS and self._lower(level // 2):
+            self._trial = (level, self._rate, refused / calls, calls)
+            self._weak = (0, 0, 0)
+            self._nudged = False
+
+    def _follow_the_background(self, share: float) -> None:
+        """The background follows rounds not refused more than usual, up and down, never above
+        what trials found (refusals of a shard creeping past a limit are not the endpoint's).
+        Followed only down, it would settle below the endpoint's share, and the shard would
+        hardly grow again."""
         self._background = min(self._learned, self._background + (share - self._background) / 4)
         self._learned = min(self._found, self._learned + (share - self._learned) / 16)
-        if share > self._background + spread:
-            # More refusals than usual, though not so many that they mean something alone.
-            # Calls refused past a limit wait their Retry-After holding their slots, and a
-            # server that queues what it cannot take (or one called by a client short of CPU)
-            # refuses only now and then: a shard a few calls over either sees few refusals.
-            # Such a level is not taken for good, and the shard does not grow past it.
-            self._step = 1
-            self._clean = (self.limit, 0)
-            return
-        # Clean. Past a refusal (a level refused for concurrency is remembered), a level is
-        # good after _CONFIRM clean rounds in a row: an endpoint that queues (or one called by
-        # a client short of CPU) refuses a few calls over its limit so seldom that one clean
-        # round there proves little.
+
+    def _no_ground_to_grow(self) -> None:
+        """More refusals than usual, though too few to mean something alone. A shard a few
+        calls over a limit sees few refusals (refused calls wait holding their slots; a
+        server that queues, or a client short of CPU, refuses now and then): such a level is
+        not taken for good, and the shard does not grow past it."""
+        self._step = 1
+        self._clean = (self.limit, 0)
+
+    def _clean_round(self, now: float) -> None:
+        """A clean round. Past a refusal (a refused level is remembered), a level is good after
+        ``_CONFIRM`` clean rounds in a row: one clean round a few calls over a limit proves
+        little. A good level grows, unless a hold keeps it."""
         clean = self._clean[1] + 1 if self._clean[0] == self.limit else 1
         self._clean = (self.limit, clean)
         if self._ceiling is not None and clean < _CONFIRM:
@@ -312,19 +351,25 @@ class Throttle(Gate):
         if self._ceiling is None:
             self._set_limit(self.limit + max(1, self.limit // 4))  # a quarter more per round
         elif self.limit >= self._ceiling[0]:
-            # A level once refused now passes: the limit moved up, or its refusals were a
-            # queue overflowing now and then (the endpoint's, or a client's short of CPU).
-            # Probe on from here, one more, then twice as many per clean round (a quarter more
-            # at once would send a burst of refusals, and open connections that then idle),
-            # until refused again or until the refused level is forgotten.
-            self._ceiling = (self.limit + 1, self._ceiling[1])
-            self._set_limit(self.limit + self._step)
-            self._step *= 2
+            self._probe_past_the_refused_level()
         else:
-            # Below a level refused for concurrency: a quarter more, half way to it at most
-            # (the range where the endpoint starts refusing is halved at each step), then it.
-            halfway = (self.limit + self._ceiling[0]) // 2
-            self._set_limit(max(self.limit + 1, min(self.limit + self.limit // 4, halfway)))
+            self._half_way_to_the_refused_level()
+
+    def _probe_past_the_refused_level(self) -> None:
+        """A level once refused now passes: the limit moved up, or its refusals were a queue
+        overflowing now and then. One more, then twice as many per clean round (a quarter more
+        at once would send a burst of refusals), until refused again or it is forgotten."""
+        assert self._ceiling is not None
+        self._ceiling = (self.limit + 1, self._ceiling[1])
+        self._set_limit(self.limit + self._step)
+        self._step *= 2
+
+    def _half_way_to_the_refused_level(self) -> None:
+        """Below a level refused for concurrency: a quarter more, half way to it at most (the
+        range where the endpoint starts refusing halves at each step), then it."""
+        assert self._ceiling is not None
+        halfway = (self.limit + self._ceiling[0]) // 2
+        self._set_limit(max(self.limit + 1, min(self.limit + self.limit // 4, halfway)))
 
     def _refused_at(self, level: int, now: float) -> None:
         """``level`` was refused for concurrency: growth stops below it for a while. Any hold

@@ -2,9 +2,11 @@
 
 ``run()`` is the whole life of one run::
 
-    prepare()    validate ids and input columns, hash every input row
+    prepare()    validate ids and input columns, hash every input row, a slice at a time, keeping
+                 only each row's id and hash (inputs.py)
     open_run()   take the lock, check the job, load what is stored, plan the rest (opening.py)
-    Run.work     call the function on batches of ``batch_size`` rows (threads, or asyncio for an
+    Run.work     read the rows to compute a slice at a time and call the function on batches of
+                 ``batch_size`` rows (threads, or asyncio for an
                  ``async def``, up to ``max_concurrency`` in flight; rate limits in throttle.py;
                  retries, poison rows, broken functions and outages in caller.py) and hand
                  results to the sink, which flushes every ``checkpoint_interval`` rows without
@@ -14,7 +16,7 @@
     Run.close    finalize through the sink, count the result, apply the stop rules (an outage,
                  a broken function, a spent quota, too many failed rows)
 
-Here: ``prepare()``, ``run()`` and ``Run``, the work loop that calls the function. What every
+Here: ``run()`` and ``Run``, the work loop that calls the function. What every
 work loop shares (the hand-over of rows done to the sink, progress, ``close``) is ``ShardRun``'s,
 in shard_run.py; ``provider_batches.ProviderRun`` is the other work loop.
 """
@@ -22,8 +24,8 @@ in shard_run.py; ``provider_batches.ProviderRun`` is the other work loop.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
@@ -37,134 +39,130 @@ from checkpoint_assets.engine.errors import (
     BudgetExceededError,
     CheckpointError,
     FunctionError,
-    MissingColumnsError,
     OutageError,
     QuotaExhaustedError,
 )
-from checkpoint_assets.engine.loop.lock import Lease, RunWatch
-from checkpoint_assets.engine.loop.shard_run import ShardRun
-from checkpoint_assets.engine.loop.sink import Logger, MemorySink, PartWriter, Sink
+from checkpoint_assets.engine.loop.lock import Lease
+from checkpoint_assets.engine.loop.shard_run import RunContext, ShardRun
+from checkpoint_assets.engine.loop.sink import MemorySink, PartWriter, Sink
+from checkpoint_assets.engine.plan.inputs import Prepared, prepare
 from checkpoint_assets.engine.plan.opening import Job, Opened, open_run
-from checkpoint_assets.engine.plan.resume import canonical_ids, validate_ids
 from checkpoint_assets.engine.rows import ERROR, INPUT_HASH
 from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.sharding import hashing
-from checkpoint_assets.engine.sharding.scheme import Scheme
 
-
-def prepare(df: pl.DataFrame, settings: Settings) -> pl.DataFrame:
-    """Validate ids and return id + input columns with each row's ``_input_hash``."""
-    validate_ids(df, settings.id_column)
-    missing = [c for c in settings.input_columns if c not in df.columns]
-    if missing:
-        raise MissingColumnsError(missing, df.columns)
-    columns = [settings.id_column, *settings.input_columns]
-    frame = canonical_ids(df.select(columns), settings.id_column)
-    hashes = hashing.row_hashes(frame, columns)
-    return frame.with_columns(pl.Series(INPUT_HASH, hashes, dtype=pl.UInt64))
+__all__ = ["Prepared", "Run", "RunContext", "prepare", "run"]
 
 
 def run(
-    fn: BatchFn | PerRow | Any,  # Any: what ``loop`` takes
-    inputs: pl.DataFrame,
+    fn: BatchFn | PerRow | Any,  # Any: what ``context.loop`` takes
+    inputs: Prepared,
     checkpoint: Checkpoint | None,
     settings: Settings,
     *,
     job: Mapping[str, Any],
-    scheme: Scheme | None = None,
-    run_id: str | None = None,
-    watch: RunWatch | None = None,
-    logger: Logger | None = None,
-    label: str = "",
-    imported: pl.DataFrame | None = None,
-    function_fingerprint: Mapping[str, str] | None = None,
-    spend: Spend | None = None,
-    loop: type[ShardRun] | None = None,
+    context: RunContext | None = None,
 ) -> tuple[pl.DataFrame, RunStats]:
-    """Run ``fn`` over ``inputs`` (already ``prepare()``d) with resume and checkpointing.
+    """Run ``fn`` over ``inputs`` (from ``prepare()``) with resume and checkpointing.
 
     ``fn`` takes a frame of rows, or one row as a dict when wrapped in :class:`PerRow` (one row
     per call then: ``batch_size`` must be unset or 1).
     Returns the result (id, outputs, ``_error``; one row per input id) and the run's stats.
     With ``checkpointing`` off, ``checkpoint`` is ignored and nothing is read or written.
     ``job``: the settings that change results (their fingerprint identifies the job).
-    ``imported``: finished rows from other checkpoints of the same job (global resume); those
-    whose id and input hash match a row of ``inputs`` are copied into this checkpoint and skipped.
-    ``function_fingerprint``: the fingerprint of ``fn`` (``function_fingerprint.of_function``,
-    merged with ``of_resources``). When the checkpoint recorded another one under the same job,
-    the run warns (once its stored results are reused) and reports it in ``stats``; when it
-    finishes, the checkpoint records this one. None: nothing is compared or recorded.
-    ``spend``: the tally of ``settings.budget`` this run adds to (shared by the shards of one
-    run; default: a new one); no call starts once it reaches a limit (see engine/calls/budget.py).
-    ``watch``: what the lock's heartbeat asks about runs: whether this one should stop (its run
-    is over, its launcher gone), how a live holder's run ended, a dead holder taken over (see
-    ``lock.py``).
-    ``loop``: the work loop, ``Run`` by default (``provider_batches.ProviderRun`` sends the rows
-    of a ``ProviderJob`` through a provider's batch API instead of calling ``fn``).
+    ``context``: where and how the shard runs (its rule, lock watch, log, global resume rows,
+    function fingerprint, spend, work loop; see :class:`RunContext`). Rows ``imported`` whose
+    id and input hash match a row of ``inputs`` are copied into this checkpoint and skipped.
+    When the checkpoint recorded another function fingerprint under the same job, the run
+    warns (once its stored results are reused) and reports it in ``stats``; when it finishes,
+    the checkpoint records this one. No call starts once ``spend`` reaches a limit
+    (see engine/calls/budget.py).
     """
-    log = logger or logging.getLogger("checkpoint_assets")
-    work: type[ShardRun] = loop or Run
+    context = context or RunContext()
     if isinstance(fn, PerRow):
-        settings = _one_row_per_call(settings, label)
-    stats = RunStats(rows_total=inputs.height)
-    stats.input_fingerprint = hashing.fingerprint(inputs.get_column(INPUT_HASH).to_numpy())
-    label = label or "checkpoint"
-    if spend is None and settings.budget is not None:
-        spend = Spend(settings.budget, label=label)
-
-    def start(at: Checkpoint | None) -> Opened:
-        found = imported if at is not None else None
-        return open_run(
-            inputs,
-            settings,
-            at,
-            job=Job(dict(job), dict(function_fingerprint) if function_fingerprint else None),
-            scheme=scheme,
-            imported=found,
-            log=log,
-            label=label,
-        )
-
+        settings = _one_row_per_call(settings, context.label)
+    if context.spend is None and settings.budget is not None:
+        context = dataclasses.replace(context, spend=Spend(settings.budget, label=context.name))
+    stats = RunStats(rows_total=inputs.keys.height)
+    stats.input_fingerprint = hashing.fingerprint(inputs.keys.get_column(INPUT_HASH).to_numpy())
+    shard = _Shard(fn, inputs, settings, job, context, stats)
     if not settings.checkpointing:
-        opened = start(None)
-        sink: Sink = MemorySink(
-            settings.id_column,
-            interval=settings.checkpoint_interval,
-            flush_seconds=settings.flush_seconds,
-        )
-        return work(fn, inputs, settings, opened, sink, stats, log, label, spend).execute()
+        return shard.without_checkpoint()
     if checkpoint is None:
         raise ValueError("A run with checkpointing needs a checkpoint (or checkpointing=False).")
-    stats.checkpoint_path = checkpoint.url
-    lease = Lease(
-        checkpoint.store,
-        checkpoint.files.lock,
-        run_id=run_id,
-        lease_seconds=settings.lease_seconds,
-        watch=watch,
-        logger=log,
-    )
-    before = checkpoint.store.usage()  # a ranged run's shards share one store
-    lease.acquire()
-    try:
-        opened = start(checkpoint)
-        min_flush = settings.min_flush_seconds
-        sink = PartWriter(
-            checkpoint,
-            opened,
-            lease,
-            settings.id_column,
-            interval=settings.checkpoint_interval,
-            flush_seconds=settings.flush_seconds,
-            min_flush_seconds=checkpoint.store.min_flush_seconds
-            if min_flush is None
-            else min_flush,
-            max_unflushed=settings.max_unflushed_rows,
+    return shard.on(checkpoint)
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """One shard's run, up to its work loop: the lock, the opening and the sink."""
+
+    fn: BatchFn | PerRow | Any
+    inputs: Prepared
+    settings: Settings
+    job: Mapping[str, Any]
+    context: RunContext
+    stats: RunStats
+
+    def without_checkpoint(self) -> tuple[pl.DataFrame, RunStats]:
+        s = self.settings
+        sink = MemorySink(
+            s.id_column, interval=s.checkpoint_interval, flush_seconds=s.flush_seconds
         )
-        return work(fn, inputs, settings, opened, sink, stats, log, label, spend).execute()
-    finally:
-        lease.release()
-        stats.requests = dict(checkpoint.store.usage().since(before).requests)
+        return self._work(self._open(None), sink)
+
+    def on(self, checkpoint: Checkpoint) -> tuple[pl.DataFrame, RunStats]:
+        """The run on ``checkpoint``, under its lock."""
+        s, context = self.settings, self.context
+        self.stats.checkpoint_path = checkpoint.url
+        lease = Lease(
+            checkpoint.store,
+            checkpoint.files.lock,
+            run_id=context.run_id,
+            lease_seconds=s.lease_seconds,
+            watch=context.watch,
+            logger=context.log,
+        )
+        before = checkpoint.store.usage()  # a ranged run's shards share one store
+        lease.acquire()
+        try:
+            opened = self._open(checkpoint)
+            min_flush = s.min_flush_seconds
+            sink = PartWriter(
+                checkpoint,
+                opened,
+                lease,
+                s.id_column,
+                interval=s.checkpoint_interval,
+                flush_seconds=s.flush_seconds,
+                min_flush_seconds=checkpoint.store.min_flush_seconds
+                if min_flush is None
+                else min_flush,
+                max_unflushed=s.max_unflushed_rows,
+            )
+            return self._work(opened, sink)
+        finally:
+            lease.release()
+            self.stats.requests = dict(checkpoint.store.usage().since(before).requests)
+
+    def _open(self, checkpoint: Checkpoint | None) -> Opened:
+        context = self.context
+        printed = context.function_fingerprint
+        return open_run(
+            self.inputs,
+            self.settings,
+            checkpoint,
+            job=Job(dict(self.job), dict(printed) if printed else None),
+            scheme=context.scheme,
+            imported=context.imported if checkpoint is not None else None,
+            log=context.log,
+            label=context.name,
+        )
+
+    def _work(self, opened: Opened, sink: Sink) -> tuple[pl.DataFrame, RunStats]:
+        work: type[ShardRun] = self.context.loop or Run
+        shard = work(self.fn, self.inputs, self.settings, opened, sink, self.stats, self.context)
+        return shard.execute()
 
 
 def _one_row_per_call(settings: Settings, label: str) -> Settings:
@@ -238,8 +236,12 @@ class Run(ShardRun):
         return BudgetExceededError(self.label, over.name, over.limit, over.spent, self.done_rows)
 
     def _outcomes(self, caller: Caller, todo: pl.DataFrame) -> Iterator[list[Outcome]]:
-        """The outcomes of the batches, as many at a time as are ready."""
-        batches = caller.batches(todo, self.s.batch_rows)
+        """The outcomes of the batches, as many at a time as are ready; the input rows of
+        ``todo`` are read a slice at a time as the batches are taken (inputs.py)."""
+        size = self.s.batch_rows
+        batches = (
+            batch for rows in self.prepared.todo(todo, size) for batch in caller.batches(rows, size)
+        )
         if self.s.max_concurrency <= 1:
             for batch in batches:
                 yield [caller.process(batch)]

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
@@ -31,10 +33,46 @@ from checkpoint_assets.engine.calls.batches import Record, build
 from checkpoint_assets.engine.calls.budget import Spend
 from checkpoint_assets.engine.calls.throttle import Throttle
 from checkpoint_assets.engine.errors import CheckpointError, TooManyFailuresError
+from checkpoint_assets.engine.loop.lock import RunWatch
 from checkpoint_assets.engine.loop.sink import Logger, Sink
+from checkpoint_assets.engine.plan.inputs import Prepared
 from checkpoint_assets.engine.plan.opening import Opened
 from checkpoint_assets.engine.rows import ERROR, NO_RESULT, outputs_of
 from checkpoint_assets.engine.settings import RunStats, Settings
+from checkpoint_assets.engine.sharding.scheme import Scheme
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunContext:
+    """Where and how one shard runs, beside its function, rows, checkpoint and settings.
+
+    ``scheme``: its shard rule, recorded in the meta. ``run_id``, ``watch``: the run holding
+    the lock, and what its heartbeat asks about runs (``lock.py``). ``logger``, ``label``: where
+    its lines go and how they name the shard. ``imported``: finished rows of other checkpoints
+    of the same job (global resume). ``function_fingerprint``: the function's fingerprint
+    (``function_fingerprint.py``), compared with the one recorded; None: nothing compared.
+    ``spend``: the tally its calls add to (a ranged run's shards share one); None: a new one
+    when the settings have a budget. ``loop``: the work loop, ``runner.Run`` when None.
+    """
+
+    scheme: Scheme | None = None
+    run_id: str | None = None
+    watch: RunWatch | None = None
+    logger: Logger | None = None
+    label: str = ""
+    imported: pl.DataFrame | None = None
+    function_fingerprint: Mapping[str, str] | None = None
+    spend: Spend | None = None
+    loop: type[ShardRun] | None = None
+
+    @property
+    def log(self) -> Logger:
+        return self.logger or logging.getLogger("checkpoint_assets")
+
+    @property
+    def name(self) -> str:
+        """How lines name the shard."""
+        return self.label or "checkpoint"
 
 
 class ShardRun(abc.ABC):
@@ -44,23 +82,23 @@ class ShardRun(abc.ABC):
     def __init__(
         self,
         fn: Any,  # what the work loop takes: BatchFn | PerRow (Run), ProviderJob (ProviderRun)
-        inputs: pl.DataFrame,
+        prepared: Prepared,
         settings: Settings,
         opened: Opened,
         sink: Sink,
         stats: RunStats,
-        log: Logger,
-        label: str,
-        spend: Spend | None = None,
+        context: RunContext,
     ) -> None:
         self.fn = fn
-        self.inputs = inputs
+        self.prepared = prepared
+        self.inputs = prepared.keys  # id, input hash, position: the input rows stay where they are
         self.s = settings
         self.opened = opened
         self.sink = sink
         self.stats = stats
-        self.log = log
-        self.label = label
+        self.log = context.log
+        self.label = context.name
+        spend = context.spend
         self.id = settings.id_column
         stats.rows_resumed = opened.plan.resumed
         stats.rows_dropped = opened.plan.dropped

@@ -23,6 +23,7 @@ from checkpoint_assets.engine.errors import (
 )
 from checkpoint_assets.engine.plan import function_fingerprint
 from checkpoint_assets.engine.plan.global_resume import FUNCTION
+from checkpoint_assets.engine.plan.inputs import Prepared
 from checkpoint_assets.engine.plan.resume import Copies, Plan, dedupe, plan
 from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH, SEQ
 from checkpoint_assets.engine.settings import OnInputChange, Settings
@@ -72,7 +73,7 @@ class Job:
 
 
 def open_run(
-    inputs: pl.DataFrame,
+    inputs: Prepared,
     settings: Settings,
     checkpoint: Checkpoint | None,
     *,
@@ -83,27 +84,27 @@ def open_run(
     label: str,
 ) -> Opened:
     """Everything a run needs before its first call (``checkpoint`` None: checkpointing off)."""
-    start = Start(function_fingerprint=job.function)
-    stored = rows.empty(settings.id_column)
+    keys = inputs.keys
+    start, stored = Start(function_fingerprint=job.function), rows.empty(settings.id_column)
     if checkpoint is not None:
-        stored = _load(start, inputs, settings, checkpoint, job, scheme, log)
+        start, stored = _load(keys, settings, checkpoint, job, scheme, log)
         reshard = start.meta is not None and rule_changed(start.meta.scheme, scheme)
         if reshard and imported is None:
             raise _rule_changed_error(checkpoint, start.meta, scheme)
         if imported is not None and settings.resume:
-            stored = _import(start, stored, imported, inputs, settings, checkpoint, log, label)
+            stored = _import(start, stored, imported, keys, settings, checkpoint, log, label)
         if reshard and start.meta is not None:
             start.meta.scheme = scheme  # its rows are resharded now: record the current rule
             checkpoint.meta_file.write(start.meta)
     earlier_hashes = start.meta is not None and start.meta.input_hash_format < 2
     found = plan(
-        inputs,
+        keys,
         stored,
         settings.id_column,
         resume=settings.resume,
         retry_failed=settings.retry_failed,
         on_input_change=OnInputChange(settings.on_input_change),
-        rehash_columns=[settings.id_column, *settings.input_columns] if earlier_hashes else None,
+        earlier_hashes=inputs.earlier_hashes if earlier_hashes else None,
     )
     _log_plan(found, log, label)
     if start.function_changed and found.resumed:
@@ -112,22 +113,22 @@ def open_run(
         start.function_changed = []  # no stored result of the earlier function is used
     todo, copies = found.todo, None
     if settings.dedupe and todo.height:
-        todo, copies = dedupe(todo, settings.id_column, list(settings.input_columns))
+        todo, copies = dedupe(todo, settings.id_column)
     return Opened(**vars(start), plan=found, todo=todo, copies=copies)
 
 
 def _load(
-    opened: Start,
-    inputs: pl.DataFrame,
+    keys: pl.DataFrame,
     settings: Settings,
     checkpoint: Checkpoint,
     job: Job,
     scheme: Scheme | None,
     log: Logger,
-) -> pl.DataFrame:
-    """Check the stored job and load its rows; a new generation when they are not to be used."""
+) -> tuple[Start, pl.DataFrame]:
+    """Check the stored job and load its rows: where the run starts, and the stored rows it
+    uses (none, in a new generation, when they are not to be used)."""
     id_column = settings.id_column
-    id_dtype = str(inputs.schema[id_column])
+    id_dtype = str(keys.schema[id_column])
     meta = checkpoint.meta_file.read()
     if meta is not None:
         _check_job(meta, job, id_column, id_dtype, settings.resume, checkpoint.url)
@@ -137,37 +138,52 @@ def _load(
     loaded = checkpoint.load(id_column, meta.base_seq if meta else 0, outputs, quarantine=log)
     if meta is None and loaded.files:
         raise checkpoint.meta_file.missing(loaded.files)
-    opened.next_seq = loaded.next_seq
-    opened.parts = list(loaded.parts)
-    stored = loaded.rows
-    fresh = not settings.resume or (meta is not None and not same_job)
-    if meta is not None and fresh:
+    if meta is not None and (not settings.resume or not same_job):
         # resume: false ignores what is stored (which may even be another job's, with other
         # output columns): start a new generation.
-        opened.base_seq = opened.next_seq
-        stored = stored.clear()
-    else:
-        opened.base_seq = meta.base_seq if meta else 0
-        opened.known = loaded
-    if meta is not None and meta.output_schema and stored.height:
-        _check_stored_columns(stored, list(meta.output_schema), checkpoint.url)
-    if meta is not None and not fresh and meta.function_fingerprint and job.function:
-        opened.function_changed = function_fingerprint.changes(
-            meta.function_fingerprint, job.function
-        )
-    if meta is None or fresh:
-        meta = Meta(
-            job_fingerprint=job.fingerprint,
-            job=dict(job.settings),
-            id_column=id_column,
-            id_dtype=id_dtype,
-            scheme=scheme,
-            base_seq=opened.base_seq,
-            function_fingerprint=dict(job.function) if job.function else None,
-        )
+        meta = _new_meta(job, id_column, id_dtype, scheme, base_seq=loaded.next_seq)
         checkpoint.meta_file.write(meta)
-    opened.meta = meta
-    return stored
+        start = Start(
+            meta=meta,
+            base_seq=loaded.next_seq,
+            next_seq=loaded.next_seq,
+            parts=list(loaded.parts),
+            function_fingerprint=job.function,
+        )
+        return start, loaded.rows.clear()
+    if meta is None:
+        meta = _new_meta(job, id_column, id_dtype, scheme, base_seq=0)
+        checkpoint.meta_file.write(meta)
+    elif meta.output_schema and loaded.rows.height:
+        _check_stored_columns(loaded.rows, list(meta.output_schema), checkpoint.url)
+    recorded = meta.function_fingerprint
+    start = Start(
+        meta=meta,
+        known=loaded,
+        base_seq=meta.base_seq,
+        next_seq=loaded.next_seq,
+        parts=list(loaded.parts),
+        function_fingerprint=job.function,
+        function_changed=function_fingerprint.changes(recorded, job.function)
+        if recorded and job.function
+        else [],
+    )
+    return start, loaded.rows
+
+
+def _new_meta(
+    job: Job, id_column: str, id_dtype: str, scheme: Scheme | None, *, base_seq: int
+) -> Meta:
+    """The meta of a new generation of the checkpoint, starting at flush ``base_seq``."""
+    return Meta(
+        job_fingerprint=job.fingerprint,
+        job=dict(job.settings),
+        id_column=id_column,
+        id_dtype=id_dtype,
+        scheme=scheme,
+        base_seq=base_seq,
+        function_fingerprint=dict(job.function) if job.function else None,
+    )
 
 
 def _check_job(

@@ -6,15 +6,15 @@ against the input's, so 10**8 finished ids need no Python objects per row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import polars as pl
 
 from checkpoint_assets.engine.errors import InputChangedError, InvalidIdsError
 from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH, distinct_count
 from checkpoint_assets.engine.settings import OnInputChange
-from checkpoint_assets.engine.sharding import hashing
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _FIT_INT64 = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32)
@@ -24,6 +24,8 @@ _FIT_INT64 = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UIn
 # copy of other rows or order (a shard's rows, a stored source ordered by shard key). Null where
 # unknown. Without it, positions are ``df``'s own.
 SOURCE_ROW = "_source_row"
+# The hash of a row's input columns (its id left out), when the run dedupes: equal inputs share it.
+DEDUPE_KEY = "__dedupe_key"
 
 
 def validate_ids(df: pl.DataFrame, id_column: str) -> None:
@@ -119,44 +121,30 @@ def plan(
     resume: bool,
     retry_failed: bool,
     on_input_change: OnInputChange,
-    rehash_columns: Sequence[str] | None = None,
+    earlier_hashes: Callable[[pl.DataFrame], np.ndarray] | None = None,
 ) -> Plan:
-    """Split ``inputs`` (with ``_input_hash``) into rows to compute and rows already done.
+    """Split ``inputs`` (the keys of the input rows: id and ``_input_hash``) into rows to
+    compute and rows already done.
 
-    ``rehash_columns``: the id and input columns, when the stored hashes may be of hash format 1.
-    A stored row whose hash differs from its input's but equals the format-1 hash of it may or
-    may not have another input (format 1 wrote NaN, infinities and null inside nested values
-    alike): it is recomputed, and counted in ``rehashed`` rather than as changed.
+    ``earlier_hashes``: the hash format 1 of some of ``inputs``' rows, when the stored hashes
+    may be of that format. A stored row whose hash differs from its input's but equals the
+    format-1 hash of it may or may not have another input (format 1 wrote NaN, infinities and
+    null inside nested values alike): it is recomputed, and counted in ``rehashed``, not as
+    changed.
     """
     total = inputs.height
     if not resume or stored.height == 0:
         todo = inputs.with_columns(pl.lit(0, pl.Int32).alias(ATTEMPTS))
         return Plan(todo, 0, 0, 0, _count_dropped(inputs, stored, id_column), total)
-
-    prior = stored.select(
-        id_column,
-        pl.col(INPUT_HASH).alias("__stored_hash"),
-        pl.col(ERROR).is_null().alias("__ok"),
-        pl.col(ATTEMPTS).alias("__attempts"),
-    )
-    joined = inputs.hstack(_align(inputs.get_column(id_column), prior, id_column))
-    found = pl.col("__ok").is_not_null()
-    same = pl.col("__stored_hash") == pl.col(INPUT_HASH)
-    done = found & same & pl.col("__ok")
-    failed = found & same & ~pl.col("__ok")
+    joined = _joined(inputs, stored, id_column)
     counts = joined.select(
-        found.sum().alias("found"),
-        (found & ~same).sum().alias("changed"),
-        done.sum().alias("done"),
-        failed.sum().alias("failed"),
+        _FOUND.sum().alias("found"),
+        (_FOUND & ~_SAME).sum().alias("changed"),
+        _DONE.sum().alias("done"),
+        _FAILED.sum().alias("failed"),
     ).row(0, named=True)
-    changed = joined.filter(found & ~same) if counts["changed"] else joined.clear()
-    rehashed = 0
-    if changed.height and rehash_columns:
-        earlier = hashing.row_hashes(changed, rehash_columns, hash_format=1)
-        unclear = changed.get_column("__stored_hash").to_numpy() == earlier
-        rehashed = int(unclear.sum())
-        changed = changed.filter(pl.Series(~unclear))
+    changed = joined.filter(_FOUND & ~_SAME) if counts["changed"] else joined.clear()
+    changed, rehashed = _unclear_left_out(changed, earlier_hashes)
     if changed.height and on_input_change == OnInputChange.fail:
         sample = changed.get_column(id_column).head(5).to_list()
         raise InputChangedError(changed.height, total, sample)
@@ -165,12 +153,48 @@ def plan(
     dropped = stored.height - int(counts["found"])  # ids are unique on both sides
     if resumed + kept_failed == total:  # nothing left to do: skip filtering every row
         todo = inputs.clear().with_columns(pl.lit(0, pl.Int32).alias(ATTEMPTS))
-        return Plan(todo, resumed, kept_failed, changed.height, dropped, total, rehashed)
-    keep_out = done if retry_failed else done | failed
-    todo = (
+    else:
+        todo = _todo(joined, retry_failed)
+    return Plan(todo, resumed, kept_failed, changed.height, dropped, total, rehashed)
+
+
+# Over ``_joined``'s frame: whether a row is stored, with the same input, done or failed.
+_FOUND = pl.col("__ok").is_not_null()
+_SAME = pl.col("__stored_hash") == pl.col(INPUT_HASH)
+_DONE = _FOUND & _SAME & pl.col("__ok")
+_FAILED = _FOUND & _SAME & ~pl.col("__ok")
+
+
+def _joined(inputs: pl.DataFrame, stored: pl.DataFrame, id_column: str) -> pl.DataFrame:
+    """``inputs`` with what ``stored`` holds of each row: its input hash, whether it is done,
+    its calls so far (nulls where it holds none)."""
+    prior = stored.select(
+        id_column,
+        pl.col(INPUT_HASH).alias("__stored_hash"),
+        pl.col(ERROR).is_null().alias("__ok"),
+        pl.col(ATTEMPTS).alias("__attempts"),
+    )
+    return inputs.hstack(_align(inputs.get_column(id_column), prior, id_column))
+
+
+def _unclear_left_out(
+    changed: pl.DataFrame, earlier_hashes: Callable[[pl.DataFrame], np.ndarray] | None
+) -> tuple[pl.DataFrame, int]:
+    """The ``changed`` rows whose input did change, and how many of them may not have: their
+    stored hash is their input's format-1 hash (see ``plan``)."""
+    if not changed.height or earlier_hashes is None:
+        return changed, 0
+    unclear = changed.get_column("__stored_hash").to_numpy() == earlier_hashes(changed)
+    return changed.filter(pl.Series(~unclear)), int(unclear.sum())
+
+
+def _todo(joined: pl.DataFrame, retry_failed: bool) -> pl.DataFrame:
+    """The rows of ``joined`` to compute, with their calls so far (0 if their input changed)."""
+    keep_out = _DONE if retry_failed else _DONE | _FAILED
+    return (
         joined.filter(~keep_out.fill_null(False))
         .with_columns(
-            pl.when(same)
+            pl.when(_SAME)
             .then(pl.col("__attempts"))
             .otherwise(0)
             .fill_null(0)
@@ -179,7 +203,6 @@ def plan(
         )
         .drop("__stored_hash", "__ok", "__attempts")
     )
-    return Plan(todo, resumed, kept_failed, changed.height, dropped, total, rehashed)
 
 
 def _align(ids: pl.Series, prior: pl.DataFrame, id_column: str) -> pl.DataFrame:
@@ -225,16 +248,13 @@ class Copies:
         )
 
 
-def dedupe(
-    todo: pl.DataFrame, id_column: str, input_columns: list[str]
-) -> tuple[pl.DataFrame, Copies]:
-    """The rows to compute (one per distinct input) and the copies that take their results."""
-    key = hashing.row_hashes(todo, input_columns)
-    keyed = todo.with_columns(pl.Series("__key", key, dtype=pl.UInt64))
-    reps = keyed.unique(subset=["__key"], keep="first", maintain_order=True)
+def dedupe(todo: pl.DataFrame, id_column: str) -> tuple[pl.DataFrame, Copies]:
+    """The rows to compute (one per distinct input, by ``DEDUPE_KEY``) and the copies that take
+    their results."""
+    reps = todo.unique(subset=[DEDUPE_KEY], keep="first", maintain_order=True)
     copies = (
-        keyed.join(reps.select(pl.col(id_column).alias("__rep"), "__key"), on="__key")
+        todo.join(reps.select(pl.col(id_column).alias("__rep"), DEDUPE_KEY), on=DEDUPE_KEY)
         .filter(pl.col(id_column) != pl.col("__rep"))
         .select(id_column, "__rep", INPUT_HASH, ATTEMPTS)
     )
-    return reps.drop("__key"), Copies(copies)
+    return reps, Copies(copies)

@@ -148,6 +148,7 @@ class ProviderRun(ShardRun):
         self.provider = self.job.provider
         self.records = Records(self.sink.checkpoint.store, self.sink.checkpoint.files)
         self.check = Check(self.id)
+        todo = self.prepared.whole(todo)  # a submission sends its rows at once
         self.todo = todo
         # The rows to do that no collected result covers yet, with their calls so far.
         self.attempts: dict[Any, int] = dict(

@@ -94,6 +94,21 @@ class _File:
     path: str
     schema: pa.Schema
     writer: pa.ipc.RecordBatchStreamWriter
+    open: bool = True
+
+    def close(self) -> None:
+        if self.open:
+            self.writer.close()
+            self.open = False
+
+    def batches(self) -> Iterator[pl.DataFrame]:
+        """Its rows, a batch as written at a time."""
+        self.close()
+        with pa.ipc.open_stream(self.path) as reader:
+            for batch in reader:
+                frame = pl.from_arrow(batch)
+                assert isinstance(frame, pl.DataFrame)
+                yield frame
 
 
 class Buckets:
@@ -118,7 +133,7 @@ class Buckets:
     def __exit__(self, *exc: object) -> None:
         for files in self.files.values():
             for file in files:
-                file.writer.close()
+                file.close()
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -163,7 +178,7 @@ class Buckets:
             path = os.path.join(self.folder, f"{index}-{len(files)}.arrows")
             file = _File(path, table.schema, pa.ipc.new_stream(path, table.schema, options=_IPC))
             files.append(file)
-        file.writer.write_table(table)
+        file.writer.write_table(table, max_chunksize=ROW_GROUP_ROWS)  # read back as written
         self.sizes[index] = self.sizes.get(index, 0) + table.nbytes
 
     def indexes(self) -> list[int]:
@@ -180,13 +195,14 @@ class Buckets:
         """The rows of bucket ``index``, a batch as written at a time; its files are removed
         as they are read."""
         for file in self.files.pop(index, []):
-            file.writer.close()
-            with pa.ipc.open_stream(file.path) as reader:
-                for batch in reader:
-                    frame = pl.from_arrow(batch)
-                    assert isinstance(frame, pl.DataFrame)
-                    yield frame
+            yield from file.batches()
             os.remove(file.path)
+
+    def read(self, index: int) -> Iterator[pl.DataFrame]:
+        """The rows of bucket ``index``, a batch of at most ``ROW_GROUP_ROWS`` rows at a time,
+        as often as asked; its files stay (no row is added once reading starts)."""
+        for file in self.files.get(index, []):
+            yield from file.batches()
 
     def _concat(self, frames: list[pl.DataFrame], conformed: bool) -> pl.DataFrame:
         if conformed:
