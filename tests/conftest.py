@@ -46,11 +46,26 @@ def xdist_group(nodeid: str) -> str | None:
     return XDIST_GROUPS.get(f"{where}::{name.split('[')[0]}") or XDIST_GROUPS.get(where)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The run's order, which the workers also take their work in: first the units of work that
+    hold a ``slow`` test, then the others; within each, the largest groups first (a stable sort).
+    The longest tests start at once and do not form the run's tail."""
+    slow = {xdist_group(i.nodeid) or i.nodeid for i in items if i.get_closest_marker("slow")}
+    sizes = Counter(xdist_group(i.nodeid) for i in items)
+
+    def rank(item: pytest.Item) -> tuple[bool, int]:
+        group = xdist_group(item.nodeid)
+        return (group or item.nodeid) not in slow, -sizes[group] if group else 0
+
+    items.sort(key=rank)
+
+
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`--dist loadgroup` by XDIST_GROUPS: each group goes to one worker as one unit of work, the
-    other tests one by one (the largest groups first). pytest-xdist's own loadgroup reads
-    ``xdist_group`` marks, which pytest 9.2's node ids no longer carry to its scheduler."""
+    other tests one by one, in the order of ``pytest_collection_modifyitems``. pytest-xdist's own
+    loadgroup reads ``xdist_group`` marks, which pytest 9.2's node ids no longer carry to its
+    scheduler."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadGroupScheduling
@@ -59,6 +74,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return xdist_group(nodeid) or str(super()._split_scope(nodeid))
 
+    config.option.loadscopereorder = False  # the collection's order is the schedule
     return GroupScheduling(config, log)
 
 
