@@ -214,7 +214,7 @@ def new_s3_storage(s3_server: str) -> Callable[[], tuple[str, dict[str, Any]]]:
     return lambda: (f"s3://{make_bucket(s3_server)}/checkpoints", s3_options(s3_server))
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.object_store)])
 def storage(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any]]:
     """(base_dir, storage_options) of an empty checkpoint root, local or on S3."""
     if request.param == "local":
