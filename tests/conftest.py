@@ -27,7 +27,7 @@ import pytest
 #   threads and endpoints, kills against the documented loss bound, the benchmark smoke and its
 #   endpoint scenarios). Never two of them at once, so each meets at most one other test's load.
 # - a file whose module-scoped fixture is expensive (a `dagster dev` with its daemon, a built
-#   checkpoint world, a moto server with IAM) starts it once, not once per worker.
+#   checkpoint world, a moto server with IAM, a built wheel) starts it once, not once per worker.
 # Keys: a file under tests/, or a file and a test name (all its parameters).
 XDIST_GROUPS = {
     "engine/test_throttle.py": "timing",
@@ -35,6 +35,7 @@ XDIST_GROUPS = {
     "e2e/test_bench_smoke.py": "timing",
     "e2e/test_llm_openai.py::test_a_shard_killed_mid_run_resumes_without_duplicates": "timing",
     "e2e/test_daemon_path.py": "daemon_path",
+    "e2e/test_install.py": "install",
     "e2e/test_cli.py": "cli",
     "integration/test_s3.py": "s3",
 }
