@@ -48,9 +48,9 @@ import polars as pl
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 from checkpoint_assets.engine.errors import BatchesPendingError, TooManyFailuresError
-from checkpoint_assets.engine.provider_batches import ProviderJob, ProviderRun
-from checkpoint_assets.engine.submission_records import Records
-from checkpoint_assets.engine.submissions import State
+from checkpoint_assets.engine.providers.provider_batches import ProviderJob, ProviderRun
+from checkpoint_assets.engine.providers.submission_records import Records
+from checkpoint_assets.engine.providers.submissions import State
 from examples.llm_batch.jobs import Settings as ProviderSettings
 from examples.llm_batch.provider import serve_process, stats
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 import numpy as np
 import polars as pl
 
-from checkpoint_assets.engine import runner
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.loop import runner
 from checkpoint_assets.engine.storage import open_store
 
 ID = "id"

@@ -61,7 +61,7 @@ from bench import data
 from bench.openai_ceiling import Sent, ask, prompts, send_all
 from bench.report import Result
 from checkpoint_assets.engine import Checkpoint, RunStats, Settings, open_store, prepare, run
-from checkpoint_assets.engine.batches import PerRow
+from checkpoint_assets.engine.calls.batches import PerRow
 from examples.llm_openai.server import Settings as Server
 from examples.llm_openai.server import serve, serve_process, stats
 

@@ -40,8 +40,8 @@ import pyarrow.parquet as pq
 
 from bench.lake_scan import peak_mib
 from checkpoint_assets import CheckpointIOManager, checkpointed_asset, shard_partitions
-from checkpoint_assets.engine import hashing
-from checkpoint_assets.engine.scheme import shard_key_column
+from checkpoint_assets.engine.sharding import hashing
+from checkpoint_assets.engine.sharding.scheme import shard_key_column
 
 ID = "id"
 TEXT = "text"

@@ -6,7 +6,7 @@
 1. ``raw``: ``rows`` rows (an integer id, ``text_bytes`` characters of hex text) written as
    Parquet in row groups of 65,536 rows (not measured: the lake as it is).
 2. ``build``: an asset returning ``pl.scan_parquet`` of it, stored by ``CheckpointIOManager`` in
-   the keyed layout (``engine/keyed.py``): the rewrite's time and peak memory.
+   the keyed layout (``engine/sharding/keyed.py``): the rewrite's time and peak memory.
 3. ``shard``: shards of a checkpointed asset over it (a cheap function), each its own Dagster run,
    one after another in one process whose peak RSS is reset before each (``--sample``: that
    many, spread over the range, the job's time extrapolated, and the steps below, which need
@@ -56,8 +56,8 @@ from checkpoint_assets import (
     global_resume_asset,
     shard_partitions,
 )
-from checkpoint_assets.engine import hashing
-from checkpoint_assets.engine.scheme import shard_key_column
+from checkpoint_assets.engine.sharding import hashing
+from checkpoint_assets.engine.sharding.scheme import shard_key_column
 from checkpoint_assets.engine.storage import open_store
 
 ID, TEXT = "id", "text"

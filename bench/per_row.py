@@ -79,7 +79,7 @@ def functions(client: Client) -> dict[str, Any]:
 
     forms: dict[str, Any] = {"frame": classify}
     try:  # absent from versions before the per-row form: measure the frame form alone
-        from checkpoint_assets.engine.batches import PerRow
+        from checkpoint_assets.engine.calls.batches import PerRow
 
         forms["row"] = PerRow(classify_row)
     except ImportError:

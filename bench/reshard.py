@@ -23,9 +23,10 @@ import numpy as np
 
 from bench import data
 from bench.report import Result
-from checkpoint_assets.engine import hashing, runner
-from checkpoint_assets.engine.checkpoint import Checkpoint
-from checkpoint_assets.engine.scheme import Scheme, Shard
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.loop import runner
+from checkpoint_assets.engine.sharding import hashing
+from checkpoint_assets.engine.sharding.scheme import Scheme, Shard
 from checkpoint_assets.engine.storage import open_store
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

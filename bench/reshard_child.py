@@ -32,11 +32,13 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from bench import data
-from checkpoint_assets.engine import global_resume, hashing, layout
-from checkpoint_assets.engine.checkpoint import Checkpoint
-from checkpoint_assets.engine.global_resume import JOB
+from checkpoint_assets.engine.checkpoints import layout
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.plan import global_resume
+from checkpoint_assets.engine.plan.global_resume import JOB
 from checkpoint_assets.engine.rows import CURRENT, ERROR, SEQ
-from checkpoint_assets.engine.scheme import Shard, rows_in
+from checkpoint_assets.engine.sharding import hashing
+from checkpoint_assets.engine.sharding.scheme import Shard, rows_in
 from checkpoint_assets.engine.storage import Store, open_store
 from checkpoint_assets.integration.source import scan
 

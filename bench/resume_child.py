@@ -22,9 +22,10 @@ from typing import Any
 import polars as pl
 
 from bench import data
-from checkpoint_assets.engine import hashing, runner
-from checkpoint_assets.engine.checkpoint import Checkpoint
-from checkpoint_assets.engine.resume import plan
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.loop import runner
+from checkpoint_assets.engine.plan.resume import plan
+from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.storage import open_store
 
 

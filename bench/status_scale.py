@@ -24,9 +24,9 @@ from typing import Any
 
 from bench import data
 from bench.report import Result
-from checkpoint_assets.engine import runner
-from checkpoint_assets.engine.checkpoint import Checkpoint
-from checkpoint_assets.engine.lock import Lease
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.loop import runner
+from checkpoint_assets.engine.loop.lock import Lease
 from checkpoint_assets.engine.storage import open_store
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,7 +8,8 @@
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from checkpoint_assets.engine.budget import Budget, Price
+from checkpoint_assets.engine.calls.budget import Budget, Price
+from checkpoint_assets.engine.calls.refusals import RetryAfter
 from checkpoint_assets.engine.errors import (
     BatchesPendingError,
     BudgetExceededError,
@@ -28,9 +29,8 @@ from checkpoint_assets.engine.errors import (
     StorageError,
     TooManyFailuresError,
 )
-from checkpoint_assets.engine.refusals import RetryAfter
+from checkpoint_assets.engine.providers.submissions import BatchProvider
 from checkpoint_assets.engine.settings import OnInputChange
-from checkpoint_assets.engine.submissions import BatchProvider
 
 if TYPE_CHECKING:
     from checkpoint_assets.integration.asset import checkpointed_asset

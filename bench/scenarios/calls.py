@@ -9,8 +9,9 @@ import polars as pl
 from bench import data
 from bench.report import Result
 from bench.scenarios.common import Sizes, alternating, median
-from checkpoint_assets.engine import hashing, runner
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.loop import runner
+from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.storage import open_store
 
 

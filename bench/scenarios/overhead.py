@@ -19,8 +19,8 @@ from bench import data
 from bench.report import Result
 from bench.scenarios.common import Sizes, child, median, timed
 from checkpoint_assets import CheckpointIOManager, checkpointed_asset
-from checkpoint_assets.engine.checkpoint import Checkpoint
-from checkpoint_assets.engine.layout import checkpoint_name
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.layout import checkpoint_name
 from checkpoint_assets.engine.rows import SEQ
 from checkpoint_assets.engine.storage import open_store
 

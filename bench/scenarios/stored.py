@@ -11,9 +11,9 @@ import polars as pl
 from bench import data
 from bench.report import Result
 from bench.scenarios.common import Sizes, child, timed
-from checkpoint_assets.engine import runner
-from checkpoint_assets.engine.checkpoint import Checkpoint
-from checkpoint_assets.engine.compaction import Part
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.compaction import Part
+from checkpoint_assets.engine.loop import runner
 from checkpoint_assets.engine.rows import CURRENT, SEQ
 from checkpoint_assets.engine.storage import open_store
 

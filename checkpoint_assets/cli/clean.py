@@ -10,9 +10,9 @@ import click
 from rich.filesize import decimal
 
 from checkpoint_assets.cli import shared
-from checkpoint_assets.engine import layout
-from checkpoint_assets.engine.checkpoint import Checkpoint
-from checkpoint_assets.engine.layout import split_name
+from checkpoint_assets.engine.checkpoints import layout
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.layout import split_name
 from checkpoint_assets.engine.storage import FileInfo, LocalStore, open_store
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from checkpoint_assets.cli import shared
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.storage import open_store
 
 

@@ -10,8 +10,8 @@ import polars as pl
 from rich.table import Table
 
 from checkpoint_assets.cli import shared
-from checkpoint_assets.engine.checkpoint import Checkpoint
-from checkpoint_assets.engine.meta import Meta
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.meta import Meta
 from checkpoint_assets.engine.rows import BOOKKEEPING, ERROR
 from checkpoint_assets.engine.storage import open_store
 

@@ -8,9 +8,9 @@ from typing import Any
 import click
 
 from checkpoint_assets.cli import shared
-from checkpoint_assets.engine.checkpoint import Checkpoint
-from checkpoint_assets.engine.repair import Repaired, repair
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.storage import open_store
+from checkpoint_assets.engine.upkeep.repair import Repaired, repair
 
 
 @click.command("repair", short_help="Rebuild from what is readable; damaged files kept aside.")

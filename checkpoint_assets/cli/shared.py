@@ -17,11 +17,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from checkpoint_assets.engine import layout
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints import layout
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.layout import MERGED
 from checkpoint_assets.engine.errors import CheckpointError, LockHeldError
-from checkpoint_assets.engine.layout import MERGED
-from checkpoint_assets.engine.lock import Lease
+from checkpoint_assets.engine.loop.lock import Lease
 from checkpoint_assets.engine.rows import CURRENT
 from checkpoint_assets.engine.storage import Store
 

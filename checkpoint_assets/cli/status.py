@@ -13,11 +13,11 @@ import polars as pl
 from rich.filesize import decimal
 
 from checkpoint_assets.cli import shared
-from checkpoint_assets.engine import layout
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints import layout
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.layout import split_name
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.layout import split_name
-from checkpoint_assets.engine.lock import Lease
+from checkpoint_assets.engine.loop.lock import Lease
 from checkpoint_assets.engine.rows import ERROR
 from checkpoint_assets.engine.storage import FileInfo, Store, open_store
 

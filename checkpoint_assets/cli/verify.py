@@ -1,4 +1,7 @@
-"""``checkpoint-assets verify``: check every invariant of checkpoints (``engine/verify.py``)."""
+"""``checkpoint-assets verify``: check every invariant of checkpoints.
+
+The checks are in ``engine/upkeep/verify.py``.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +10,9 @@ from typing import Any
 import click
 
 from checkpoint_assets.cli import shared
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.storage import open_store
-from checkpoint_assets.engine.verify import problems
+from checkpoint_assets.engine.upkeep.verify import problems
 
 
 @click.command(short_help="Check invariants; exit status 1 on any problem.")

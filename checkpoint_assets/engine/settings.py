@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
-from checkpoint_assets.engine.budget import Budget
-from checkpoint_assets.engine.compaction import COMPACT_AT, COMPACT_FANOUT
+from checkpoint_assets.engine.calls.budget import Budget
+from checkpoint_assets.engine.checkpoints.compaction import COMPACT_AT, COMPACT_FANOUT
 
 DEFAULT_LEASE_SECONDS = 300.0
 # The key of a setting's meaning in its field's metadata.
@@ -197,7 +197,7 @@ class Settings(AssetSettings):
         self, rows_per_second: float = 0.0, store_min_flush_seconds: float = 0.0
     ) -> LossBound:
         """The most a hard kill (SIGKILL, a lost node) can lose: rows computed whose results
-        are not durable yet, which a later run computes again (see ``engine/sink.py``).
+        are not durable yet, which a later run computes again (see ``engine/loop/sink.py``).
 
         ``rows_per_second`` matters only with a minimum time between flushes
         (``min_flush_seconds``, or ``store_min_flush_seconds`` when that is None: 5 s on
@@ -290,7 +290,7 @@ class RunStats:
     throttle_events: int = 0
     throttled_seconds: float = 0.0
     concurrency_final: int = 0
-    # Pacing by the key's budgets (engine/pacing.py): the share of the budget this run drew
+    # Pacing by the key's budgets (engine/calls/pacing.py): the share of the budget this run drew
     # while it called (None: no budget stated or assumed), and how long requests waited for it.
     budget_used: float | None = None
     budget_wait_seconds: float = 0.0
@@ -306,7 +306,7 @@ class RunStats:
     # Sums of the ``usage_columns``: over the rows this run computed, and over every stored row.
     usage: dict[str, float] = field(default_factory=dict)
     usage_total: dict[str, float] = field(default_factory=dict)
-    # What this run's calls cost (USD, with a budget's prices; see engine/budget.py).
+    # What this run's calls cost (USD, with a budget's prices; see engine/calls/budget.py).
     cost_usd: float | None = None
     cost_by_model: dict[str, float] = field(default_factory=dict)
     # What differs from the function that computed the stored results it reused (same job).

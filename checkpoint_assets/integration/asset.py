@@ -12,19 +12,22 @@ from typing import Any
 import dagster as dg
 import polars as pl
 
-from checkpoint_assets.engine import function_fingerprint, hashing, runner
-from checkpoint_assets.engine.budget import Spend
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.calls.budget import Spend
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.layout import DEFAULT_TAG, asset_folder
 from checkpoint_assets.engine.errors import (
     BatchesPendingError,
     CheckpointError,
     RunStoppedError,
     TooManyFailuresError,
 )
-from checkpoint_assets.engine.global_resume import JOB, shard_rows
-from checkpoint_assets.engine.layout import DEFAULT_TAG, asset_folder
-from checkpoint_assets.engine.scheme import Scheme, Shard, rows_in
+from checkpoint_assets.engine.loop import runner
+from checkpoint_assets.engine.loop.shard_run import ShardRun
+from checkpoint_assets.engine.plan import function_fingerprint
+from checkpoint_assets.engine.plan.global_resume import JOB, shard_rows
 from checkpoint_assets.engine.settings import RunStats, Settings
+from checkpoint_assets.engine.sharding import hashing
+from checkpoint_assets.engine.sharding.scheme import Scheme, Shard, rows_in
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration import run_config
@@ -96,7 +99,7 @@ class Calls:
     resources: tuple[str, ...]
     code: dict[str, str]
     bind: Callable[[dg.AssetExecutionContext, Any], Any]
-    loop: type[runner.Run] | None = None
+    loop: type[ShardRun] | None = None
     config: type[CheckpointRunConfig] = CheckpointRunConfig
 
 
@@ -258,7 +261,7 @@ def _run_partition(
     imported: pl.DataFrame | None,
     printed: dict[str, str],
     spend: AssetSpend | None,
-    loop: type[runner.Run] | None = None,
+    loop: type[ShardRun] | None = None,
 ) -> tuple[pl.DataFrame, RunStats]:
     """Run one partition's checkpoint over its input rows; returns its result and stats."""
     if config.limit is not None:

@@ -16,9 +16,9 @@ import dagster as dg
 import polars as pl
 
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.resume import canonical_ids, validate_ids
+from checkpoint_assets.engine.plan.resume import canonical_ids, validate_ids
 from checkpoint_assets.engine.rows import ERROR
-from checkpoint_assets.engine.scheme import rows_in
+from checkpoint_assets.engine.sharding.scheme import rows_in
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.source import as_lazy
 

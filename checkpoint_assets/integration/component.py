@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, get_type_hints
 import dagster as dg
 from pydantic import BaseModel, Field, create_model
 
-from checkpoint_assets.engine.budget import Budget, Price
+from checkpoint_assets.engine.calls.budget import Budget, Price
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.settings import DOC
 from checkpoint_assets.integration.arguments import AssetArguments

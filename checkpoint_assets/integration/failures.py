@@ -34,7 +34,7 @@ import dagster as dg
 # The statuses in which the run retry daemon declines a backfill's runs: its own rule.
 from dagster._core.execution.backfill import BULK_ACTION_TERMINAL_STATUSES
 
-from checkpoint_assets.engine.layout import UNPARTITIONED
+from checkpoint_assets.engine.checkpoints.layout import UNPARTITIONED
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.events import records_after
 from checkpoint_assets.integration.pending import PENDING_TAG

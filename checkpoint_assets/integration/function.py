@@ -7,7 +7,7 @@ when the asset is defined, so a mistake fails the code location's load, not a sh
 
 A first parameter annotated ``dict``, ``dict[str, Any]`` or ``Mapping[str, Any]`` makes it a
 per-row function: it gets one row as a dict (the id and the input columns) and returns a dict of
-its output columns (see ``engine/batches.py``).
+its output columns (see ``engine/calls/batches.py``).
 """
 
 import collections.abc
@@ -20,7 +20,7 @@ from typing import Any
 
 import dagster as dg
 
-from checkpoint_assets.engine.batches import PerRow
+from checkpoint_assets.engine.calls.batches import PerRow
 from checkpoint_assets.engine.errors import CheckpointError
 
 _ROW_TYPES = (dict, collections.abc.Mapping)  # what ``typing.get_origin`` says of each spelling

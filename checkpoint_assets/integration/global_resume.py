@@ -14,9 +14,9 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
+from checkpoint_assets.engine.checkpoints.layout import DEFAULT_TAG, asset_folder
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.global_resume import Found, tags, write_table
-from checkpoint_assets.engine.layout import DEFAULT_TAG, asset_folder
+from checkpoint_assets.engine.plan.global_resume import Found, tags, write_table
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager

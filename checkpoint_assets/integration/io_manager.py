@@ -30,8 +30,8 @@ import polars as pl
 import pyarrow as pa
 from pydantic import Field, PrivateAttr
 
-from checkpoint_assets.engine import layout
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints import layout
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.storage import Store, merge_options, open_store, s3_options
 from checkpoint_assets.engine.storage.base import Usage

@@ -11,7 +11,7 @@ from typing import Any
 import dagster as dg
 import polars as pl
 
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
     BudgetExceededError,
     CheckpointError,

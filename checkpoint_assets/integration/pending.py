@@ -23,8 +23,8 @@ from typing import Any
 
 import dagster as dg
 
+from checkpoint_assets.engine.checkpoints.layout import UNPARTITIONED
 from checkpoint_assets.engine.errors import BatchesPendingError
-from checkpoint_assets.engine.layout import UNPARTITIONED
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.provider_sensor import sensor_name
 

@@ -9,11 +9,11 @@ from typing import Any, Literal
 import dagster as dg
 from pydantic import Field
 
-from checkpoint_assets.engine import function_fingerprint
-from checkpoint_assets.engine.budget import Budget
-from checkpoint_assets.engine.provider_batches import ProviderJob, ProviderRun
+from checkpoint_assets.engine.calls.budget import Budget
+from checkpoint_assets.engine.plan import function_fingerprint
+from checkpoint_assets.engine.providers.provider_batches import ProviderJob, ProviderRun
+from checkpoint_assets.engine.providers.submissions import BatchProvider
 from checkpoint_assets.engine.settings import OnInputChange, Settings
-from checkpoint_assets.engine.submissions import BatchProvider
 from checkpoint_assets.integration.arguments import AssetArguments, SourceSpec
 from checkpoint_assets.integration.asset import Calls, define
 from checkpoint_assets.integration.run_config import CheckpointRunConfig

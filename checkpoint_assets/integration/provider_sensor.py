@@ -24,8 +24,8 @@ from typing import Any
 
 import dagster as dg
 
-from checkpoint_assets.engine.layout import UNPARTITIONED
-from checkpoint_assets.engine.submissions import BatchProvider, State
+from checkpoint_assets.engine.checkpoints.layout import UNPARTITIONED
+from checkpoint_assets.engine.providers.submissions import BatchProvider, State
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.events import records_after
 

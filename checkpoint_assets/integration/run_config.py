@@ -11,7 +11,7 @@ from typing import TypeVar
 import dagster as dg
 from pydantic import Field, model_validator
 
-from checkpoint_assets.engine.budget import Budget
+from checkpoint_assets.engine.calls.budget import Budget
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.settings import OnInputChange, Settings
 

@@ -2,7 +2,7 @@
 
 A step process can outlive its run: the run worker or ``dagster asset materialize`` that started
 it was killed, or run monitoring marked the run failed while the step went on. The lease's
-heartbeat asks ``stop_reason`` every few seconds (``engine/lock.py``). The step stops when its
+heartbeat asks ``stop_reason`` every few seconds (``engine/loop/lock.py``). The step stops when its
 run is over (failed, canceled, succeeded) or when the process that launched it through
 ``multiprocessing`` is gone. It then starts no more calls, stores what is done, releases the
 lock and fails with ``RunStoppedError``. With its launcher gone, nothing else would end its run,
@@ -19,7 +19,7 @@ import multiprocessing
 
 import dagster as dg
 
-from checkpoint_assets.engine.lock import Holder, pid_alive
+from checkpoint_assets.engine.loop.lock import Holder, pid_alive
 
 _OVER = {
     dg.DagsterRunStatus.FAILURE: "failed",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 
-from checkpoint_assets.engine.layout import UNPARTITIONED
+from checkpoint_assets.engine.checkpoints.layout import UNPARTITIONED
 from checkpoint_assets.integration import failures as finding
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.failures import Budget, Failure, SensorState

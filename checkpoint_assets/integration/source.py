@@ -26,13 +26,13 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from checkpoint_assets.engine import hashing
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.keyed import ROW_GROUP_ROWS, Buckets, Resolve, write_keyed
-from checkpoint_assets.engine.resume import SOURCE_ROW
+from checkpoint_assets.engine.plan.resume import SOURCE_ROW
 from checkpoint_assets.engine.rows import BOOKKEEPING, CURRENT, ERROR, SEQ, distinct_count
-from checkpoint_assets.engine.scheme import (
+from checkpoint_assets.engine.sharding import hashing
+from checkpoint_assets.engine.sharding.keyed import ROW_GROUP_ROWS, Buckets, Resolve, write_keyed
+from checkpoint_assets.engine.sharding.scheme import (
     SHARD_KEY_PREFIX,
     Frame,
     Shard,

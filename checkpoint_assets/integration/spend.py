@@ -28,7 +28,7 @@ from typing import Any
 
 import dagster as dg
 
-from checkpoint_assets.engine.budget import Spend
+from checkpoint_assets.engine.calls.budget import Spend
 from checkpoint_assets.engine.errors import BudgetExceededError
 from checkpoint_assets.integration import metadata as md
 

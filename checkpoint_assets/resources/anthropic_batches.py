@@ -1,4 +1,4 @@
-"""Anthropic's Message Batches as a ``BatchProvider`` (``engine/submissions.py``), on the
+"""Anthropic's Message Batches as a ``BatchProvider`` (``engine/providers/submissions.py``), on the
 ``anthropic`` client.
 
 One submission is one message batch, created with its requests in the call itself (there is no
@@ -31,7 +31,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final
 
-from checkpoint_assets.engine.submissions import Limits, Request, Result, State, Status, index_of
+from checkpoint_assets.engine.providers.submissions import (
+    Limits,
+    Request,
+    Result,
+    State,
+    Status,
+    index_of,
+)
 
 if TYPE_CHECKING:
     import anthropic

@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Final
 import dagster as dg
 from pydantic import Field
 
-from checkpoint_assets.engine import pacing
+from checkpoint_assets.engine.calls import pacing
 from checkpoint_assets.resources import rate_limits
 
 _Clients = dict[tuple[Any, ...], Any]

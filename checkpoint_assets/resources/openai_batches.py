@@ -1,4 +1,6 @@
-"""OpenAI's Batch API as a ``BatchProvider`` (``engine/submissions.py``), on the ``openai`` client.
+"""OpenAI's Batch API as a ``BatchProvider`` (``engine/providers/submissions.py``).
+
+It runs on the ``openai`` client.
 
 One submission is one JSONL file uploaded with ``files.create(purpose="batch")`` (named
 ``<tag>.jsonl``) and one batch created from it with ``batches.create`` (a 24 h window, the tag in
@@ -18,7 +20,7 @@ import json
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from checkpoint_assets.engine.submissions import (
+from checkpoint_assets.engine.providers.submissions import (
     TAG_KEY,
     Limits,
     Request,

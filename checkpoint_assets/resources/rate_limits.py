@@ -2,7 +2,7 @@
 
 The endpoint resources build their clients on an HTTP client with two event hooks
 (:class:`Hooks`): before a model request is sent, it waits in the key's
-:class:`~checkpoint_assets.engine.pacing.Pacer` until its estimated cost fits; when the answer
+:class:`~checkpoint_assets.engine.calls.pacing.Pacer` until its estimated cost fits; when the answer
 comes, its rate-limit headers go back to the pacer. Requests of other APIs (batches, files) pass
 untouched.
 
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
-from checkpoint_assets.engine import pacing
+from checkpoint_assets.engine.calls import pacing
 
 #: The paths of model requests, which are paced; every other request passes.
 _PACED: Final = ("/chat/completions", "/completions", "/embeddings", "/responses", "/messages")

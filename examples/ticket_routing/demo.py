@@ -29,9 +29,9 @@ import polars as pl
 from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
 from dagster._core.utils import make_new_backfill_id
 
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.layout import checkpoint_name
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.layout import checkpoint_name
 from checkpoint_assets.engine.storage import open_store
 from examples.ticket_routing.definitions import SHARDS, defs
 

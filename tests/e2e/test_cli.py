@@ -23,7 +23,7 @@ import pytest
 from helpers.jobs import build_job, tickets
 
 from checkpoint_assets import shard_partitions
-from checkpoint_assets.engine.layout import part_range
+from checkpoint_assets.engine.checkpoints.layout import part_range
 
 TESTS = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "checkpoint-assets")

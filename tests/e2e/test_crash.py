@@ -20,7 +20,7 @@ import pytest
 from helpers.jobs import Storage
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
-from checkpoint_assets.engine.compaction import COMPACT_AT, COMPACT_FANOUT
+from checkpoint_assets.engine.checkpoints.compaction import COMPACT_AT, COMPACT_FANOUT
 from checkpoint_assets.engine.rows import SEQ
 
 CHILD = Path(__file__).parents[1] / "helpers" / "crash_child.py"

@@ -37,8 +37,8 @@ from helpers import daemon_defs
 from helpers.graphql import client, launch_backfill, reexecute
 
 from checkpoint_assets import CheckpointIOManager
-from checkpoint_assets.engine.checkpoint import Checkpoint
-from checkpoint_assets.engine.hashing import shard_of
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.sharding.hashing import shard_of
 from checkpoint_assets.engine.storage import open_store
 
 TESTS = Path(__file__).resolve().parents[1]

@@ -35,7 +35,7 @@ from checkpoint_assets import (
     checkpointed_asset,
     shard_partitions,
 )
-from checkpoint_assets.engine.refusals import throttled
+from checkpoint_assets.engine.calls.refusals import throttled
 from examples.llm_openai.server import Settings, classify, serve, serve_process, stats
 from examples.ticket_routing.data import generate_tickets
 

@@ -26,7 +26,7 @@ if not all(importlib.util.find_spec(p) for p in ("openai", "anthropic")):  # ext
 import dagster as dg
 
 from checkpoint_assets import AnthropicResource, OpenAIResource
-from checkpoint_assets.engine.pacing import Limit
+from checkpoint_assets.engine.calls.pacing import Limit
 from checkpoint_assets.resources.rate_limits import duration_seconds, estimate, stated
 from examples.llm_openai.server import Settings, serve, serve_process, stats
 

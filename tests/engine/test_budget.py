@@ -12,8 +12,8 @@ import pytest
 from helpers.jobs import engine_settings, tickets
 
 from checkpoint_assets.engine import Checkpoint, PerRow, Settings, open_store, prepare, run
-from checkpoint_assets.engine.batches import RowResult
-from checkpoint_assets.engine.budget import Budget, Price, Spend
+from checkpoint_assets.engine.calls.batches import RowResult
+from checkpoint_assets.engine.calls.budget import Budget, Price, Spend
 from checkpoint_assets.engine.errors import BudgetExceededError, CheckpointError
 
 ID = "ticket_id"

@@ -15,7 +15,7 @@ import pytest
 from helpers.jobs import route, tickets
 
 from checkpoint_assets.engine import Checkpoint, CheckpointError, Settings, open_store, prepare, run
-from checkpoint_assets.engine.function_fingerprint import changes, of_function, of_resources
+from checkpoint_assets.engine.plan.function_fingerprint import changes, of_function, of_resources
 
 LABEL = "Route this ticket."
 

@@ -42,8 +42,8 @@ from polars.testing import assert_frame_equal
 from polars.testing.parametric import dtypes, series
 
 from checkpoint_assets import cli
-from checkpoint_assets.engine import hashing, parquet, runner
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints import parquet
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
     CheckpointError,
     FunctionError,
@@ -52,7 +52,9 @@ from checkpoint_assets.engine.errors import (
     JobMismatchError,
     OutageError,
 )
+from checkpoint_assets.engine.loop import runner
 from checkpoint_assets.engine.rows import CURRENT, ERROR, INPUT_HASH, SEQ
+from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.storage import open_store
 
 settings.register_profile(

@@ -20,9 +20,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpoint_assets.engine import hashing
-from checkpoint_assets.engine.meta import Meta
-from checkpoint_assets.engine.scheme import rows_in
+from checkpoint_assets.engine.checkpoints.meta import Meta
+from checkpoint_assets.engine.sharding import hashing
+from checkpoint_assets.engine.sharding.scheme import rows_in
 
 
 def test_shard_of_integer_ids_is_pinned() -> None:

@@ -9,8 +9,8 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from checkpoint_assets.engine import hashing, keyed
-from checkpoint_assets.engine.keyed import ROW_GROUP_ROWS, Buckets, write_keyed
+from checkpoint_assets.engine.sharding import hashing, keyed
+from checkpoint_assets.engine.sharding.keyed import ROW_GROUP_ROWS, Buckets, write_keyed
 
 KEY = "_shard_key:id"
 

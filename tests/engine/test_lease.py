@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from checkpoint_assets.engine import LockHeldError, open_store
-from checkpoint_assets.engine.lock import Holder, Lease
+from checkpoint_assets.engine.loop.lock import Holder, Lease
 from checkpoint_assets.engine.storage import Store
 
 LEASE = 300.0
@@ -105,7 +105,7 @@ def test_a_finished_run_is_no_evidence_while_its_holder_lives(
     watch.over["r1"] = "failed"
     held = lease(store, clock)
     held.acquire()
-    monkeypatch.setattr("checkpoint_assets.engine.lock.STOP_WAIT_SECONDS", 0.0)
+    monkeypatch.setattr("checkpoint_assets.engine.loop.lock.STOP_WAIT_SECONDS", 0.0)
     try:
         with pytest.raises(LockHeldError) as refused:
             lease(store, clock, watch, run_id="r2").acquire()

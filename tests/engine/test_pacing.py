@@ -1,5 +1,5 @@
-"""Pacing by stated limits (engine/pacing.py): requests wait until their cost fits what the key
-has left, and pacers that share a key take about its rate between them.
+"""Pacing by stated limits (engine/calls/pacing.py): requests wait until their cost fits what the
+key has left, and pacers that share a key take about its rate between them.
 
 The clock is injected: nothing here sleeps. The shared-key tests run pacers against a model of
 an endpoint that meters a key the way OpenAI does (a token bucket refilled steadily, its state
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from checkpoint_assets.engine import pacing
-from checkpoint_assets.engine.pacing import Limit, Pacer
+from checkpoint_assets.engine.calls import pacing
+from checkpoint_assets.engine.calls.pacing import Limit, Pacer
 
 
 class Clock:

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from checkpoint_assets.engine import parquet
+from checkpoint_assets.engine.checkpoints import parquet
 
 ROWS = 300_000
 

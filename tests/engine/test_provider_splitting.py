@@ -16,9 +16,9 @@ import polars as pl
 import pytest
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
-from checkpoint_assets.engine.provider_batches import ProviderJob, ProviderRun
-from checkpoint_assets.engine.submission_records import Records
-from checkpoint_assets.engine.submissions import BatchProvider, Limits, Request, custom_id
+from checkpoint_assets.engine.providers.provider_batches import ProviderJob, ProviderRun
+from checkpoint_assets.engine.providers.submission_records import Records
+from checkpoint_assets.engine.providers.submissions import BatchProvider, Limits, Request, custom_id
 from checkpoint_assets.resources import anthropic_batches
 from checkpoint_assets.resources.anthropic_batches import AnthropicBatches
 from checkpoint_assets.resources.openai_batches import OpenAIBatches

@@ -15,7 +15,7 @@ import polars as pl
 from helpers.jobs import Storage
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
-from checkpoint_assets.engine.compaction import COMPACT_AT
+from checkpoint_assets.engine.checkpoints.compaction import COMPACT_AT
 from checkpoint_assets.engine.storage.objects import ObjectStore
 
 

@@ -25,7 +25,7 @@ from helpers.jobs import Storage, engine_settings, route, tickets
 
 from checkpoint_assets import QuotaExhaustedError, RetryAfter
 from checkpoint_assets.engine import Checkpoint, open_store, prepare, run
-from checkpoint_assets.engine.refusals import Throttled, retry_after_seconds, throttled
+from checkpoint_assets.engine.calls.refusals import Throttled, retry_after_seconds, throttled
 from checkpoint_assets.engine.settings import RunStats
 
 ID = "ticket_id"

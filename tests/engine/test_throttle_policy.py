@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from checkpoint_assets.engine.refusals import Throttled
-from checkpoint_assets.engine.throttle import Throttle
+from checkpoint_assets.engine.calls.refusals import Throttled
+from checkpoint_assets.engine.calls.throttle import Throttle
 
 
 @dataclass

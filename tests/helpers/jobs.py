@@ -15,9 +15,9 @@ import dagster as dg
 import polars as pl
 
 from checkpoint_assets import CheckpointIOManager, checkpointed_asset
-from checkpoint_assets.engine.checkpoint import Checkpoint
-from checkpoint_assets.engine.hashing import shard_of
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.settings import Settings
+from checkpoint_assets.engine.sharding.hashing import shard_of
 from checkpoint_assets.engine.storage import Store, open_store
 
 Storage = tuple[str, dict[str, Any]]

@@ -16,7 +16,7 @@ starts: a call is paid for once it is made, so the calls in flight at a kill cou
 A cycle: ``point`` (see ``POINTS``), ``n`` (kill at the n-th matching event), ``rows`` (the input
 is ids ``0..rows-1``: it grows from cycle to cycle, so each has work), ``interval``,
 ``concurrency``, ``delay`` (seconds per call), ``variant`` and ``at`` (seconds, for
-``random_time``). ``spec["mode"]``: ``engine`` (``checkpoint_assets.engine.runner.run``) or
+``random_time``). ``spec["mode"]``: ``engine`` (``checkpoint_assets.engine.loop.runner.run``) or
 ``materialize`` (the shard ``spec["partition"]`` of a checkpointed asset through Dagster's
 ``materialize``).
 """
@@ -36,8 +36,8 @@ from typing import Any
 import polars as pl
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
-from checkpoint_assets.engine.lock import Lease
-from checkpoint_assets.engine.sink import PartWriter
+from checkpoint_assets.engine.loop.lock import Lease
+from checkpoint_assets.engine.loop.sink import PartWriter
 from checkpoint_assets.engine.storage import local as local_module
 from checkpoint_assets.engine.storage.local import LocalStore
 from checkpoint_assets.engine.storage.objects import S3Store

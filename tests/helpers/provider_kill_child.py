@@ -20,9 +20,9 @@ import openai
 import polars as pl
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
-from checkpoint_assets.engine.provider_batches import ProviderJob, ProviderRun
+from checkpoint_assets.engine.providers.provider_batches import ProviderJob, ProviderRun
+from checkpoint_assets.engine.providers.submissions import BatchProvider, Result
 from checkpoint_assets.engine.settings import RunStats
-from checkpoint_assets.engine.submissions import BatchProvider, Result
 from checkpoint_assets.resources.anthropic_batches import AnthropicBatches
 from checkpoint_assets.resources.openai_batches import OpenAIBatches
 

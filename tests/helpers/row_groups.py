@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from checkpoint_assets.engine.hashing import shard_key_bounds
-from checkpoint_assets.engine.scheme import shard_key_column
+from checkpoint_assets.engine.sharding.hashing import shard_key_bounds
+from checkpoint_assets.engine.sharding.scheme import shard_key_column
 from helpers.read_counting_fs import ReadCountingFileSystem
 
 FOOTER_READ = 64 * 1024  # pyarrow reads a file's last 64 KiB to find its metadata

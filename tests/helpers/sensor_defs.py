@@ -17,7 +17,7 @@ from checkpoint_assets import (
     failed_partitions_sensor,
     shard_partitions,
 )
-from checkpoint_assets.engine.hashing import shard_of
+from checkpoint_assets.engine.sharding.hashing import shard_of
 
 SHARDS = shard_partitions(2)
 FAILING = "1-of-2"

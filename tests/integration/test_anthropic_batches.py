@@ -11,7 +11,7 @@ import time
 import anthropic
 import pytest
 
-from checkpoint_assets.engine.submissions import Request, custom_id
+from checkpoint_assets.engine.providers.submissions import Request, custom_id
 from checkpoint_assets.resources.anthropic_batches import (
     AnthropicBatches,
     SubmissionUndecidedError,

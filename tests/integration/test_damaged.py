@@ -23,13 +23,14 @@ import pytest
 from helpers.jobs import ASSET, Storage, build_job, route, run_logs, tickets
 
 from checkpoint_assets import LockHeldError
-from checkpoint_assets.engine import Checkpoint, Settings, lock, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine.checkpoints.meta import FORMAT_VERSION
 from checkpoint_assets.engine.errors import CorruptCheckpointError, NewerFormatError
-from checkpoint_assets.engine.lock import Lease
-from checkpoint_assets.engine.meta import FORMAT_VERSION
-from checkpoint_assets.engine.repair import repair
+from checkpoint_assets.engine.loop import lock
+from checkpoint_assets.engine.loop.lock import Lease
 from checkpoint_assets.engine.rows import ERROR
-from checkpoint_assets.engine.verify import problems
+from checkpoint_assets.engine.upkeep.repair import repair
+from checkpoint_assets.engine.upkeep.verify import problems
 
 SETTINGS = Settings(
     id_column="ticket_id",

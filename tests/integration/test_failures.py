@@ -27,7 +27,7 @@ from helpers.jobs import (
 )
 
 from checkpoint_assets import CheckpointError, checkpointed_asset, shard_partitions
-from checkpoint_assets.engine.calls import outage_threshold
+from checkpoint_assets.engine.calls.caller import outage_threshold
 
 POISON = 777
 

@@ -9,8 +9,9 @@ import pytest
 from helpers.jobs import Storage, build_job, stats, tickets
 
 from checkpoint_assets import JobMismatchError
-from checkpoint_assets.engine import Settings, hashing, prepare
+from checkpoint_assets.engine import Settings, prepare
 from checkpoint_assets.engine.rows import INPUT_HASH
+from checkpoint_assets.engine.sharding import hashing
 
 
 def _assert_names_remedies(message: str) -> None:

@@ -19,8 +19,9 @@ from checkpoint_assets import (
     global_resume_asset,
     shard_partitions,
 )
-from checkpoint_assets.engine import hashing, parquet
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints import parquet
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.storage import open_store
 
 ROWS = 600

@@ -15,7 +15,7 @@ from checkpoint_assets import (
     checkpointed_asset,
     shard_partitions,
 )
-from checkpoint_assets.engine.hashing import shard_of
+from checkpoint_assets.engine.sharding.hashing import shard_of
 
 
 def _refused(storage: Storage, df: pl.DataFrame) -> str:

@@ -25,8 +25,8 @@ from checkpoint_assets import (
     global_resume_asset,
     shard_partitions,
 )
-from checkpoint_assets.engine import keyed
-from checkpoint_assets.engine.hashing import shard_of
+from checkpoint_assets.engine.sharding import keyed
+from checkpoint_assets.engine.sharding.hashing import shard_of
 
 ROWS = 40_000
 DAYS = ["day1", "day2", "day3"]

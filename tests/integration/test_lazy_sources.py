@@ -19,7 +19,7 @@ from helpers.read_counting_fs import PROTOCOL, ReadCountingFileSystem
 from helpers.row_groups import groups_read, overlapping_groups
 
 from checkpoint_assets import CheckpointIOManager, checkpointed_asset, shard_partitions
-from checkpoint_assets.engine.parquet import watermark
+from checkpoint_assets.engine.checkpoints.parquet import watermark
 from checkpoint_assets.engine.rows import CURRENT
 from checkpoint_assets.integration.source import ROW_GROUP_ROWS
 

@@ -37,7 +37,7 @@ from checkpoint_assets import (
     shard_partitions,
 )
 from checkpoint_assets.engine import Checkpoint, open_store
-from checkpoint_assets.engine.submissions import Limits, Request
+from checkpoint_assets.engine.providers.submissions import Limits, Request
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.pending import PENDING_TAG
 from checkpoint_assets.integration.spend import STOPPED_BY_TAG

@@ -47,8 +47,9 @@ from checkpoint_assets import (
     shard_partitions,
 )
 from checkpoint_assets.cli import main as cli
-from checkpoint_assets.engine import Checkpoint, Settings, keyed, open_store, prepare
+from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare
 from checkpoint_assets.engine import run as run_engine
+from checkpoint_assets.engine.sharding import keyed
 
 NewStorage = Callable[[], Storage]
 

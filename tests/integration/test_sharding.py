@@ -12,8 +12,8 @@ import pytest
 from helpers.jobs import Storage, build_job, stats, tickets
 
 from checkpoint_assets import shard_partitions
-from checkpoint_assets.engine.hashing import shard_of, xxh3
-from checkpoint_assets.engine.scheme import Shard
+from checkpoint_assets.engine.sharding.hashing import shard_of, xxh3
+from checkpoint_assets.engine.sharding.scheme import Shard
 
 
 def test_shard_keys_are_zero_padded_to_the_width_of_n() -> None:

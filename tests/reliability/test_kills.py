@@ -53,8 +53,8 @@ from helpers import kill_child
 from helpers.jobs import Storage, ids_in_shard
 
 from checkpoint_assets.engine import Checkpoint, open_store
-from checkpoint_assets.engine.layout import checkpoint_name
-from checkpoint_assets.engine.scheme import Shard
+from checkpoint_assets.engine.checkpoints.layout import checkpoint_name
+from checkpoint_assets.engine.sharding.scheme import Shard
 
 DRIVER = Path(kill_child.__file__)
 KILLS = int(os.environ.get("CHECKPOINT_KILLS", "100"))

@@ -32,7 +32,7 @@ from helpers import orphan_defs
 from helpers.jobs import ids_in_shard, tickets
 
 from checkpoint_assets.engine import Checkpoint, open_store
-from checkpoint_assets.engine.lock import pid_alive
+from checkpoint_assets.engine.loop.lock import pid_alive
 
 SHARD = "0-of-2"
 DAGSTER_MATERIALIZE = (sys.executable, "-m", "dagster", "asset", "materialize", "-f")

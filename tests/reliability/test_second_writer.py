@@ -23,7 +23,7 @@ from helpers import paused_writer
 
 from checkpoint_assets import LockHeldError
 from checkpoint_assets.engine import Checkpoint, open_store, prepare, run
-from checkpoint_assets.engine.compaction import COMPACT_AT
+from checkpoint_assets.engine.checkpoints.compaction import COMPACT_AT
 
 ROWS = 120
 PAUSE_ID = 60  # calls of this id and later block: the writer is paused in them

@@ -30,11 +30,11 @@ from helpers.faulty_store import StoreFault, faulty
 from helpers.jobs import Storage
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
-from checkpoint_assets.engine import gaps as gaps_module
+from checkpoint_assets.engine.checkpoints import gaps as gaps_module
 from checkpoint_assets.engine.errors import StorageError
-from checkpoint_assets.engine.repair import repair
 from checkpoint_assets.engine.storage import Store
-from checkpoint_assets.engine.verify import problems
+from checkpoint_assets.engine.upkeep.repair import repair
+from checkpoint_assets.engine.upkeep.verify import problems
 
 ROWS = 40
 SETTINGS = Settings(
@@ -204,7 +204,7 @@ def test_a_stale_listing_at_finalize_is_listed_again_and_loses_nothing(
 def test_a_listing_that_stays_stale_stops_finalize_before_it_merges_or_deletes(
     proxy: FaultProxy, s3_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("checkpoint_assets.engine.gaps._RELIST_SECONDS", (0.01, 0.01))
+    monkeypatch.setattr("checkpoint_assets.engine.checkpoints.gaps._RELIST_SECONDS", (0.01, 0.01))
     store = _s3(proxy, s3_server)
     proxy.add(Fault("stale", "GET", PARTS_LIST, times=10**6))
     checkpoint = Checkpoint(store, "job")
@@ -357,7 +357,7 @@ def test_a_failed_read_at_resume_changes_nothing(storage: Storage) -> None:
 def test_a_stale_parts_listing_never_makes_finalize_lose_parts(
     storage: Storage, times: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("checkpoint_assets.engine.gaps._RELIST_SECONDS", (0.01, 0.01))
+    monkeypatch.setattr("checkpoint_assets.engine.checkpoints.gaps._RELIST_SECONDS", (0.01, 0.01))
     store = faulty(open_store(*storage), StoreFault("list", r"\.parquet\.parts$", times=times))
 
     if times == 1:

@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from checkpoint_assets.engine.checkpoints.layout import Files
 from checkpoint_assets.engine.errors import CorruptCheckpointError
-from checkpoint_assets.engine.layout import Files
 from checkpoint_assets.engine.storage import Store
 
 OPEN: Final = ("intent", "uploaded", "created")

@@ -9,12 +9,12 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from checkpoint_assets.engine.errors import CorruptCheckpointError, NewerFormatError
-from checkpoint_assets.engine.hashing import HASH_FORMAT
-from checkpoint_assets.engine.scheme import Scheme
+from checkpoint_assets.engine.sharding.hashing import HASH_FORMAT
+from checkpoint_assets.engine.sharding.scheme import Scheme
 
 if TYPE_CHECKING:
-    from checkpoint_assets.engine.damage import Damage
-    from checkpoint_assets.engine.layout import Files
+    from checkpoint_assets.engine.checkpoints.damage import Damage
+    from checkpoint_assets.engine.checkpoints.layout import Files
     from checkpoint_assets.engine.storage import Store
 
 # Bumped with every new key (2: function_fingerprint): a reader refuses a newer format by name

@@ -12,17 +12,15 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
-import dagster as dg
 import polars as pl
 import pytest
-from helpers.jobs import Storage, build_job, tickets
+from helpers import hold_lock
+from helpers.jobs import Storage, tickets
 
 from checkpoint_assets import LockHeldError, OutageError
-from checkpoint_assets.engine import Checkpoint, Settings, lock, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 
-HELPERS = Path(__file__).parents[1] / "helpers"
 SETTINGS = Settings(
     id_column="ticket_id", input_columns=("body",), min_flush_seconds=0.0, retry_delay_seconds=0.0
 )
@@ -61,11 +59,11 @@ def held_lock(storage: Storage) -> Iterator[tuple[Checkpoint, subprocess.Popen[s
     """The checkpoint's lock, held by a live child process as run ``holder-run-7``."""
     checkpoint = _checkpoint(storage)
     base_dir, options = storage
-    child = _hold(base_dir, options, f"{checkpoint.name}.parquet.lock", "holder-run-7")
+    child = hold_lock.hold(base_dir, options, f"{checkpoint.name}.parquet.lock", "holder-run-7")
     try:
         yield checkpoint, child
     finally:
-        _end(child)
+        hold_lock.end(child)
 
 
 def test_second_writer_is_refused_naming_the_holder(
@@ -140,80 +138,6 @@ def test_live_lease_on_another_host_is_respected(storage: Storage) -> None:
         _run(checkpoint, calls)
 
     assert calls == []
-
-
-def test_a_live_holder_whose_run_is_marked_failed_is_not_taken_over(
-    storage: Storage,
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    job = build_job(storage, tickets(10))
-    first = job.materialize(limit=4)
-    checkpoint = job.checkpoint()
-    before = job.files()
-    job.calls.clear()
-    base_dir, options = storage
-    # Alive, renewing its lease:
-    holder = _hold(base_dir, options, f"{checkpoint.name}.parquet.lock", first.run_id)
-    try:
-        run = job.instance.get_run_by_id(first.run_id)
-        assert run is not None
-        job.instance.report_run_failed(run, "marked failed while its step lives")
-        monkeypatch.setattr(lock, "STOP_WAIT_SECONDS", 0.5)  # it never stops: it has no watch
-
-        with caplog.at_level(logging.WARNING, logger="checkpoint_assets"):
-            second = job.materialize(raise_on_error=False)
-    finally:
-        _end(holder)
-
-    assert not second.success
-    message = _failure_message(second)
-    assert "LockHeldError" in message
-    assert f"run {first.run_id}, host {socket.gethostname()}, pid {holder.pid}" in message
-    assert "Its run is failed, yet its process still renews the lease" in message
-    assert f"end process {holder.pid}" in message
-    assert not any("Taking over" in r.message for r in caplog.records)
-    assert job.computed_ids() == []  # nothing paid twice
-    assert {p: b for p, b in job.files().items() if not p.endswith(".lock")} == {
-        p: b for p, b in before.items() if not p.endswith(".lock")
-    }
-
-
-def _hold(
-    base_dir: str, options: dict[str, object], name: str, run_id: str
-) -> subprocess.Popen[str]:
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            str(HELPERS / "hold_lock.py"),
-            base_dir,
-            json.dumps(options),
-            name,
-            run_id,
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdout is not None
-    assert child.stdout.readline().strip() == "held"
-    return child
-
-
-def _end(child: subprocess.Popen[str]) -> None:
-    # Closing stdin ends the child; closing stdout too leaves no pipe for the collector.
-    for pipe in (child.stdin, child.stdout):
-        if pipe is not None:
-            pipe.close()
-    child.wait(timeout=30)
-
-
-def _failure_message(result: dg.ExecuteInProcessResult) -> str:
-    failures = [e for e in result.all_events if e.is_step_failure]
-    assert failures, "the run did not fail a step"
-    error = failures[0].step_failure_data.error
-    assert error is not None and error.cause is not None  # the engine's error, under Dagster's
-    return error.cause.message
 
 
 def test_lock_is_released_after_success_and_after_failure(storage: Storage) -> None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import polars as pl
 
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.meta import Meta
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.meta import Meta
 from checkpoint_assets.engine.rows import resolve
 
 

@@ -13,7 +13,7 @@ import collections
 import threading
 from collections.abc import Callable
 
-from checkpoint_assets.engine import pacing
+from checkpoint_assets.engine.calls import pacing
 
 
 class Gate:

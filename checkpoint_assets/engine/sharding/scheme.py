@@ -25,7 +25,7 @@ from typing import Any, Literal, TypeVar
 
 import polars as pl
 
-from checkpoint_assets.engine import hashing
+from checkpoint_assets.engine.sharding import hashing
 
 Rule = Literal["range", "mod"]
 RANGE: Rule = "range"

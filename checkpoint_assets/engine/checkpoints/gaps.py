@@ -25,10 +25,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
-from checkpoint_assets.engine.compaction import Part
-from checkpoint_assets.engine.damage import Damage, Logger
+from checkpoint_assets.engine.checkpoints.compaction import Part
+from checkpoint_assets.engine.checkpoints.damage import Damage, Logger
+from checkpoint_assets.engine.checkpoints.layout import part_range
 from checkpoint_assets.engine.errors import StorageError
-from checkpoint_assets.engine.layout import part_range
 from checkpoint_assets.engine.storage import FileInfo
 
 # A listing that misses parts this process wrote or saw, or that leaves a gap in the sequence, is

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from checkpoint_assets.engine import hashing
 from checkpoint_assets.engine.errors import InputChangedError, InvalidIdsError
 from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH, distinct_count
 from checkpoint_assets.engine.settings import OnInputChange
+from checkpoint_assets.engine.sharding import hashing
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _FIT_INT64 = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32)

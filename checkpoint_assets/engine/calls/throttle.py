@@ -60,8 +60,8 @@ import math
 import time
 from collections.abc import Callable
 
-from checkpoint_assets.engine.gate import Gate
-from checkpoint_assets.engine.refusals import Throttled
+from checkpoint_assets.engine.calls.gate import Gate
+from checkpoint_assets.engine.calls.refusals import Throttled
 
 MAX_BACKOFF_SECONDS = 60.0
 _MIN_ROUND = 16  # answered calls per round, at least

@@ -12,20 +12,22 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from checkpoint_assets.engine import function_fingerprint, hashing, rows
-from checkpoint_assets.engine.checkpoint import Checkpoint, Stored
-from checkpoint_assets.engine.compaction import Part
+from checkpoint_assets.engine import rows
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint, Stored
+from checkpoint_assets.engine.checkpoints.compaction import Part
+from checkpoint_assets.engine.checkpoints.meta import Meta
 from checkpoint_assets.engine.errors import (
     CorruptCheckpointError,
     JobChangedError,
     JobMismatchError,
 )
-from checkpoint_assets.engine.global_resume import FUNCTION
-from checkpoint_assets.engine.meta import Meta
-from checkpoint_assets.engine.resume import Copies, Plan, dedupe, plan
+from checkpoint_assets.engine.plan import function_fingerprint
+from checkpoint_assets.engine.plan.global_resume import FUNCTION
+from checkpoint_assets.engine.plan.resume import Copies, Plan, dedupe, plan
 from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH, SEQ
-from checkpoint_assets.engine.scheme import Scheme, rule_changed
 from checkpoint_assets.engine.settings import OnInputChange, Settings
+from checkpoint_assets.engine.sharding import hashing
+from checkpoint_assets.engine.sharding.scheme import Scheme, rule_changed
 
 Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
 

@@ -33,19 +33,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from checkpoint_assets.engine import hashing
-from checkpoint_assets.engine.checkpoint import Checkpoint
-from checkpoint_assets.engine.keyed import write_keyed
-from checkpoint_assets.engine.layout import (
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.layout import (
     UNPARTITIONED,
     asset_folder,
     decode,
     names_in,
     split_name,
 )
-from checkpoint_assets.engine.meta import Meta
+from checkpoint_assets.engine.checkpoints.meta import Meta
 from checkpoint_assets.engine.rows import CURRENT, ERROR
-from checkpoint_assets.engine.scheme import RANGE, Shard, shard_key_column
+from checkpoint_assets.engine.sharding import hashing
+from checkpoint_assets.engine.sharding.keyed import write_keyed
+from checkpoint_assets.engine.sharding.scheme import RANGE, Shard, shard_key_column
 from checkpoint_assets.engine.storage import Store
 
 _ORDER = "_order"  # the checkpoint's place by finalization, while the table is written

@@ -38,10 +38,10 @@ from typing import Any, TypeVar
 
 import polars as pl
 
-from checkpoint_assets.engine.batches import Batch, Broken, Check, PerRow, Record, batches
-from checkpoint_assets.engine.budget import Spend
-from checkpoint_assets.engine.refusals import throttled
-from checkpoint_assets.engine.throttle import Throttle
+from checkpoint_assets.engine.calls.batches import Batch, Broken, Check, PerRow, Record, batches
+from checkpoint_assets.engine.calls.budget import Spend
+from checkpoint_assets.engine.calls.refusals import throttled
+from checkpoint_assets.engine.calls.throttle import Throttle
 
 BatchFn = Callable[[pl.DataFrame], Any]
 _MAX_ERROR_CHARS = 2000

@@ -18,8 +18,8 @@ import asyncio
 import threading
 from collections.abc import Iterator
 
-from checkpoint_assets.engine.batches import Batch
-from checkpoint_assets.engine.calls import Caller, Outcome, run_blocking
+from checkpoint_assets.engine.calls.batches import Batch
+from checkpoint_assets.engine.calls.caller import Caller, Outcome, run_blocking
 
 LINGER_SECONDS = 0.02  # the longest an outcome waits for the run loop to be woken
 Item = Outcome | BaseException | None  # None: a worker ended

@@ -6,7 +6,7 @@
     open_run()   take the lock, check the job, load what is stored, plan the rest (opening.py)
     Run.work     call the function on batches of ``batch_size`` rows (threads, or asyncio for an
                  ``async def``, up to ``max_concurrency`` in flight; rate limits in throttle.py;
-                 retries, poison rows, broken functions and outages in calls.py) and hand
+                 retries, poison rows, broken functions and outages in caller.py) and hand
                  results to the sink, which flushes every ``checkpoint_interval`` rows without
                  holding up the calls (sink.py); on any exception, SIGTERM or SIGINT, flush what
                  is done before leaving; no call starts once the lock is lost or the run is over
@@ -24,15 +24,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine import hashing, workers
-from checkpoint_assets.engine.batches import Batch, PerRow, height
-from checkpoint_assets.engine.budget import Spend
-from checkpoint_assets.engine.calls import BatchFn, Caller, Outcome, outage_threshold
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.calls import workers
+from checkpoint_assets.engine.calls.batches import Batch, PerRow, height
+from checkpoint_assets.engine.calls.budget import Spend
+from checkpoint_assets.engine.calls.caller import BatchFn, Caller, Outcome, outage_threshold
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
     BudgetExceededError,
     CheckpointError,
@@ -41,17 +41,15 @@ from checkpoint_assets.engine.errors import (
     OutageError,
     QuotaExhaustedError,
 )
-from checkpoint_assets.engine.lock import Lease, RunWatch
-from checkpoint_assets.engine.opening import Job, Opened, open_run
-from checkpoint_assets.engine.resume import canonical_ids, validate_ids
+from checkpoint_assets.engine.loop.lock import Lease, RunWatch
+from checkpoint_assets.engine.loop.shard_run import ShardRun
+from checkpoint_assets.engine.loop.sink import Logger, MemorySink, PartWriter, Sink
+from checkpoint_assets.engine.plan.opening import Job, Opened, open_run
+from checkpoint_assets.engine.plan.resume import canonical_ids, validate_ids
 from checkpoint_assets.engine.rows import ERROR, INPUT_HASH
-from checkpoint_assets.engine.scheme import Scheme
 from checkpoint_assets.engine.settings import RunStats, Settings
-from checkpoint_assets.engine.shard_run import ShardRun
-from checkpoint_assets.engine.sink import Logger, MemorySink, PartWriter, Sink
-
-if TYPE_CHECKING:
-    from checkpoint_assets.engine.provider_batches import ProviderJob
+from checkpoint_assets.engine.sharding import hashing
+from checkpoint_assets.engine.sharding.scheme import Scheme
 
 
 def prepare(df: pl.DataFrame, settings: Settings) -> pl.DataFrame:
@@ -67,7 +65,7 @@ def prepare(df: pl.DataFrame, settings: Settings) -> pl.DataFrame:
 
 
 def run(
-    fn: BatchFn | PerRow | ProviderJob,
+    fn: BatchFn | PerRow | Any,  # Any: what ``loop`` takes
     inputs: pl.DataFrame,
     checkpoint: Checkpoint | None,
     settings: Settings,
@@ -81,7 +79,7 @@ def run(
     imported: pl.DataFrame | None = None,
     function_fingerprint: Mapping[str, str] | None = None,
     spend: Spend | None = None,
-    loop: type[Run] | None = None,
+    loop: type[ShardRun] | None = None,
 ) -> tuple[pl.DataFrame, RunStats]:
     """Run ``fn`` over ``inputs`` (already ``prepare()``d) with resume and checkpointing.
 
@@ -97,7 +95,7 @@ def run(
     the run warns (once its stored results are reused) and reports it in ``stats``; when it
     finishes, the checkpoint records this one. None: nothing is compared or recorded.
     ``spend``: the tally of ``settings.budget`` this run adds to (shared by the shards of one
-    run; default: a new one); no call starts once it reaches a limit (see engine/budget.py).
+    run; default: a new one); no call starts once it reaches a limit (see engine/calls/budget.py).
     ``watch``: what the lock's heartbeat asks about runs: whether this one should stop (its run
     is over, its launcher gone), how a live holder's run ended, a dead holder taken over (see
     ``lock.py``).
@@ -105,7 +103,7 @@ def run(
     of a ``ProviderJob`` through a provider's batch API instead of calling ``fn``).
     """
     log = logger or logging.getLogger("checkpoint_assets")
-    work = loop or Run
+    work: type[ShardRun] = loop or Run
     if isinstance(fn, PerRow):
         settings = _one_row_per_call(settings, label)
     stats = RunStats(rows_total=inputs.height)

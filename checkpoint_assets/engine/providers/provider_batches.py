@@ -1,10 +1,10 @@
 """Running a shard through a provider's batch API: submit its rows, wait or end, collect.
 
 The user's per-row logic is two functions: ``request(row) -> dict`` (the request body) and
-``parse(body) -> dict`` (output columns, usage columns among them). :class:`ProviderRun` replaces
-only the work loop of :class:`~checkpoint_assets.engine.runner.Run`: the lock, the plan (what is
-done, ``retry_failed``, dedupe), the sink's parts, finalize, usage and the stop rules are the same
-as for computed rows. Its steps::
+``parse(body) -> dict`` (output columns, usage columns among them). :class:`ProviderRun` is a
+work loop beside :class:`~checkpoint_assets.engine.loop.runner.Run`, both a ``ShardRun``: the lock,
+the plan (what is done, ``retry_failed``, dedupe), the sink's parts, finalize, usage and the stop
+rules are the same as for computed rows. Its steps::
 
     re-attach    the open submission records of the checkpoint (submission_records.py): poll
                  those with a batch id, find the others on the provider by their tag
@@ -53,19 +53,18 @@ from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine.batches import Broken, Check, RowResult
-from checkpoint_assets.engine.budget import Budget
+from checkpoint_assets.engine.calls.batches import Broken, Check, RowResult
+from checkpoint_assets.engine.calls.budget import Budget
 from checkpoint_assets.engine.errors import (
     BatchesPendingError,
     BudgetExceededError,
     CheckpointError,
     FunctionError,
 )
-from checkpoint_assets.engine.rows import ATTEMPTS, BOOKKEEPING, ERROR, INPUT_HASH
-from checkpoint_assets.engine.runner import Run
-from checkpoint_assets.engine.sink import PartWriter
-from checkpoint_assets.engine.submission_records import Records, Submission, new_tag
-from checkpoint_assets.engine.submissions import (
+from checkpoint_assets.engine.loop.shard_run import ShardRun
+from checkpoint_assets.engine.loop.sink import PartWriter
+from checkpoint_assets.engine.providers.submission_records import Records, Submission, new_tag
+from checkpoint_assets.engine.providers.submissions import (
     WINDOW_SECONDS,
     BatchProvider,
     Request,
@@ -75,6 +74,7 @@ from checkpoint_assets.engine.submissions import (
     custom_id,
     index_of,
 )
+from checkpoint_assets.engine.rows import ATTEMPTS, BOOKKEEPING, ERROR, INPUT_HASH
 
 _ROWS_PER_CHUNK = 4096  # input rows turned into dicts at a time
 _FIND_MARGIN_SECONDS = 600.0  # clocks differ: look for batches created a little before the intent
@@ -133,7 +133,7 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-class ProviderRun(Run):
+class ProviderRun(ShardRun):
     """A run whose rows go through a provider's batch API (see the module docstring)."""
 
     job: ProviderJob

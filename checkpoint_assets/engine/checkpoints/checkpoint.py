@@ -21,13 +21,19 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from checkpoint_assets.engine import parquet, rows
-from checkpoint_assets.engine.compaction import COMPACT_FANOUT, Part, PartCache, mergeable_run
-from checkpoint_assets.engine.damage import Damage, Logger
+from checkpoint_assets.engine import rows
+from checkpoint_assets.engine.checkpoints import parquet
+from checkpoint_assets.engine.checkpoints.compaction import (
+    COMPACT_FANOUT,
+    Part,
+    PartCache,
+    mergeable_run,
+)
+from checkpoint_assets.engine.checkpoints.damage import Damage, Logger
+from checkpoint_assets.engine.checkpoints.gaps import Flushes, PartListing
+from checkpoint_assets.engine.checkpoints.layout import Files
+from checkpoint_assets.engine.checkpoints.meta import Meta, MetaFile
 from checkpoint_assets.engine.errors import CorruptCheckpointError, LockHeldError
-from checkpoint_assets.engine.gaps import Flushes, PartListing
-from checkpoint_assets.engine.layout import Files
-from checkpoint_assets.engine.meta import Meta, MetaFile
 from checkpoint_assets.engine.rows import CURRENT, ERROR, INPUT_HASH, SEQ
 from checkpoint_assets.engine.storage import FileInfo, Store
 

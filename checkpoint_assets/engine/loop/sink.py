@@ -44,16 +44,17 @@ import time
 
 import polars as pl
 
-from checkpoint_assets.engine import parquet, rows
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine import rows
+from checkpoint_assets.engine.checkpoints import parquet
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
     CheckpointError,
     JobMismatchError,
     LockHeldError,
     RunStoppedError,
 )
-from checkpoint_assets.engine.lock import Lease
-from checkpoint_assets.engine.opening import Start
+from checkpoint_assets.engine.loop.lock import Lease
+from checkpoint_assets.engine.plan.opening import Start
 from checkpoint_assets.engine.rows import CURRENT, SEQ
 
 _NULL = str(pl.Null)

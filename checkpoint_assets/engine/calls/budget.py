@@ -11,7 +11,7 @@ shard and run; the Dagster layer reads what was spent before from the instance).
 at the price of its model: the value of ``model_column`` in the row, or the table's one model.
 
 :class:`Spend` is what a run has spent, shared by its workers. The limit is checked where calls
-are admitted (``calls.Caller``): a call starts only while the spend is under every limit, and its
+are admitted (``caller.Caller``): a call starts only while the spend is under every limit, and its
 cost is added when it returns. Calls admitted before the limit was reached still finish and are
 stored, so the spend passes the limit by at most the cost of the calls in flight when it was
 reached: ``max_concurrency`` calls, the one that reached it included.
@@ -44,7 +44,7 @@ from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine.batches import Record, RowResult
+from checkpoint_assets.engine.calls.batches import Record, RowResult
 from checkpoint_assets.engine.errors import BudgetExceededError, CheckpointError
 
 PER = 1_000_000  # prices are per million tokens

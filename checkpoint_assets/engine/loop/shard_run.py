@@ -27,14 +27,14 @@ from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine.batches import Record, build
-from checkpoint_assets.engine.budget import Spend
+from checkpoint_assets.engine.calls.batches import Record, build
+from checkpoint_assets.engine.calls.budget import Spend
+from checkpoint_assets.engine.calls.throttle import Throttle
 from checkpoint_assets.engine.errors import CheckpointError, TooManyFailuresError
-from checkpoint_assets.engine.opening import Opened
+from checkpoint_assets.engine.loop.sink import Logger, Sink
+from checkpoint_assets.engine.plan.opening import Opened
 from checkpoint_assets.engine.rows import ERROR, NO_RESULT, outputs_of
 from checkpoint_assets.engine.settings import RunStats, Settings
-from checkpoint_assets.engine.sink import Logger, Sink
-from checkpoint_assets.engine.throttle import Throttle
 
 
 class ShardRun(abc.ABC):

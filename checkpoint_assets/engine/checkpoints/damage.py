@@ -36,8 +36,8 @@ from collections.abc import Iterable, Sequence
 import polars as pl
 
 from checkpoint_assets.engine import rows
+from checkpoint_assets.engine.checkpoints.layout import Files
 from checkpoint_assets.engine.errors import CheckpointError, CorruptCheckpointError
-from checkpoint_assets.engine.layout import Files
 from checkpoint_assets.engine.rows import ERROR
 from checkpoint_assets.engine.storage import FileInfo, Store
 from checkpoint_assets.engine.storage.local import is_temporary

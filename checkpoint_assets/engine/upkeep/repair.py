@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from checkpoint_assets.engine.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.gaps import describe_flushes
+from checkpoint_assets.engine.checkpoints.meta import Meta
 from checkpoint_assets.engine.errors import CorruptCheckpointError
-from checkpoint_assets.engine.gaps import describe_flushes
-from checkpoint_assets.engine.lock import Lease
-from checkpoint_assets.engine.meta import Meta
+from checkpoint_assets.engine.loop.lock import Lease
 from checkpoint_assets.engine.rows import CURRENT, ERROR
-from checkpoint_assets.engine.verify import file_problem
+from checkpoint_assets.engine.upkeep.verify import file_problem
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,6 @@
+"""The plan of a run: what is stored, what is reused and what is left to do.
+
+``opening.py``: check the job, load the checkpoint, plan the rest; ``resume.py``: which rows
+are done; ``global_resume.py``: finished rows across an asset's checkpoints;
+``function_fingerprint.py``: what counts as a change of the user's function.
+"""

@@ -1,0 +1,6 @@
+"""Provider batches: rows sent through a provider's batch API instead of calls to the function.
+
+``submissions.py``: the protocol a provider's batch API meets (the resources implement it);
+``submission_records.py``: what was submitted, stored next to the checkpoint;
+``provider_batches.py``: the work loop that submits, polls and collects.
+"""
