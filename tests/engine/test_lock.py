@@ -20,6 +20,7 @@ from helpers.jobs import Storage, tickets
 
 from checkpoint_assets import LockHeldError, OutageError
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine.loop import lock
 
 SETTINGS = Settings(
     id_column="ticket_id", input_columns=("body",), min_flush_seconds=0.0, retry_delay_seconds=0.0
@@ -172,10 +173,14 @@ def _checkpoint_named(like: Checkpoint, name: str) -> Checkpoint:
 
 
 def test_a_writer_whose_lock_was_taken_over_stops_and_leaves_the_new_lock_alone(
-    storage: Storage,
+    storage: Storage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     checkpoint = _checkpoint(storage)
-    settings = dataclasses.replace(SETTINGS, checkpoint_interval=2, lease_seconds=0.6)
+    settings = dataclasses.replace(SETTINGS, checkpoint_interval=2, lease_seconds=0.15)
+    # The leases' clock stands still: the lease never runs out, however slow a renewal is on a
+    # loaded machine, and the heartbeat still renews it every 0.05 s.
+    now = time.time()
+    monkeypatch.setattr(lock, "wall_clock", lambda: now)
     calls: list[int] = []
     seen = _Seen("was taken over by another writer")
     logger = logging.getLogger("checkpoint_assets")
@@ -184,9 +189,9 @@ def test_a_writer_whose_lock_was_taken_over_stops_and_leaves_the_new_lock_alone(
     def fn(batch: pl.DataFrame) -> pl.DataFrame:
         calls.append(batch.height)
         if len(calls) == 2:  # as if this run had been paused and another writer took over
-            # Written again until the heartbeat (every 0.2 s) sees it: a renewal in flight when
-            # it lands (its read before, its write after) overwrites it, which a real takeover
-            # after expiry never meets.
+            # Written again until the heartbeat sees it: a renewal in flight when it lands (its
+            # read before, its write after) overwrites it, which a real takeover after expiry
+            # never meets.
             for _ in range(20):
                 _write_lock(checkpoint, host="another-host", pid=4242, run_id="the-taker")
                 if seen.event.wait(timeout=1.0):
