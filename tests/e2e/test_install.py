@@ -18,7 +18,8 @@ import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+# Three pip installs and two Dagster runs in a fresh venv: past the default 300 s on a busy machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 DEFS = """
 import dagster as dg
