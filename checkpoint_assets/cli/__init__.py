@@ -1,22 +1,27 @@
 """``checkpoint-assets``: look at and look after checkpoints, without Dagster running.
 
-    checkpoint-assets status  [BASE_DIR] [--json]      one row per checkpoint
-    checkpoint-assets inspect BASE_DIR NAME [--failed] meta, schema, counts, errors, sample rows
-    checkpoint-assets verify  BASE_DIR [NAME]          check invariants; exit 1 on any problem
-    checkpoint-assets compact BASE_DIR [NAME]          merge unmerged parts (takes the lock)
-    checkpoint-assets repair  BASE_DIR [NAME] [--json] rebuild from what is readable, damaged
-                                                       files kept aside (takes the lock)
-    checkpoint-assets clean   BASE_DIR --tag TAG       delete the checkpoints of a tag
+- ``checkpoint-assets status [BASE_DIR] [--json]``: one row per checkpoint.
+- ``checkpoint-assets inspect BASE_DIR NAME [--failed]``: meta, schema, counts, errors, sample
+  rows.
+- ``checkpoint-assets verify BASE_DIR [NAME]``: check invariants; exit 1 on any problem.
+- ``checkpoint-assets compact BASE_DIR [NAME]``: merge unmerged parts (takes the lock).
+- ``checkpoint-assets repair BASE_DIR [NAME] [--json]``: rebuild from what is readable, damaged
+  files kept aside (takes the lock).
+- ``checkpoint-assets clean BASE_DIR --tag TAG``: delete the checkpoints of a tag.
 
-``BASE_DIR`` is the IO manager's ``base_dir`` (a local path or an fsspec URI); ``NAME`` is a
+``BASE_DIR`` is the IO manager's ``base_dir`` (a local path or an fsspec URI). ``NAME`` is a
 checkpoint as ``status`` lists it (``ticket_routing/default/3-of-8``). Storage options are given
 as ``-o key=value`` (values may be JSON) or come from the environment, as for the IO manager.
 
-Results go to stdout (tables, or JSON and ids for scripts); progress and notes go to stderr: a
-progress bar on a terminal, one line per checkpoint otherwise. Exit status: 0 when all is well,
-1 when something was found or skipped, 2 on an error (``error: ...`` on stderr, or
-``NAME: error: ...`` for a checkpoint that ``compact``, ``repair`` or ``clean`` could not handle),
-141 when stdout is closed early (``| head``), as for other command-line tools.
+Results go to stdout: tables, or JSON and ids for scripts. Progress and notes go to stderr: a
+progress bar on a terminal, one line per checkpoint otherwise. The exit status is, as for other
+command-line tools:
+
+- 0 when all is well;
+- 1 when something was found or skipped;
+- 2 on an error: ``error: ...`` on stderr, or ``NAME: error: ...`` for a checkpoint that
+  ``compact``, ``repair`` or ``clean`` could not handle;
+- 141 when stdout is closed early (``| head``).
 
 One module per command; ``shared.py`` holds their arguments, output and the loop of the commands
 that change checkpoints under each lock.
@@ -82,13 +87,14 @@ def cli() -> None:
 
     Tables and results go to stdout; progress and notes go to stderr.
 
-    \b
     Exit status:
-      0    all is well
-      1    something was found or skipped (verify's problems, a locked checkpoint)
-      2    an error, said as `error: ...` or `NAME: error: ...` on stderr
-      130  interrupted
-      141  stdout closed early (| head)
+
+    \b
+    - 0: all is well.
+    - 1: something was found or skipped (verify's problems, a locked checkpoint).
+    - 2: an error, said as `error: ...` or `NAME: error: ...` on stderr.
+    - 130: interrupted.
+    - 141: stdout closed early (| head).
     """
 
 

@@ -19,8 +19,8 @@ def compact(base_dir: str, name: str | None, options: dict[str, Any]) -> int:
     """Merge the unmerged parts of one checkpoint, or of all, into their merged file.
 
     Each checkpoint is compacted under its lock; one that a live run holds is skipped (exit
-    status 1). One that cannot be compacted (a damaged file, no meta file) is left as it is
-    and said as `NAME: error: ...` with what to do (exit status 2); the others are compacted.
+    status 1). One that cannot be compacted (a damaged file, no meta file) is left as it is.
+    It is said as `NAME: error: ...` with what to do (exit status 2). The others are compacted.
     """
     store = open_store(base_dir, options)
     names = shared.chosen(store, name)

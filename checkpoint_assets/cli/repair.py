@@ -21,20 +21,28 @@ from checkpoint_assets.engine.upkeep.repair import Repaired, repair
 def repair_command(base_dir: str, name: str | None, as_json: bool, options: dict[str, Any]) -> int:
     """Rebuild one checkpoint, or all, from what is readable, under each lock.
 
-    Damaged files (what `verify` flags: unreadable or inconsistent merged file and parts) are
-    moved aside to NAME.parquet.quarantine/, never deleted; what is left is merged into a new
-    merged file, and the next run computes the rows lost with them. A checkpoint whose meta
-    file is unreadable or missing cannot be rebuilt (the meta file is the only record of the job
-    that wrote the rows): all its files are moved aside and the next run starts it again. Stale
-    temporary files of killed writes are deleted. A checkpoint a live run holds is skipped (exit
-    status 1); one that cannot be repaired is said as `NAME: error: ...` with what to do (exit
-    status 2). NAME is needed for a checkpoint without a meta file, which is not listed.
+    Damaged files are moved aside to NAME.parquet.quarantine/, never deleted. They are what
+    `verify` flags: an unreadable or inconsistent merged file and parts. What is left is merged
+    into a new merged file, and the next run computes the rows lost with them.
+
+    A checkpoint whose meta file is unreadable or missing cannot be rebuilt. The meta file is the
+    only record of the job that wrote the rows. So all its files are moved aside and the next run
+    starts it again. NAME is needed for a checkpoint without a meta file, which is not listed.
+
+    Stale temporary files of killed writes are deleted. A checkpoint a live run holds is skipped
+    (exit status 1). One that cannot be repaired is said as `NAME: error: ...` with what to do
+    (exit status 2).
 
     Each file moved aside is printed as `NAME: moved FILE to QUARANTINED (problem)`, then
-    `NAME: what was done`. With --json each checkpoint is an object with name, moved (list of
-    path, to, problem), removed_temporary, parts_merged, rows_ok, rows_failed, meta_lost (why
-    the meta file could not be used, or null), skipped (why it was not repaired, or null) and
-    error (what kept it from being repaired, or null).
+    `NAME: what was done`. With --json each checkpoint is an object with these keys:
+
+    \b
+    - name;
+    - moved: a list of path, to, problem;
+    - removed_temporary, parts_merged, rows_ok, rows_failed;
+    - meta_lost: why the meta file could not be used, or null;
+    - skipped: why it was not repaired, or null;
+    - error: what kept it from being repaired, or null.
     """
     store = open_store(base_dir, options)
     names = shared.chosen(store, name)

@@ -222,8 +222,8 @@ def each_under_lock(
 ) -> Handled[T]:
     """Run ``work`` on each checkpoint of ``names``; it takes the checkpoint's lock.
 
-    One that a live run holds is skipped; one that fails otherwise (damaged, no meta file) is
-    an error, said with what to do, and the others are still done. Progress goes to stderr:
+    One that a live run holds is skipped. One that fails otherwise (damaged, no meta file) is an
+    error, said with what to do; the others are still done. Progress goes to stderr:
     ``said(result)``, or why it was skipped or failed.
     """
     handled: Handled[T] = Handled()

@@ -35,10 +35,15 @@ def status(base_dir: str | None, as_json: bool, options: dict[str, Any]) -> None
     in unmerged parts too (a run that was interrupted before it finished). Usage is the sum of
     each of the asset's usage_columns over the stored rows (tokens, cost).
 
-    With --json each checkpoint is an object with asset, tag, partition, rows_ok, rows_failed,
-    parts, bytes, last_write (ISO 8601, UTC), lock (the holder, or null), lock_stale (why the
-    holder is dead, so that the next writer takes the lock over, or null), usage (column: sum)
-    and error (why the checkpoint could not be read, or null).
+    With --json each checkpoint is an object with these keys:
+
+    \b
+    - asset, tag, partition, rows_ok, rows_failed, parts, bytes;
+    - last_write: ISO 8601, UTC;
+    - lock: the holder, or null;
+    - lock_stale: why the holder is dead, so that the next writer takes the lock over, or null;
+    - usage: the sum of each usage column, by column;
+    - error: why the checkpoint could not be read, or null.
     """
     if base_dir is None:
         home = os.environ.get("DAGSTER_HOME")
@@ -51,8 +56,8 @@ def status(base_dir: str | None, as_json: bool, options: dict[str, Any]) -> None
     store = open_store(base_dir, options)
     listing = store.list_recursive(store.root)  # one listing for every checkpoint's files
     by_name = layout.files_by_name(((f.path, f) for f in listing), store.root)
-    # Each checkpoint costs a request or more (its meta; parts and lock when it has them): read
-    # one after the other, a thousand shards on an object store would take a thousand round trips.
+    # Each checkpoint costs a request or more: its meta, and its parts and lock when it has them.
+    # Read one after the other, a thousand shards on an object store take a thousand round trips.
     with ThreadPoolExecutor(STATUS_READERS) as pool:
         summaries = list(pool.map(lambda item: _summary(store, *item), by_name.items()))
     if as_json:

@@ -22,9 +22,9 @@ from checkpoint_assets.engine.upkeep.verify import problems
 def verify(base_dir: str, name: str | None, options: dict[str, Any]) -> int:
     """Check every invariant of one checkpoint, or of all; exit status 1 on any problem.
 
-    Readable meta, merged file and parts; the id column in each, of the recorded type, with
-    unique ids; output columns where there are results; files that agree on their columns.
-    Each problem is printed as `NAME: problem` on stdout.
+    The invariants: the meta, merged file and parts are readable. Each has the id column, of the
+    recorded type, with unique ids. Each has the output columns where it holds results. The
+    files agree on their columns. Each problem is printed as `NAME: problem` on stdout.
     """
     store = open_store(base_dir, options)
     names = shared.chosen(store, name)

@@ -41,8 +41,8 @@ class AssetSettings:
     """What an asset declares about how its runs behave: the one declaration of each setting.
 
     ``checkpointed_asset`` takes these fields as keyword arguments, ``CheckpointedAssetComponent``
-    as attributes, both derived from the fields here (type, default, ``DOC``): a new setting is
-    one field here, and the docs' reference shows it. Values out of range are refused by name,
+    as attributes. Both are derived from the fields here (type, default, ``DOC``). A new setting
+    is one field here, and the docs' reference shows it. Values out of range are refused by name,
     never replaced.
     """
 
@@ -97,9 +97,9 @@ class AssetSettings:
     )
     budget: Budget | None = setting(
         None,
-        "A Budget: prices per model read against two of the usage_columns, so each "
-        "materialization records its cost, and the spend limits max_run_cost and max_asset_cost "
-        "(every shard and run) that stop new calls with BudgetExceededError when reached.",
+        "A Budget: prices per model, read against two of the usage_columns, so each "
+        "materialization records its cost. Its spend limits, max_run_cost and max_asset_cost "
+        "(every shard and run), stop new calls with BudgetExceededError when reached.",
     )
 
     def __post_init__(self) -> None:
@@ -179,29 +179,35 @@ class Settings(AssetSettings):
 
     @property
     def max_unflushed_rows(self) -> int:
-        """Rows that may wait for storage before dispatching waits for it too: while a flush is
-        being written, rows done meanwhile join the next one (group commit) up to this bound."""
+        """Rows that may wait for storage before dispatching waits for it too.
+
+        While a flush is being written, rows done meanwhile join the next one (group commit), up
+        to this bound.
+        """
         return 2 * self.checkpoint_interval + self.max_concurrency * self.batch_rows
 
     @property
     def batches_held(self) -> int:
         """Batches a shard holds at once: in flight, or done and not yet handed to the sink.
 
-        ``max_concurrency`` calls, plus a quarter more done batches, so a worker whose call has
-        returned takes its next batch without waiting for the run loop to take its result (that
-        round trip between threads costs one-row calls about 5 % of their throughput).
+        That is ``max_concurrency`` calls, plus a quarter more done batches. A worker whose call
+        has returned then takes its next batch without waiting for the run loop to take its
+        result. Waiting for that round trip between threads would cost one-row calls about 5 %
+        of their throughput.
         """
         return self.max_concurrency + -(-self.max_concurrency // 4)
 
     def loss_bound(
         self, rows_per_second: float = 0.0, store_min_flush_seconds: float = 0.0
     ) -> LossBound:
-        """The most a hard kill (SIGKILL, a lost node) can lose: rows computed whose results
-        are not durable yet, which a later run computes again (see ``engine/loop/sink.py``).
+        """The most a hard kill (SIGKILL, a lost node) can lose.
 
-        ``rows_per_second`` matters only with a minimum time between flushes
-        (``min_flush_seconds``, or ``store_min_flush_seconds`` when that is None: 5 s on
-        object stores): the buffer then holds the rows of that time.
+        That is the rows computed whose results are not durable yet. A later run computes them
+        again (see ``engine/loop/sink.py``).
+
+        ``rows_per_second`` matters only with a minimum time between flushes. That is
+        ``min_flush_seconds``, or ``store_min_flush_seconds`` when it is None (5 s on object
+        stores). The buffer then holds the rows of that time.
 
         >>> Settings("id", checkpoint_interval=64, batch_size=1, max_concurrency=32).loss_bound()
         LossBound(buffered=160, writing=160, held=40, batch_rows=1)
@@ -218,10 +224,13 @@ class Settings(AssetSettings):
         """The most storage requests (on S3) a run into a new checkpoint makes, given the
         flushes it made and how long it held the lock (see ``engine/storage/base.py``):
 
-        - 13 to start and finish: the lock (a conditional PUT; a GET and a DELETE to release
-          it), the meta (a GET and a PUT at the start, a PUT when the outputs are known, a PUT
-          at the end), the merged file (a GET at the start and at finalize, a PUT), the parts'
-          listing (at the start and at finalize) and one DELETE of the merged parts;
+        - 13 to start and finish:
+            - the lock: a conditional PUT, then a GET and a DELETE to release it;
+            - the meta: a GET and a PUT at the start, a PUT when the outputs are known, a PUT at
+              the end;
+            - the merged file: a GET at the start and at finalize, and a PUT;
+            - the parts' listing, at the start and at finalize;
+            - one DELETE of the merged parts;
         - one PUT per flush (the last rows go into the merged file instead);
         - a PUT and a DELETE per compaction: eight parts become one once 56 exist, so at most
           one per seven parts beyond 55;
@@ -239,10 +248,10 @@ class Settings(AssetSettings):
 class LossBound:
     """What a hard kill can lose, term by term (``Settings.loss_bound``), in rows:
 
-    - ``buffered``: the rows done since the last flush. About one ``checkpoint_interval`` (or
-      the rows done in the minimum time between flushes) while storage keeps up; when it lags,
-      rows join the next flush (group commit) up to ``max_unflushed_rows``, and the last batch
-      may cross that by all its rows but one.
+    - ``buffered``: the rows done since the last flush. While storage keeps up, that is about
+      one ``checkpoint_interval``, or the rows done in the minimum time between flushes. When
+      storage lags, rows join the next flush (group commit) up to ``max_unflushed_rows``. The
+      last batch may cross that bound by all its rows but one.
     - ``writing``: the flush being written, at most one, no larger than the buffer was.
     - ``held``: the calls in flight and the results the run loop has not taken yet,
       ``batches_held`` batches.

@@ -1,9 +1,9 @@
 """Asset checks of a checkpointed asset: completeness and failed rows, next to it in the UI.
 
-Both checks read what a downstream asset would (the asset's result through its IO manager: one
-row per processed id with ``_error``) and, for completeness, the source rows of the partition.
-They are partitioned like the asset, so each shard is checked on its own, and they run with the
-asset when it is selected in a run (or alone, from the asset's Checks tab).
+Both checks read what a downstream asset would: the asset's result through its IO manager, one
+row per processed id with ``_error``. For completeness, they also read the source rows of the
+partition. They are partitioned like the asset, so each shard is checked on its own. They run
+with the asset when it is selected in a run, or alone, from the asset's Checks tab.
 
 No ``from __future__ import annotations`` here: Dagster reads the checks' annotations at runtime.
 """
@@ -30,9 +30,10 @@ def checkpoint_checks(asset: dg.AssetsDefinition) -> list[dg.AssetChecksDefiniti
     """The ``completeness`` and ``failed_rows`` asset checks of a checkpointed asset.
 
     - ``completeness`` passes when every input id of the partition has a successful result. It
-      reports the ids never computed (severity ERROR: e.g. a run with ``limit``, or new input
-      rows) and the ids stored as failed (severity WARN when those are the only gap).
-    - ``failed_rows`` passes when no row of the partition is stored as failed; it reports their
+      reports the ids never computed, with severity ERROR (after a run with ``limit``, say, or
+      new input rows). It reports the ids stored as failed, with severity WARN when those are
+      the only gap.
+    - ``failed_rows`` passes when no row of the partition is stored as failed. It reports their
       count, fraction and the most frequent errors with sample ids (severity WARN).
 
     Example::

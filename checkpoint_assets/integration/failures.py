@@ -1,24 +1,23 @@
 """Which partitions of a checkpointed asset are failed, as ``failed_partitions_sensor`` sees them.
 
-    failures()       which partitions are failed now, and by which run:
-                       - Dagster's partition status says FAILED (the latest attempt failed);
-                       - a failed run that planned its partitions as one subset event (a backfill
-                         with a ``backfill_policy`` where the instance emits one planned event per
-                         run, which the partition status does not follow) covers the partition
-                         with ``dagster/asset_partition_range_start``/``_end`` tags (or
-                         ``dagster/partition``) and nothing materialized it since. Such runs are
-                         found among the asset's own planned materializations, followed with a
-                         cursor, never among the instance's recent runs, where other jobs'
-                         failures would push them out of view;
-                       - while the asset's ``retry_failed`` is on: its latest materialization
-                         reports ``rows_failed > 0`` (tolerated by ``max_failed_fraction``).
-    stopped_by_budget()  failures whose run the spend budget stopped (the sensor leaves them).
+- ``failures()``: which partitions are failed now, and by which run. A partition is failed when:
+    - Dagster's partition status says FAILED (the latest attempt failed);
+    - a failed run that planned its partitions as one subset event covers the partition, and
+      nothing materialized it since. Such a run is a backfill with a ``backfill_policy``, where
+      the instance emits one planned event per run. The partition status does not follow those
+      events. The run covers the partition with ``dagster/asset_partition_range_start``/``_end``
+      tags (or ``dagster/partition``). Such runs are found among the asset's own planned
+      materializations, followed with a cursor. They are never looked for among the instance's
+      recent runs, where other jobs' failures would push them out of view;
+    - while the asset's ``retry_failed`` is on: its latest materialization reports
+      ``rows_failed > 0`` (tolerated by ``max_failed_fraction``).
+- ``stopped_by_budget()``: failures whose run the spend budget stopped (the sensor leaves them).
 
-Runs that Dagster's own run retries will re-execute, and runs that submitted provider batches and
-ended, are not failures here. Dagster declines to retry runs made in process and runs of a
-backfill that has ended, so the failed runs of ``dagster asset materialize`` and of ``dagster job
-backfill`` (whose backfill ends as it submits them) are failures here. ``SensorState`` is what
-the sensor remembers between ticks.
+Runs that Dagster's own run retries will re-execute are not failures here. Nor are runs that
+submitted provider batches and ended. Dagster declines to retry runs made in process, and runs of
+a backfill that has ended. So the failed runs of ``dagster asset materialize`` are failures here.
+So are those of ``dagster job backfill``, whose backfill ends as it submits them. ``SensorState``
+is what the sensor remembers between ticks.
 """
 
 from __future__ import annotations
@@ -194,12 +193,13 @@ def _failed_runs_of(
 ) -> dict[str, Failure]:
     """The failed run behind each FAILED partition: its latest planned materialization's run.
 
-    One query whatever the number of partitions, plus one per 100 failed runs: the run of
-    each partition's latest attempt without a materialization comes from the query Dagster's own
-    partition status is computed with (every event log storage implements it).
+    It takes one query whatever the number of partitions, plus one per 100 failed runs. The run
+    of each partition's latest attempt without a materialization comes from one query. Dagster's
+    own partition status is computed with that query, and every event log storage implements it.
 
-    A run that Dagster's own run retries will re-execute (``dagster/will_retry``, retry not yet
-    launched) is left to them: retrying it here too would run the shard twice. A run that
+    A run that Dagster's own run retries will re-execute is left to them. Such a run is tagged
+    ``dagster/will_retry``, its retry not yet launched. Retrying it here too would run the shard
+    twice. A run that
     submitted provider batches and ended (``pending.PENDING_TAG``) did not fail: its partition
     is ``provider_batches_sensor``'s.
     """
@@ -239,9 +239,11 @@ def _ended(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> dict[str, tu
 
 
 def _read_ranged_runs(instance: dg.DagsterInstance, key: dg.AssetKey, state: SensorState) -> None:
-    """Follow new planned materializations of the asset: a run that planned a range of its
-    partitions in one event (no partition of its own) is watched until it succeeds or every
-    partition it covered has materialized since."""
+    """Follow new planned materializations of the asset.
+
+    A run may plan a range of its partitions in one event, with no partition of its own. Such a
+    run is watched until it succeeds, or until every partition it covered has materialized since.
+    """
     storage = instance.event_log_storage  # the instance's own reader of these is deprecated
     while True:
         records = storage.get_event_records(
@@ -356,11 +358,15 @@ def _not_ours(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
 def _dagster_retries(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
     """Whether Dagster's run retries will re-execute ``run``.
 
-    A failed run is tagged ``dagster/will_retry`` when the instance's run retries allow it, but
-    the daemon declines it (``dagster/_daemon/auto_run_reexecution``) when it was run in process,
-    with no code location to launch it from again (``dagster asset materialize``), or belongs to
-    a backfill that has ended or is gone. ``dagster job backfill`` marks its backfill COMPLETED as
-    it submits the runs, so Dagster never retries them: they are ours.
+    A failed run is tagged ``dagster/will_retry`` when the instance's run retries allow it. The
+    daemon (``dagster/_daemon/auto_run_reexecution``) still declines it in two cases:
+
+    - it was run in process, with no code location to launch it from again
+      (``dagster asset materialize``);
+    - it belongs to a backfill that has ended or is gone.
+
+    ``dagster job backfill`` marks its backfill COMPLETED as it submits the runs. So Dagster
+    never retries them: they are ours.
     """
     if not run.is_complete_and_waiting_to_retry or run.remote_job_origin is None:
         return False

@@ -6,7 +6,7 @@ which receives the asset's execution context. This mirrors ``@dg.asset``. The si
 when the asset is defined, so a mistake fails the code location's load, not a shard hours later.
 
 A first parameter annotated ``dict``, ``dict[str, Any]`` or ``Mapping[str, Any]`` makes it a
-per-row function: it gets one row as a dict (the id and the input columns) and returns a dict of
+per-row function. It gets one row as a dict (the id and the input columns). It returns a dict of
 its output columns (see ``engine/calls/batches.py``).
 """
 

@@ -1,12 +1,12 @@
 """``global_resume_asset``: reconcile finished rows across every shard scheme of an asset.
 
-The built asset reads storage directly and depends on the checkpointed asset for lineage only,
+The built asset reads storage directly. It depends on the checkpointed asset for lineage only,
 so it can be materialized before any shard of a new scheme exists. It builds one table per
-checkpoint tag, since tags never mix: ``<asset>_global_resume/<tag>.parquet`` (where the IO
-manager would store a partition ``<tag>`` of it), streamed in the keyed layout of the id column,
-so a shard's lookup reads only the row groups of its key range. A shard run with
-``global_resume: true`` then takes the finished rows for its ids (same id, same input hash, same
-job) from its own tag's table into its checkpoint and skips them.
+checkpoint tag, since tags never mix: ``<asset>_global_resume/<tag>.parquet``. That is where the
+IO manager would store a partition ``<tag>`` of it. The table is streamed in the keyed layout of
+the id column, so a shard's lookup reads only the row groups of its key range. A shard run with
+``global_resume: true`` takes the finished rows for its ids from its own tag's table. Those are
+rows with the same id, input hash and job. It copies them into its checkpoint and skips them.
 """
 
 from typing import Any

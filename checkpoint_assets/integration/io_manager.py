@@ -1,19 +1,21 @@
 """``CheckpointIOManager``: where checkpoints live, and how assets read them.
 
-The method-calling chain, for a checkpointed asset::
+The method-calling chain, for a checkpointed asset:
 
-    asset body ──> io_manager.checkpoint(asset_key, tag, partition) ──> engine.run()
-    Dagster    ──> handle_output(context, result)     nothing to write: the checkpoint is it
-    downstream ──> load_input(context)                every requested shard's result, as one
-                                                      polars DataFrame (LazyFrame if annotated)
+1. The asset body calls ``io_manager.checkpoint(asset_key, tag, partition)``, which calls
+   ``engine.run()``.
+2. Dagster calls ``handle_output(context, result)``. There is nothing to write: the checkpoint is
+   the output.
+3. Downstream, ``load_input(context)`` returns every requested shard's result as one polars
+   DataFrame (a LazyFrame if annotated).
 
-and for any other asset (it is a good default IO manager too)::
+For any other asset (it is a good default IO manager too):
 
-    handle_output(context, obj)   polars DataFrame / LazyFrame or pyarrow Table -> Parquet,
-                                  streamed; ordered by the shard key of the checkpointed assets
-                                  that read it (source.py)
-    load_input(context)           Parquet -> polars (all requested partitions concatenated);
-                                  a lazy scan for a checkpointed asset or a LazyFrame input
+- ``handle_output(context, obj)`` streams a polars DataFrame or LazyFrame, or a pyarrow Table, to
+  Parquet. It orders the rows by the shard key of the checkpointed assets that read it
+  (``source.py``).
+- ``load_input(context)`` reads Parquet into polars, all requested partitions concatenated. A
+  checkpointed asset or a LazyFrame input gets a lazy scan.
 """
 
 from __future__ import annotations
@@ -122,8 +124,11 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
         return os.path.abspath(".checkpoints")
 
     def store(self) -> Store:
-        """The store under ``base_dir``; one for the IO manager's life (Dagster makes one per
-        run), so that a run's reads and writes are counted in one place."""
+        """The store under ``base_dir``, one for the IO manager's life.
+
+        Dagster makes one IO manager per run, so a run's reads and writes are counted in one
+        place.
+        """
         if self._store is None:
             self._store = self._open()
         return self._store
@@ -253,9 +258,9 @@ def default_base_dir(instance: dg.DagsterInstance | None) -> str | None:
     """Where checkpoints go when ``base_dir`` is not given: ``$DAGSTER_HOME/checkpoints``, else
     under the instance's storage folder.
 
-    Refuses a home that is deleted after the run (an ephemeral instance, the temporary one that
-    ``dagster asset materialize`` makes without ``DAGSTER_HOME``, a temporary folder): every
-    checkpoint would be lost with it and nothing would ever resume.
+    Refuses a home that is deleted after the run: every checkpoint would be lost with it, and
+    nothing would ever resume. Such homes are an ephemeral instance, a temporary folder, and the
+    temporary instance that ``dagster asset materialize`` makes without ``DAGSTER_HOME``.
     """
     home = os.environ.get("DAGSTER_HOME")
     if home:
@@ -280,9 +285,12 @@ _DAGSTER_TEMP_HOME = ".tmp_dagster_home_"
 
 
 def is_temporary_folder(path: str) -> bool:
-    """Is ``path`` a folder that is deleted when its process ends: one that ``dagster`` CLI
-    commands make without ``DAGSTER_HOME``, or one that ``tempfile`` makes directly in the
-    system's temporary folder (``DagsterInstance.local_temp()``, ``instance_for_test()``)?"""
+    """Is ``path`` a folder that is deleted when its process ends?
+
+    Two kinds are: one that ``dagster`` CLI commands make without ``DAGSTER_HOME``, and one that
+    ``tempfile`` makes directly in the system's temporary folder (``DagsterInstance.local_temp()``,
+    ``instance_for_test()``).
+    """
     real = os.path.realpath(path)
     name = os.path.basename(real)
     if name.startswith(_DAGSTER_TEMP_HOME):
@@ -378,13 +386,13 @@ def _latest_tag(context: dg.InputContext, partition: str | None) -> str | None:
 
 
 def _downstream_id_columns(context: dg.OutputContext) -> list[str]:
-    """The id columns of the checkpointed assets whose source is this output: it is stored
-    ordered by the first one's shard key, so each of their shards reads only its row groups.
+    """The id columns of the checkpointed assets whose source is this output.
 
-    Found in the code location's asset graph (a run of the Definitions' jobs, from the UI, the
-    daemon or the CLI), else in the run's job (``dg.materialize`` of both assets). Where neither
-    shows one, the output is stored as it is: each shard still holds only its own rows, but
-    reads the whole file to find them.
+    The output is stored ordered by the first one's shard key, so each of their shards reads only
+    its row groups. They are found in the code location's asset graph (a run of the Definitions'
+    jobs, from the UI, the daemon or the CLI). Else they are found in the run's job
+    (``dg.materialize`` of both assets). Where neither shows one, the output is stored as it is.
+    Each shard then still holds only its own rows, but reads the whole file to find them.
     """
     graph = _asset_graph(context)
     if graph is None or not graph.has(context.asset_key):

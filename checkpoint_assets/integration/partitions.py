@@ -1,7 +1,7 @@
 """Shard partitions: a plain ``StaticPartitionsDefinition`` whose keys say ``<i>-of-<n>``.
 
-Dagster rejects custom ``PartitionsDefinition`` subclasses and rebuilds static ones from a
-snapshot in the webserver and daemon, so everything a shard needs is in its key (see
+Dagster rejects custom ``PartitionsDefinition`` subclasses. It rebuilds static ones from a
+snapshot in the webserver and daemon. So everything a shard needs is in its key (see
 ``checkpoint_assets.engine.sharding.scheme``).
 """
 
@@ -18,9 +18,9 @@ def shard_partitions(n: int) -> dg.StaticPartitionsDefinition:
 
     Keys are ``"<i>-of-<n>"`` with ``i`` zero-padded to the width of ``n``. A row belongs to
     shard ``floor(xxh3_64(str(id)) * n / 2**64)``
-    (see ``checkpoint_assets.engine.sharding.hashing``): each shard is one contiguous range of the
-    hash space, and a row never moves between shards when the input is reordered, grows, shrinks,
-    or is limited.
+    (see ``checkpoint_assets.engine.sharding.hashing``). Each shard is one contiguous range of
+    the hash space. A row never moves between shards when the input is reordered, grows,
+    shrinks, or is limited.
 
     Examples:
         >>> shard_partitions(16).get_partition_keys()[:2]

@@ -1,17 +1,21 @@
 """How a run that submitted rows to provider batches and did not wait for them ends in Dagster.
 
-The step fails with a ``dg.Failure`` whose description and metadata say what waits (rows,
+The step fails with a ``dg.Failure``. Its description and metadata say what waits (rows,
 batches), by when the provider ends it, and which sensor collects it. The run carries the tag
-``checkpoint_assets/batches_pending`` (the rows left), which ``failed_partitions_sensor`` reads as
-"not a failure: do not retry". Each shard's pending batches are recorded as an
-``AssetObservation`` of its partition (``batches_pending``: their ids), which
-``provider_batches_sensor`` follows to request the run that collects them once they end.
+``checkpoint_assets/batches_pending`` (the rows left). ``failed_partitions_sensor`` reads that tag
+as "not a failure: do not retry". Each shard's pending batches are recorded as an
+``AssetObservation`` of its partition (``batches_pending``: their ids).
+``provider_batches_sensor`` follows those to request the run that collects them once they end.
 
-Why a failure rather than a skipped output: the partition must not count as materialized (its
-rows are not all there), and a failed step shows at once, with its description, in the run's
-page and the partition's history; a skipped output leaves a green run whose asset did not
-materialize, which reads like success, and an asset backfill that counts such a run's partition
-neither done nor failed. Dagster logs a failed step with its stack; the description comes first.
+Why a failure rather than a skipped output:
+
+- The partition must not count as materialized: its rows are not all there.
+- A failed step shows at once, with its description, in the run's page and the partition's
+  history.
+- A skipped output leaves a green run whose asset did not materialize, which reads like success.
+  An asset backfill would count such a run's partition neither done nor failed.
+
+Dagster logs a failed step with its stack; the description comes first.
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@
   every started run; dagster-ray's gets a 404 from Ray, answers UNKNOWN, and monitoring fails a
   run that is working. Here a run without a launch (no ``RUN_STARTING`` event, which only a
   launcher's run has) is left to its process, as Dagster's default launcher leaves it.
-- **Capacity.** A run whose Ray job waits for CPUs stays STARTING, and run monitoring fails it
-  after ``start_timeout_seconds`` (using up a retry) although Ray runs it later. Each launch
-  compares ``max_concurrent_runs`` with the runs of this size the cluster holds at once (its
-  nodes' CPUs, refreshed each minute) and, when the queue can outgrow the cluster, says so on the
-  run with what to change.
+- **Capacity.** A run whose Ray job waits for CPUs stays STARTING. Run monitoring fails it after
+  ``start_timeout_seconds`` (using up a retry), although Ray would run it later. Each launch
+  compares ``max_concurrent_runs`` with the runs of this size the cluster holds at once. That
+  count comes from its nodes' CPUs, refreshed each minute. When the queue can outgrow the
+  cluster, the launch says so on the run, with what to change.
 - **Code from the environment.** Each entry of ``runtime_env.py_modules`` may be
   ``{env: VAR}``, resolved when the launcher loads; an empty one uploads nothing (the code is
   installed on the nodes).

@@ -1,16 +1,17 @@
 """A step that outlives its run stops itself: the ``RunWatch`` its checkpoint lease asks.
 
-A step process can outlive its run: the run worker or ``dagster asset materialize`` that started
-it was killed, or run monitoring marked the run failed while the step went on. The lease's
-heartbeat asks ``stop_reason`` every few seconds (``engine/loop/lock.py``). The step stops when its
-run is over (failed, canceled, succeeded) or when the process that launched it through
-``multiprocessing`` is gone. It then starts no more calls, stores what is done, releases the
-lock and fails with ``RunStoppedError``. With its launcher gone, nothing else would end its run,
-so the step reports the run failed itself (``report_orphaned``).
+A step process can outlive its run. The run worker or ``dagster asset materialize`` that started
+it may have been killed. Or run monitoring marked the run failed while the step went on. The
+lease's heartbeat asks ``stop_reason`` every few seconds (``engine/loop/lock.py``). The step
+stops when its run is over (failed, canceled, succeeded) or when the process that launched it
+through ``multiprocessing`` is gone. It then starts no more calls, stores what is done, releases
+the lock and fails with ``RunStoppedError``. With its launcher gone, nothing else would end its
+run, so the step reports the run failed itself (``report_orphaned``).
 
-A run that takes over the lock of a holder that died on this host reports the holder's run
-failed, with why, when the holder's launcher is gone too: otherwise it would show STARTED for
-ever. A holder whose launcher lives is left to it: the run worker fails the step and the run.
+A run may take over the lock of a holder that died on this host. When the holder's launcher is
+gone too, the run reports the holder's run failed, with why. Otherwise that run would show
+STARTED for ever. A holder whose launcher lives is left to it: the run worker fails the step and
+the run.
 """
 
 from __future__ import annotations

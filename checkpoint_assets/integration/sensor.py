@@ -1,12 +1,12 @@
 """``failed_partitions_sensor``: retry failed partitions of an asset, with a budget and backoff.
 
-Each tick, in order::
+Each tick, in order:
 
-    failures()       which partitions are failed now, and by which run (``failures.py``);
-    stopped_by_budget()  failures whose run the spend budget stopped are left alone;
-    _decide()        per partition, against the budget in the cursor: request a retry once the
-                     backoff since the failure has passed, wait, or give up; a partition that
-                     succeeded since gets its budget back.
+1. ``failures()``: which partitions are failed now, and by which run (``failures.py``).
+2. ``stopped_by_budget()``: failures whose run the spend budget stopped are left alone.
+3. ``_decide()``, per partition, against the retry budget in the cursor. It requests a retry once
+   the backoff since the failure has passed, waits, or gives up. A partition that succeeded
+   since gets its budget back.
 
 A failure is identified by the run that failed, so a tick that runs before the requested retry has
 started does not count it twice.
@@ -58,17 +58,23 @@ def failed_partitions_sensor(
 ) -> dg.SensorDefinition:
     """A sensor that requests one run per failed partition of ``asset``, up to ``max_retries``.
 
-    A partition counts as failed when its latest run failed (including ranged backfill runs, whose
-    runs carry partition-range tags instead of ``dagster/partition``), or, while the asset's
-    ``retry_failed`` is on, when it materialized with ``rows_failed > 0``, so the failed rows get
-    computed again. Retry ``n`` is requested at least ``backoff_seconds * 2**(n-1)`` after the
-    failure (``backoff_seconds=0``: at the next tick). A partition whose run its spend budget
-    stopped (:class:`BudgetExceededError`; the run is tagged ``checkpoint_assets/stopped_by``)
-    is not retried, since it would stop again: the skip reason names it until a person raises
-    the limit and materializes it. The retry budget lives in the sensor's cursor;
-    a partition that succeeds gets it back. When a partition has used it up the sensor stops
-    asking for it and names it in its skip reason and log: fix the cause, then materialize it by
-    hand (or reset the sensor's cursor).
+    A partition counts as failed in two cases:
+
+    - its latest run failed. Ranged backfill runs count too: they carry partition-range tags
+      instead of ``dagster/partition``.
+    - while the asset's ``retry_failed`` is on, it materialized with ``rows_failed > 0``. The
+      failed rows then get computed again.
+
+    Retry ``n`` is requested at least ``backoff_seconds * 2**(n-1)`` after the failure
+    (``backoff_seconds=0``: at the next tick).
+
+    A partition whose spend budget stopped its run is not retried, since it would stop again.
+    Such a run raised :class:`BudgetExceededError` and is tagged ``checkpoint_assets/stopped_by``.
+    The skip reason names the partition until a person raises the limit and materializes it.
+
+    The retry budget lives in the sensor's cursor; a partition that succeeds gets it back. When a
+    partition has used it up, the sensor stops asking for it. It names the partition in its skip
+    reason and log. Fix the cause, then materialize it by hand (or reset the sensor's cursor).
 
     Example::
 

@@ -7,17 +7,20 @@ Per shard (partition), each materialization records (``metadata.py`` names the k
   run's;
 - ``cost_asset_total_usd``: what the asset cost over every shard and run, as of this run.
 
-A run that spent and then failed (the budget stopped it, or anything else) records the same keys
-as an ``AssetObservation`` of the shard, since a failed step carries no materialization: its
-spend counts. What the asset spent before a run is the sum, over its shards, of the latest
-``cost_shard_total_usd``: two queries of the event log (the latest materialization and
-observation of each partition), plus a short look back for a shard whose latest event lacks the
-key. Nothing is read from or written to a file that every shard rewrites.
+A run may spend and then fail, because the budget stopped it or for any other reason. It then
+records the same keys as an ``AssetObservation`` of the shard, since a failed step carries no
+materialization. Its spend counts.
 
-With ``max_asset_cost``, a running shard also records what it spent so far (an observation
-with ``cost_shard_total_usd``) and reads the other shards' totals every ``REFRESH_SECONDS``:
-shards running at once see each other's spend within that time, so the asset's total passes
-the limit by at most what they spend in it (plus their calls in flight).
+What the asset spent before a run is the sum, over its shards, of the latest
+``cost_shard_total_usd``. Reading it takes two queries of the event log: the latest
+materialization and the latest observation of each partition. A shard whose latest event lacks
+the key gets a short look back. Nothing is read from or written to a file that every shard
+rewrites.
+
+With ``max_asset_cost``, a running shard also records what it spent so far: an observation with
+``cost_shard_total_usd``. It reads the other shards' totals every ``REFRESH_SECONDS``. So shards
+running at once see each other's spend within that time. The asset's total passes the limit by
+at most what they spend in that time, plus their calls in flight.
 """
 
 from __future__ import annotations
@@ -62,8 +65,11 @@ class AssetSpend:
         self._current, self._shown = partition, 0.0
 
     def refresh(self) -> None:
-        """While a shard runs, with ``max_asset_cost``: show what it spent so far to the other
-        shards (an observation, only when it changed) and take what they spent meanwhile."""
+        """While a shard runs, with ``max_asset_cost``: exchange spend with the other shards.
+
+        Show what this shard spent so far (an observation, only when it changed). Take what the
+        others spent meanwhile.
+        """
         cost = self.spend.spent - self._mark[0]
         key = self._current or ""
         if cost > self._shown:
@@ -106,9 +112,11 @@ class AssetSpend:
 
     @contextmanager
     def recorded_on_failure(self) -> Iterator[None]:
-        """On a failure inside, record what each shard of the run spent as an observation (a
-        failed step materializes none of them); tag the run when the budget stopped it, so that
-        ``failed_partitions_sensor`` does not retry it."""
+        """On a failure inside, record what each shard of the run spent as an observation.
+
+        A failed step materializes none of them. When the budget stopped the run, tag it, so
+        that ``failed_partitions_sensor`` does not retry it.
+        """
         try:
             yield
         except BaseException as error:

@@ -1,16 +1,17 @@
 """One checkpoint on storage: its files (see ``layout.py``), read, merged, compacted, finalized.
 
-Sequence numbers order everything. A flush takes the next number after the highest one on storage
-(the merged file's watermark or any part's ``<last>``), so the order survives restarts and never
+Sequence numbers order everything. A flush takes the next number after the highest one on storage:
+the merged file's watermark or any part's ``<last>``. So the order survives restarts and never
 depends on clocks. The merged file records, inside its own Parquet metadata, the highest sequence
 it contains (the watermark): parts at or below it are already merged. That makes finalize
-crash-safe with a single atomic write: merge, write ``<name>.parquet`` (atomic), then delete the
-merged parts; a crash between the two leaves parts that readers skip and the next writer deletes.
+crash-safe with a single atomic write. It merges, writes ``<name>.parquet`` (atomic), then deletes
+the merged parts. A crash between the two leaves parts that readers skip and the next writer
+deletes.
 
 Rows are resolved per id by the rule of ``rows.py``; compaction is described in
 ``compaction.py``.
 
-Damaged files (what is said about them, the quarantine they go to) are ``damage.py``'s; parts
+Damaged files (what is said about them, the quarantine they go to) are ``damage.py``'s. Parts
 missing from a listing that lags behind writes (gaps in the flush numbers) are ``gaps.py``'s.
 """
 
@@ -169,8 +170,8 @@ class Checkpoint:
         """Read the merged file and every part above its watermark, resolved to one row per id.
 
         ``outputs``, the job's output columns when known, must be in every file with successes.
-        ``quarantine``: the caller holds the lock, so an unreadable part is moved aside with a
-        warning on this logger and its rows count as not done; without it, it raises. An
+        ``quarantine``: the caller holds the lock. So an unreadable part is moved aside with a
+        warning on this logger, and its rows count as not done. Without it, it raises. An
         unreadable merged file always raises (see ``damage.py``). A listing that leaves
         a gap in the sequence raises ``StorageError`` unless ``accept_gaps`` (``Stored.gaps``).
         """
@@ -184,9 +185,9 @@ class Checkpoint:
         while True:  # again after a part is moved aside: parts it covered are live again
             live, redundant = _split(listed)
             parts = [p for p in live if p.last > watermark]
-            # A part covered by another (compaction's input left by a crash, usually) is read
-            # too: the part covering it may be one that a run wrote under the same flush number
-            # after a listing that missed this one, holding other rows.
+            # A part covered by another is read too. It is usually compaction's input, left by a
+            # crash. But the part covering it may hold other rows: a run may have written it
+            # under the same flush number, after a listing that missed this one.
             covered = [p for p in redundant if p.last > watermark]
             damaged = self._read_parts(
                 parts + covered, base_seq, id_column, outputs, frames_of, quarantine
@@ -392,8 +393,8 @@ def _since(frame: pl.DataFrame, base_seq: int) -> pl.DataFrame:
 def _marks(ids: pl.Series, current_ids: pl.Series) -> pl.Expr:
     """``_current`` for each stored id: is it in this run's input?
 
-    An expression, not a Series: a new Series of one chunk beside columns read in many would make
-    the next ``select`` copy every column into one chunk.
+    An expression, not a Series. A new Series of one chunk, beside columns read in many, would
+    make the next ``select`` copy every column into one chunk.
     """
     if ids.equals(current_ids):  # stored in the input's order: every row is current
         return pl.lit(True).alias(CURRENT)

@@ -1,14 +1,14 @@
 """Compaction: keep a long run's unmerged parts bounded, merging them from memory.
 
 Once ``COMPACT_AT`` (56) parts exist, eight consecutive parts of the same size class are merged
-into one part covering their range (size-tiered, as in a log-structured merge tree), so a run
-never holds more than 64 parts and each row is rewritten only a logarithmic number of times.
+into one part covering their range. This is size-tiered, as in a log-structured merge tree. So a
+run never holds more than 64 parts, and each row is rewritten only a logarithmic number of times.
 Short runs are not compacted at all: finalize merges their parts once. A crash after the merged
 part is written but before its inputs are deleted is harmless: readers skip a part covered by a
 larger one.
 
-Parts this process wrote stay in a ``PartCache`` (up to 256 MiB), so compaction and finalize merge
-them without reading them back; memory stays bounded whatever the outputs' size.
+Parts this process wrote stay in a ``PartCache`` (up to 256 MiB). So compaction and finalize merge
+them without reading them back. Memory stays bounded whatever the outputs' size.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def mergeable_run(parts: Sequence[Part]) -> int | None:
     ``COMPACT_AT`` parts exist; None when nothing needs merging.
 
     Merging the oldest run of a level puts the merged part right after the parts of the next
-    level up, which keeps parts ordered from the largest level to the smallest, so once
-    ``COMPACT_AT`` parts exist some level has a run of eight to merge.
+    level up. That keeps parts ordered from the largest level to the smallest. So once
+    ``COMPACT_AT`` parts exist, some level has a run of eight to merge.
     """
     if len(parts) < COMPACT_AT:
         return None

@@ -2,26 +2,27 @@
 
 Nothing unreadable is ever taken as done, and nothing damaged is ever deleted:
 
-- An unmerged part that is not Parquet (truncated, garbage): the lock holder that loads it (a run,
-  ``checkpoint-assets repair``) moves it aside to ``<name>.parquet.quarantine/`` (``layout.py``),
-  says so in a warning naming both places, and reads on without it; its rows are not stored, so
-  the run computes them again. "Moving" is a copy, then a delete (one PUT and one DELETE on object
-  stores); a crash between the two leaves the file in both places, and the next run moves it
-  again. A reader without the lock (``status``, a downstream load) never moves anything: it
-  raises ``CorruptCheckpointError`` saying what the next run or ``repair`` will do.
+- An unmerged part that is not Parquet (truncated, garbage). The lock holder that loads it (a
+  run, ``checkpoint-assets repair``) moves it aside to ``<name>.parquet.quarantine/``
+  (``layout.py``). It says so in a warning naming both places, and reads on without it. The
+  part's rows are not stored, so the run computes them again. "Moving" is a copy, then a delete
+  (one PUT and one DELETE on object stores). A crash between the two leaves the file in both
+  places, and the next run moves it again. A reader without the lock (``status``, a downstream
+  load) never moves anything. It raises ``CorruptCheckpointError`` saying what the next run or
+  ``repair`` will do.
 - An unreadable merged file stops any run with ``CorruptCheckpointError``: its rows may exist
   nowhere else. The remedy names ``checkpoint-assets verify`` and ``checkpoint-assets repair``,
   which rebuilds the checkpoint from what is readable (``repair.py``).
 - A meta file that is not valid meta (garbage JSON), or missing while other files of the
   checkpoint remain: the run stops with ``CorruptCheckpointError``. The meta file is the only
-  record of the job that wrote the rows (code version, settings), and rows of an unknown job are
-  never resumed; ``repair`` cannot rebuild it, so it moves the meta and the data files aside
-  (their rows kept there) and the next run starts the checkpoint again. Restoring a copy of the
-  meta file is the other way out.
+  record of the job that wrote the rows (code version, settings). Rows of an unknown job are
+  never resumed. ``repair`` cannot rebuild the meta file, so it moves the meta and the data files
+  aside, their rows kept there. The next run starts the checkpoint again. Restoring a copy of
+  the meta file is the other way out.
 - Parts and files that already are below the merged file's watermark are not read: they are
   deleted by the next finalize whatever they hold.
-- A temporary file left by a killed local write (``<file>.tmp-<hex>``, see ``storage/local.py``;
-  object stores have none) is never read or counted as a part; finalize (and so ``compact``) and
+- A temporary file left by a killed local write (``<file>.tmp-<hex>``, see ``storage/local.py``)
+  is never read or counted as a part. Object stores have none. Finalize (and so ``compact``) and
   ``repair`` delete those older than ``STALE_TEMPORARY_SECONDS``, which no write takes.
 
 A part missing from the listing (a gap in the flush numbers) is ``gaps.py``'s.
@@ -64,17 +65,17 @@ class Damage:
     def remedy_without_meta(self) -> str:
         return (
             "Restore the meta file if you have a copy. Otherwise run "
-            f"{self.command('repair')}: the meta file is the only record of the job that wrote "
-            "the rows, so it cannot be rebuilt; repair moves the checkpoint's files aside to "
-            f"{self.store.display(self.files.quarantine)}/ (keeping their rows there) and the "
-            "next run computes every row again."
+            f"{self.command('repair')}. The meta file is the only record of the job that wrote "
+            "the rows, so it cannot be rebuilt. Repair moves the checkpoint's files aside to "
+            f"{self.store.display(self.files.quarantine)}/, keeping their rows there. The next "
+            "run computes every row again."
         )
 
     def remedy_merged(self) -> str:
         return (
             f"Run {self.command('verify')} to see every problem, then {self.command('repair')}"
-            ": it rebuilds the checkpoint from what is readable and keeps the damaged file in "
-            f"{self.store.display(self.files.quarantine)}/; the rows lost with it are computed "
+            ". Repair rebuilds the checkpoint from what is readable and keeps the damaged file in "
+            f"{self.store.display(self.files.quarantine)}/. The rows lost with it are computed "
             "again on the next run."
         )
 

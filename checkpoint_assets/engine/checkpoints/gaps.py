@@ -1,23 +1,30 @@
 """The parts of one checkpoint as listed, when listings may lag behind writes.
 
-A listing that lags behind writes (some S3-compatible stores, caching gateways) would make a
-finalize merge without a part and then record a watermark above it: its rows would be lost. At the
-start of a run it would make the run compute the rows of the parts it misses again: paid twice.
-So a listing is listed again after a pause when it misses a part this process wrote or saw (or a
-part covering it: compaction), or when the parts from the flush after the watermark leave a gap:
-flushes are numbered without holes, so a gap is a part the listing does not show, or parts
-deleted outside this package (with parts while the merged file holding the flushes below them is
-gone, too). The one gap this package leaves itself is a damaged part moved aside to the
-quarantine folder (``damage.py``), which is listed (once, only when a gap is seen) to tell them
-apart: that gap is no reason to list again. If the listing still misses parts after the pauses,
-nothing is merged, deleted or computed: a ``StorageError`` says so, unless the caller accepts the
-gaps (``repair``, ``verify``), which gets them back.
+Some S3-compatible stores and caching gateways have listings that lag behind writes. Such a
+listing would make a finalize merge without a part and then record a watermark above it: the
+part's rows would be lost. At the start of a run, it would make the run compute the rows of the
+missing parts again: paid twice.
 
-A part whose write failed is written again under its own number before the run stops, and
-compaction's parts cover the numbers of the parts they merge: neither leaves a gap. A listing that
-misses only the newest parts leaves none either, so that is not seen here: the run computes their
-rows again (paid twice) and writes its first part under the same number; ``Checkpoint.load`` reads
-both, so no row is lost.
+So the parts are listed again after a pause in two cases:
+
+- the listing misses a part this process wrote or saw, or a part covering it (compaction);
+- the parts from the flush after the watermark leave a gap.
+
+Flushes are numbered without holes. So a gap is a part the listing does not show, or parts
+deleted outside this package. A gap also shows when parts remain while the merged file holding
+the flushes below them is gone. The one gap this package leaves itself is a damaged part moved
+aside to the quarantine folder (``damage.py``). To tell the two apart, that folder is listed once,
+only when a gap is seen. A quarantined part's gap is no reason to list again.
+
+If the listing still misses parts after the pauses, nothing is merged, deleted or computed. A
+``StorageError`` says so, unless the caller accepts the gaps (``repair``, ``verify``). Such a
+caller gets the gaps back.
+
+A part whose write failed is written again under its own number before the run stops.
+Compaction's parts cover the numbers of the parts they merge. Neither leaves a gap. A listing
+that misses only the newest parts leaves no gap either, so that is not seen here. The run then
+computes their rows again (paid twice) and writes its first part under the same number.
+``Checkpoint.load`` reads both, so no row is lost.
 """
 
 from __future__ import annotations
@@ -71,11 +78,14 @@ class PartListing:
     def checked(
         self, watermark: int, start: int, *, accept_gaps: bool = False, log: Logger | None = None
     ) -> tuple[list[Part], list[Flushes]]:
-        """``parts()``, listed again while it misses a part this object wrote or saw above
-        ``watermark`` or leaves a gap from the flush ``start`` (see the module docstring);
-        returns the parts and the gaps accepted (``accept_gaps``; else a gap that stays raises
-        ``StorageError``). A ``log`` (a run's start) gets a warning naming the flushes of parts
-        moved to quarantine."""
+        """``parts()``, listed again while the listing falls short (see the module docstring).
+
+        It falls short while it misses a part this object wrote or saw above ``watermark``, or
+        leaves a gap from the flush ``start``. Returns the parts and the gaps accepted
+        (``accept_gaps``). Without ``accept_gaps``, a gap that stays raises ``StorageError``.
+        A ``log`` (a run's start) gets a warning naming the flushes of parts moved to
+        quarantine.
+        """
         for pause in (*_RELIST_SECONDS, None):
             shown = self.parts()
             missing = [
@@ -140,9 +150,12 @@ class PartListing:
         )
 
     def _gaps(self, shown: list[Part], start: int) -> tuple[list[Flushes], list[Flushes]]:
-        """(flushes from ``start`` that no part of ``shown`` holds, below the highest shown;
-        those of them held by damaged parts moved to the quarantine folder), listing that
-        folder only when there is a gap."""
+        """The gaps, split in two: those nothing explains, and those of quarantined parts.
+
+        A gap is a range of flushes from ``start`` that no part of ``shown`` holds, below the
+        highest shown. The second list holds the gaps of damaged parts moved to the quarantine
+        folder. That folder is listed only when there is a gap.
+        """
         gaps = _holes(((p.first, p.last) for p in shown), start)
         if not gaps:
             return [], []

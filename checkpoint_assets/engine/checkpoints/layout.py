@@ -1,28 +1,27 @@
 """Where things live under a checkpoint root: the one home of every file-name rule.
 
 One checkpoint per (asset, checkpoint tag, partition), named ``<asset path>/<tag>/<partition>``
-relative to the root (``UNPARTITIONED`` for an unpartitioned asset)::
+relative to the root (``UNPARTITIONED`` for an unpartitioned asset):
 
-    <name>.parquet                     merged result of all finalized work
-    <name>.parquet.parts/part-<first>-<last>-<uuid>.parquet
-                                       unmerged rows of flushes <first>..<last>
-    <name>.parquet.meta.json           job and input fingerprints, scheme, schema
-    <name>.parquet.lock                the single writer's lease
-    <name>.parquet.quarantine/<file>.<UTC time>-<hex>.damaged
-                                       damaged files moved aside, never read again, never
-                                       deleted (except by ``checkpoint-assets clean``)
-    <name>.parquet.submissions/<tag>.json
-                                       one provider batch submission of the checkpoint's rows
-                                       (``submission_records.py``)
+- ``<name>.parquet``: the merged result of all finalized work.
+- ``<name>.parquet.parts/part-<first>-<last>-<uuid>.parquet``: unmerged rows of flushes
+  ``<first>`` to ``<last>``.
+- ``<name>.parquet.meta.json``: job and input fingerprints, scheme, schema.
+- ``<name>.parquet.lock``: the single writer's lease.
+- ``<name>.parquet.quarantine/<file>.<UTC time>-<hex>.damaged``: damaged files moved aside.
+  They are never read again, and deleted only by ``checkpoint-assets clean``.
+- ``<name>.parquet.submissions/<tag>.json``: one provider batch submission of the checkpoint's
+  rows (``submission_records.py``).
 
 Ordinary (not checkpointed) outputs of the IO manager go to ``<asset path>.parquet``, or
-``<asset path>/<partition>.parquet`` for a partition; the global resume table of one tag goes to
+``<asset path>/<partition>.parquet`` for a partition. The global resume table of one tag goes to
 ``<asset path>_global_resume/<tag>.parquet``, as if the tag were a partition of that asset.
 
-Every component of a name (each part of the asset key, the tag, the partition key) is encoded so
-that no name can reach outside the root: characters other than letters, digits and ``-_.=+,@`` are
-percent-encoded (``/`` becomes ``%2F``), and ``.`` or ``..`` alone become ``%2E`` / ``%2E%2E``.
-Names of ordinary shard keys and tags (``03-of-16``, ``default``) are unchanged.
+Every component of a name is encoded so that no name can reach outside the root. The components
+are each part of the asset key, the tag and the partition key. Characters other than letters,
+digits and ``-_.=+,@`` are percent-encoded (``/`` becomes ``%2F``). ``.`` or ``..`` alone become
+``%2E`` / ``%2E%2E``. Names of ordinary shard keys and tags (``03-of-16``, ``default``) are
+unchanged.
 """
 
 from __future__ import annotations
@@ -155,8 +154,11 @@ def names_in(paths: Iterable[str], root: str) -> list[str]:
 
 
 def files_by_name(paths: Iterable[tuple[str, T]], root: str) -> dict[str, list[T]]:
-    """Group listed files (``(full path, info)`` pairs) by the checkpoint that owns them, in one
-    pass: comparing each file with each checkpoint would take minutes for thousands of shards."""
+    """Group listed files (``(full path, info)`` pairs) by the checkpoint that owns them.
+
+    It takes one pass. Comparing each file with each checkpoint would take minutes for
+    thousands of shards.
+    """
     listing = list(paths)
     found: dict[str, list[T]] = {name: [] for name in names_in((p for p, _ in listing), root)}
     by_merged = {posixpath.join(root, name) + MERGED: name for name in found}

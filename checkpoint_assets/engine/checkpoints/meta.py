@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from checkpoint_assets.engine.checkpoints.layout import Files
     from checkpoint_assets.engine.storage import Store
 
-# Bumped with every new key (2: function_fingerprint): a reader refuses a newer format by name
-# (``NewerFormatError``) instead of calling it corrupt, or dropping keys it does not know when it
+# Bumped with every new key (2: function_fingerprint). A reader refuses a newer format by name
+# (``NewerFormatError``). It neither calls it corrupt nor drops keys it does not know when it
 # writes meta again. Meta is always written in the writer's own format.
 FORMAT_VERSION = 2
 
@@ -41,12 +41,12 @@ class Meta:
     usage: dict[str, float] = field(default_factory=dict)  # usage_columns summed, same time
     finalized_at: float | None = None
     format_version: int = FORMAT_VERSION
-    # The oldest input hash format its rows may carry (see ``hashing.py``): a meta without it
-    # was written by versions whose format 1 could not tell NaN, infinities and null apart inside
-    # nested values. It stays 1 while the checkpoint lives, since rows of that format remain.
+    # The oldest input hash format its rows may carry (see ``hashing.py``). A meta without it
+    # holds rows of format 1, which cannot tell NaN, infinities and null apart inside nested
+    # values. It stays 1 while the checkpoint lives, since rows of that format remain.
     input_hash_format: int = HASH_FORMAT
     # The fingerprint of the function of the last finished run (``function_fingerprint.py``):
-    # None in metas of earlier versions, and when the run was given none.
+    # None in older metas, and when the run was given none.
     function_fingerprint: dict[str, str] | None = None
 
     def to_json(self) -> bytes:
@@ -109,8 +109,11 @@ class MetaFile:
         )
 
     def required(self) -> Meta:
-        """The meta file, for a command that needs it; else a ``CheckpointError`` saying what
-        is missing and what to do (restore it or ``repair``; or that there is no checkpoint)."""
+        """The meta file, for a command that needs it.
+
+        Without it, a ``CheckpointError`` says what is missing and what to do: restore it, or
+        run ``repair``. Or it says that there is no checkpoint.
+        """
         meta = self.read()
         if meta is None:
             data = self.data_files()

@@ -1,15 +1,15 @@
 """Parquet encoding of stored rows: parts (written on the hot path) and merged files.
 
-Parts live briefly and are written once per flush: pyarrow writes them with lz4 and without
-statistics or dictionaries, in about half the time polars takes for a small frame (its fixed cost
-per file dominates parts of a few rows). Merged files are zstd, with statistics, and carry the
-checkpoint's watermark in their own Parquet metadata. In both, integer ids are delta-encoded and
-input hashes stored uncompressed (see ``encode``).
+Parts live briefly and are written once per flush. Pyarrow writes them with lz4, without
+statistics or dictionaries. That takes about half the time polars takes for a small frame: its
+fixed cost per file dominates parts of a few rows. Merged files are zstd, with statistics, and
+carry the checkpoint's watermark in their own Parquet metadata. In both, integer ids are
+delta-encoded and input hashes stored uncompressed (see ``encode``).
 
-Every page of every file carries a CRC32 checksum, checked on every read: a file with a few bytes
-damaged in its middle then fails to read instead of decoding into other values (zstd and lz4 do not
-always notice), so it is treated as damaged rather than as done. Files written without checksums
-(by older versions) still read, unchecked.
+Every page of every file carries a CRC32 checksum, checked on every read. A file with a few bytes
+damaged in its middle then fails to read instead of decoding into other values. (Zstd and lz4 do
+not always notice such damage.) So the file is treated as damaged rather than as done. Files
+without checksums (older versions wrote none) still read, unchecked.
 """
 
 from __future__ import annotations
@@ -41,13 +41,16 @@ def encode(
     """Parquet bytes of ``rows``: a part (``part=True``) or a merged file.
 
     Strings are stored as Arrow string views (polars' own layout), which read back into polars
-    without a copy; where pyarrow cannot write views (some nested columns), as plain strings.
-    ``distinct``: columns whose values are (nearly) all different, the ids: written without a
-    dictionary, which pyarrow would build and then drop, and delta-encoded when they are
-    integers (ids in input order take a few bits each: a quarter of the encoding time of a
-    merged file and an eighth of its size went to ids written plain and compressed).
-    ``hashes``: columns of random bits, the input hashes: plain and uncompressed, since no codec
-    shrinks them (zstd spent a tenth of a merged file's encoding time on them for nothing).
+    without a copy. Where pyarrow cannot write views (some nested columns), they are plain
+    strings.
+
+    - ``distinct``: columns whose values are (nearly) all different, the ids. They are written
+      without a dictionary, which pyarrow would build and then drop. Integer ones are
+      delta-encoded: ids in input order then take a few bits each. Written plain and
+      compressed, they take a quarter of a merged file's encoding time and an eighth of its size.
+    - ``hashes``: columns of random bits, the input hashes. They are written plain and
+      uncompressed, since no codec shrinks them. Zstd would spend a tenth of a merged file's
+      encoding time on them for nothing.
     """
     columns = _Columns(distinct, hashes)
     try:
@@ -115,13 +118,15 @@ def decode(raw: bytes) -> pl.DataFrame:
     """A Parquet file as a DataFrame, each column that holds one value in every row as a constant.
 
     Raises if a page's checksum does not match its bytes: every page of every column is read and
-    checked. Polars gives every value of a column its own slot (16 bytes for a string, nulls
-    included), a constant takes nothing: the ``_error`` column of 10**7 successful rows would
-    take 160 MB, ``_attempts`` 40 MB. Which columns may be constant comes from the file's column
-    statistics (their null counts, and minimum equal to maximum for integers, booleans and
-    strings); such a column is kept as a constant only if its values read back all equal to
-    it. A file without statistics (parts), or of fewer than ``CONSTANT_MIN_ROWS`` rows, is read
-    as it is.
+    checked.
+
+    Polars gives every value of a column its own slot (16 bytes for a string, nulls included).
+    A constant takes nothing. As values, the ``_error`` column of 10**7 successful rows would
+    take 160 MB, ``_attempts`` 40 MB. The file's column statistics tell which columns may be
+    constant: their null counts, and minimum equal to maximum for integers, booleans and
+    strings. Such a column is kept as a constant only if its values read back all equal to it.
+    A file without statistics (parts), or of fewer than ``CONSTANT_MIN_ROWS`` rows, is read as
+    it is.
     """
     file, columns, complete = _open(raw)
     return complete(_read(file, columns))
@@ -137,8 +142,11 @@ def decode_groups(raw: bytes) -> Iterator[pl.DataFrame]:
 def _open(
     raw: bytes,
 ) -> tuple[pq.ParquetFile, list[str], Callable[[pl.DataFrame], pl.DataFrame]]:
-    """The file of ``raw`` (its pages checked as read), the columns to read from it, and what
-    completes a frame of them: the constant columns (``decode``), in the file's order."""
+    """The file of ``raw`` (its pages checked as read), the columns to read from it, and more.
+
+    The third item completes a frame of those columns: the constant columns (``decode``), in the
+    file's order.
+    """
     file = pq.ParquetFile(pa.BufferReader(raw), pre_buffer=False, page_checksum_verification=True)
     names = file.schema_arrow.names
     constants = _constants(raw, file)
@@ -205,8 +213,8 @@ def _groups(file: pq.ParquetFile, columns: list[str]) -> Iterator[pl.DataFrame]:
 def _constants(raw: bytes, file: pq.ParquetFile) -> dict[str, object]:
     """The columns of ``file`` (``raw``) that hold one value, or only nulls, in every row.
 
-    The candidates come from the statistics; each is then read, a row group at a time (its pages
-    checked), and kept only if every value equals the candidate's. Strings are read as
+    The candidates come from the statistics. Each is then read, a row group at a time (its pages
+    checked). It is kept only if every value equals the candidate's. Strings are read as
     dictionaries: 4 bytes a row instead of a 16-byte view. Read before the other columns, these
     short-lived buffers leave no gaps among the ones that stay.
     """

@@ -1,19 +1,19 @@
 """The fingerprint of a checkpointed function: its code and the request settings of its resources.
 
-A checkpoint records it in its meta (``function_fingerprint``); a run whose function no longer
+A checkpoint records it in its meta (``function_fingerprint``). A run whose function no longer
 matches it, under the same job (same code version), says so (``opening.py``). It is a mapping of
 named parts, each a 32-hex-digit BLAKE3 digest, so a change can be named:
 
-- ``code``: the function's syntax tree, parsed from its source, with its decorators, its name and
-  every docstring inside it removed, as canonical JSON (``_tree``): each node is
-  ``[type, {field: value}]`` without line numbers and without fields that are None or empty (the
-  fields Python versions disagree on printing), each non-node value ``[type, repr]``. Comments,
+- ``code``: the function's syntax tree, parsed from its source, as canonical JSON (``_tree``).
+  Its decorators, its name and every docstring inside it are removed. Each node is
+  ``[type, {field: value}]``, each non-node value ``[type, repr]``. Nodes carry no line numbers
+  and no fields that are None or empty: Python versions disagree on printing those. Comments,
   blank lines, formatting and docstrings do not count. Without readable source (a function made
-  by ``exec``, a frozen app) it is the bytecode instead: ``co_code``, ``co_names`` and
-  ``co_consts``, recursively into nested code objects (which changes with the Python version).
-- ``constant:NAME``: a module-level constant or closure variable the function names (a prompt
-  kept in ``PROMPT = "..."``): str, bytes, numbers, bools, None, and tuples of them, by
-  ``repr``. Helper functions it calls are not followed.
+  by ``exec``, a frozen app), it is the bytecode instead. That is ``co_code``, ``co_names`` and
+  ``co_consts``, recursively into nested code objects; it changes with the Python version.
+- ``constant:NAME``: a module-level constant or closure variable the function names, such as a
+  prompt kept in ``PROMPT = "..."``. It counts str, bytes, numbers, bools, None, and tuples of
+  them, by ``repr``. Helper functions it calls are not followed.
 - ``resource:KEY.SETTING``: each entry of ``checkpoint_fingerprint()`` of a resource the function
   takes (model, temperature, never secrets), as canonical JSON.
 """

@@ -1,26 +1,26 @@
 """Global resume: finished rows of other checkpoints of an asset, whatever their shard scheme.
 
-After a change of shard count (8 -> 16, 16 -> 4, unpartitioned -> sharded) a row's finished result
-may sit in a checkpoint of the old scheme. Two ways to find it:
+The shard count may change: 8 -> 16, 16 -> 4, unpartitioned -> sharded. A row's finished result
+may then sit in a checkpoint of the old scheme. Two ways to find it:
 
-- ``shard_rows``, for a run of range shards: every shard is one contiguous range of the hash
-  space, so a shard of the new count reads only the checkpoints of each earlier count whose
-  ranges overlap its own (at most ``ceil(n_old / n_new) + 1`` of them), found by their names and
-  confirmed by the scheme their meta records, and keeps only the rows in its own range. It
-  answers None when storage holds checkpoints it cannot narrow down that way: unpartitioned ones,
-  other partition keys, or shards written by the earlier mod rule (``h % n`` spreads every old
-  shard over every new one).
-- ``write_table``, the global resume table of one checkpoint tag: every checkpoint found in
-  the tag's folder (not only ``range(current n)``), for the cases above and as a report of what
-  each scheme holds, written in the keyed layout (``keyed.py``) a checkpoint at a time, so a
-  shard's lookup reads only its own row groups. Tags never mix: each has its own table (``tags``
-  lists those on storage).
+- ``shard_rows``, for a run of range shards. Every shard is one contiguous range of the hash
+  space. So a shard of the new count reads only the checkpoints of each earlier count whose
+  ranges overlap its own: at most ``ceil(n_old / n_new) + 1`` of them. It finds them by their
+  names, confirms them by the scheme their meta records, and keeps only the rows in its own
+  range. It answers None when storage holds checkpoints it cannot narrow down that way:
+  unpartitioned ones, other partition keys, or shards written by the mod rule. (``h % n``
+  spreads every old shard over every new one.)
+- ``write_table``, the global resume table of one checkpoint tag. It holds every checkpoint
+  found in the tag's folder, not only ``range(current n)``. That serves the cases above, and
+  reports what each scheme holds. It is written in the keyed layout (``keyed.py``), a checkpoint
+  at a time, so a shard's lookup reads only its own row groups. Tags never mix: each has its own
+  table (``tags`` lists those on storage).
 
 Both keep the successful rows and resolve each id to one winner: the newest finalized checkpoint,
 then the newest flush. Each row keeps its ``_input_hash``, so a shard imports only rows whose input
-is unchanged; the table also keeps each row's job fingerprint (``_job``), and ``shard_rows`` reads
+is unchanged. The table also keeps each row's job fingerprint (``_job``). ``shard_rows`` reads
 only checkpoints of the run's own job. Both keep the function fingerprint its checkpoint recorded
-(``_function``, JSON; null when none was), so a shard that imports rows can say when another
+(``_function``, JSON; null when none was). So a shard that imports rows can say when another
 function computed them.
 """
 
@@ -63,8 +63,10 @@ class Found:
 
 
 def checkpoint_names(store: Store, folder: str) -> list[str]:
-    """Names (relative to the store root) of the checkpoints in ``folder``, one tag's folder;
-    not those of another asset whose key continues the path (``a`` and ``a/default``)."""
+    """Names (relative to the store root) of the checkpoints in ``folder``, one tag's folder.
+
+    Those of another asset whose key continues the path are left out (``a`` and ``a/default``).
+    """
     return _names(store, folder, folder.count("/") + 1)
 
 
@@ -80,11 +82,14 @@ def _names(store: Store, folder: str, slashes: int) -> list[str]:
 
 
 def write_table(store: Store, folder: str, id_column: str, path: str) -> tuple[int, Found]:
-    """Write the global table of one tag's folder to the local file ``path``: one successful
-    row per id from every checkpoint in ``folder``, in the keyed layout of ``id_column`` (a
-    shard's lookup reads only its row groups). Streamed a row group of a checkpoint at a time
-    (``_finished``) through the bounded writer of ``keyed.py``, so memory follows neither the
-    table nor its largest checkpoint. Returns the rows written."""
+    """Write the global table of one tag's folder to the local file ``path``.
+
+    It holds one successful row per id from every checkpoint in ``folder``. It is in the keyed
+    layout of ``id_column``, so a shard's lookup reads only its row groups. Rows are streamed a
+    row group of a checkpoint at a time (``_finished``) through the bounded writer of
+    ``keyed.py``. So memory follows neither the table nor its largest checkpoint. Returns the
+    rows written.
+    """
     found = Found()
     metas: list[tuple[Checkpoint, Meta]] = []
     for name in checkpoint_names(store, folder):
@@ -112,8 +117,9 @@ def write_table(store: Store, folder: str, id_column: str, path: str) -> tuple[i
 
 def _newest(id_column: str, by_order: list[Checkpoint]) -> Callable[[pl.DataFrame], pl.DataFrame]:
     """One row per id of a bucket: that of the newest finalized checkpoint (``by_order``: the
-    checkpoints by ``_ORDER``). Ids are unique within each one: one that is not is corrupt,
-    said as ``load`` says it (its merged file was read a row group at a time, unchecked)."""
+    checkpoints by ``_ORDER``). Ids are unique within each one. One that is not is corrupt,
+    said as ``load`` says it. (Its merged file was read a row group at a time, unchecked.)
+    """
 
     def resolve(rows: pl.DataFrame) -> pl.DataFrame:
         rows = rows.sort(_ORDER, maintain_order=True)
@@ -183,8 +189,11 @@ def _same_job(meta: Meta | None, id_column: str, job_fingerprint: str) -> bool:
 
 
 def _finished(checkpoint: Checkpoint, meta: Meta, found: Found) -> Iterator[pl.DataFrame]:
-    """The successful rows of one checkpoint (one per id), counted in ``found``: a row group of
-    its merged file at a time, or all at once when it holds parts left to merge."""
+    """The successful rows of one checkpoint (one per id), counted in ``found``.
+
+    They come a row group of its merged file at a time, or all at once when the checkpoint
+    holds parts left to merge.
+    """
     found.checkpoints.append(checkpoint.url)
     found.schemes.append(meta.scheme.label if meta.scheme else "unknown")
     recorded = json.dumps(meta.function_fingerprint) if meta.function_fingerprint else None
@@ -206,9 +215,9 @@ def _of_shards(rows: pl.DataFrame, id_column: str, count: int, indexes: list[int
 def _winners(sources: list[tuple[Meta, pl.DataFrame]], id_column: str) -> pl.DataFrame:
     """One row per id: the newest finalized checkpoint wins (ids are unique within each one).
 
-    Sources are concatenated oldest first and the last row of each id kept: a hash pass over
-    the ids, no sort of the whole table, and no copy of it when no id repeats (a frame-wide
-    ``unique`` needed four times the table's memory at 10**7 rows).
+    Sources are concatenated oldest first and the last row of each id kept. That takes a hash
+    pass over the ids, no sort of the whole table, and no copy of it when no id repeats. A
+    frame-wide ``unique`` would need four times the table's memory at 10**7 rows.
     """
     if not sources:
         return pl.DataFrame()

@@ -5,23 +5,22 @@ One JSON file per submission, ``<name>.parquet.submissions/<tag>.json`` (``layou
 only by the run that holds the checkpoint's lock. Its ``stage`` moves forward, one write each,
 and each is durable before the next request to the provider:
 
-    intent      the rows (ids, input hashes, in ``custom_id`` order) and the tag: created with
-                ``put_if_absent`` before anything is sent
-    uploaded    the provider's file id (OpenAI), before the batch is created
-    created     the provider's batch id
-    collected   its results are stored as a part (written after the part is durable)
-    returned    some of its rows are sent again in a new submission (written after the part of
-                its other results is durable, before the new submission's intent): their
-                requests failed in a transient way, or the batch expired or was cancelled
-                before running them
-    dropped     nothing of it reached the provider (found by neither its batch nor its file after
-                a crash): its rows are submitted again in a new submission
+- ``intent``: the rows (ids, input hashes, in ``custom_id`` order) and the tag. Created with
+  ``put_if_absent`` before anything is sent.
+- ``uploaded``: the provider's file id (OpenAI), before the batch is created.
+- ``created``: the provider's batch id.
+- ``collected``: its results are stored as a part. Written after the part is durable.
+- ``returned``: some of its rows are sent again in a new submission. Their requests failed in a
+  transient way, or the batch expired or was cancelled before running them. Written after the
+  part of its other results is durable, before the new submission's intent.
+- ``dropped``: nothing of it reached the provider. After a crash, neither its batch nor its file
+  was found. Its rows are submitted again in a new submission.
 
 A run that died at any point reads the records that are still open (intent, uploaded, created)
-and re-attaches: a batch id is polled; an intent or an upload without one is looked up on the
-provider by its tag (``BatchProvider.find``), and created only when it is not there. Results of a
-submission collected by a run that died before marking it ``collected`` are downloaded again,
-and only the rows the checkpoint does not hold yet are stored.
+and re-attaches. A batch id is polled. An intent or an upload without one is looked up on the
+provider by its tag (``BatchProvider.find``), and created only when it is not there. A run may
+die after collecting a submission but before marking it ``collected``. Its results are then
+downloaded again, and only the rows the checkpoint does not hold yet are stored.
 """
 
 from __future__ import annotations

@@ -1,17 +1,21 @@
 """What a provider's batch API must do for a checkpointed asset: the ``BatchProvider`` protocol.
 
 Providers sell the calls of a row-wise job for about half the price through their batch APIs
-(OpenAI's Batch API, Anthropic's Message Batches): the requests are *submitted* together, the
-provider works on them within a window (24 h), and the results are collected later. This module
-is the one shape both APIs take here; an adapter per provider implements it with the provider's
-own client (``resources/openai.py``'s ``OpenAIResource.batch_provider()``, and Anthropic's), and
-``provider_batches.py`` drives it. The asset finds the adapter through a Dagster resource with a
-``batch_provider(endpoint: str | None = None) -> BatchProvider`` method (``endpoint``: the
-provider's API path for every request, such as ``"/v1/embeddings"``; None: its default). The
-adapter does its own retries of transient HTTP errors (the client's ``max_retries`` or its own):
-every method may be called again after a crash, and must be safe to repeat except ``create``,
-which the engine never calls twice for one tag without ``find`` first. It imports nothing else
-of the package: the adapters in ``resources/`` import it and nothing more of the engine.
+(OpenAI's Batch API, Anthropic's Message Batches). The requests are *submitted* together, the
+provider works on them within a window (24 h), and the results are collected later.
+
+This module is the one shape both APIs take here. An adapter per provider implements it with the
+provider's own client (``resources/openai.py``'s ``OpenAIResource.batch_provider()``, and
+Anthropic's). ``provider_batches.py`` drives it. The asset finds the adapter through a Dagster
+resource with a ``batch_provider(endpoint: str | None = None) -> BatchProvider`` method.
+``endpoint`` is the provider's API path for every request, such as ``"/v1/embeddings"``; None
+means its default.
+
+The adapter does its own retries of transient HTTP errors (the client's ``max_retries`` or its
+own). Every method may be called again after a crash and must be safe to repeat. The one
+exception is ``create``: the engine never calls it twice for one tag without ``find`` first. This
+module imports nothing else of the package: the adapters in ``resources/`` import it and nothing
+more of the engine.
 
 A submission is tagged, so that a run that died anywhere finds it again instead of paying for it
 twice. The tag (``ca`` and 32 hex digits) is recorded in the checkpoint *before* anything is sent;
@@ -19,17 +23,17 @@ the provider's side carries it too: OpenAI's batch ``metadata`` (``TAG_KEY``), a
 ``custom_id``, which is ``<tag>-<i>`` (``custom_id()``; ``i`` is the row's index in the
 submission) and matches both providers' rules (``[a-zA-Z0-9_-]{1,64}``).
 
-The call sequence for one submission (each step's result recorded before the next is sent)::
+The call sequence for one submission (each step's result recorded before the next is sent):
 
-    size(request)                       for each request: split rows into submissions within
-                                        ``limits`` (requests and bytes)
-    upload(requests, tag)      -> str | None   a file the provider keeps (OpenAI), or None
-                                        when ``create`` takes the requests itself (Anthropic)
-    create(requests, upload, tag) -> str       the provider's batch id
-    find(tag, since)           -> str | None   after a crash: the batch created with ``tag``
-    poll(batch_id)             -> Status
-    results(batch_id)          -> Iterator[Result]   once the state is not RUNNING
-    cancel(batch_id)
+- ``size(request)``, for each request: rows are split into submissions within ``limits``
+  (requests and bytes).
+- ``upload(requests, tag) -> str | None``: a file the provider keeps (OpenAI), or None when
+  ``create`` takes the requests itself (Anthropic).
+- ``create(requests, upload, tag) -> str``: the provider's batch id.
+- ``find(tag, since) -> str | None``, after a crash: the batch created with ``tag``.
+- ``poll(batch_id) -> Status``.
+- ``results(batch_id) -> Iterator[Result]``, once the state is not RUNNING.
+- ``cancel(batch_id)``.
 """
 
 from __future__ import annotations
@@ -84,9 +88,12 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """One request's result: the response body of a success, or why it failed. ``retry``: the
-    provider says the same request may succeed when sent again (a server error, an overload, a
-    rate limit, a timeout), as opposed to a request it refuses (an invalid request)."""
+    """One request's result: the response body of a success, or why it failed.
+
+    ``retry`` is set when the provider says the same request may succeed when sent again: a
+    server error, an overload, a rate limit, a timeout. It is unset for a request the provider
+    refuses, such as an invalid one.
+    """
 
     custom_id: str
     body: dict[str, Any] | None
@@ -116,8 +123,10 @@ class BatchProvider(Protocol):
         ...
 
     def find(self, tag: str, since: float) -> str | None:
-        """The id of the batch created with ``tag`` at or after ``since`` (seconds since the
-        epoch, a little before the tag was recorded), or None if there is none."""
+        """The id of the batch created with ``tag`` at or after ``since``, or None if there is none.
+
+        ``since`` is in seconds since the epoch, a little before the tag was recorded.
+        """
         ...
 
     def poll(self, batch_id: str) -> Status:
@@ -125,9 +134,11 @@ class BatchProvider(Protocol):
         ...
 
     def results(self, batch_id: str) -> Iterator[Result]:
-        """The results of a batch that is no longer RUNNING, in any order: one per request that
-        ran (a success or an error, ``retry`` set for a transient one); none for requests an
-        expiry or cancel left unrun."""
+        """The results of a batch that is no longer RUNNING, in any order.
+
+        There is one per request that ran: a success or an error, with ``retry`` set for a
+        transient one. Requests that an expiry or a cancel left unrun have none.
+        """
         ...
 
     def cancel(self, batch_id: str) -> None:

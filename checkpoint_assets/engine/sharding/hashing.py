@@ -1,42 +1,47 @@
 """Stable, vectorised hashes: shard assignment, per-row input hashes, fingerprints.
 
-Everything here is specified by bytes, not by a library's internal hash, so the same data gives
+Everything here is specified by bytes, not by a library's internal hash. So the same data gives
 the same values on every machine, version and process (``tests/engine/test_hashing.py`` pins
 them):
 
-- The *text* of a value is its UTF-8 string; integers in decimal (``42`` → ``b"42"``), other
-  scalars as polars casts them to ``String`` (floats ``1.5``, ``NaN``, ``inf``, ``-inf``; times of
-  day with their fraction of a second, ``01:02:03.5``; durations in ISO 8601, ``PT1.5S``), binary
-  values in hex, nested values (lists, arrays, structs) as polars' JSON encoding of ``{"v": value}``
-  (with binary values inside them in hex, since JSON has no bytes): ``[1.5, 2.0]`` →
-  ``{"v":[1.5,2.0]}``.
+- The *text* of a value is its UTF-8 string:
+    - integers in decimal (``42`` → ``b"42"``);
+    - other scalars as polars casts them to ``String``: floats ``1.5``, ``NaN``, ``inf``,
+      ``-inf``; times of day with their fraction of a second, ``01:02:03.5``; durations in
+      ISO 8601, ``PT1.5S``;
+    - binary values in hex;
+    - nested values (lists, arrays, structs) as polars' JSON encoding of ``{"v": value}``, with
+      binary values inside them in hex, since JSON has no bytes: ``[1.5, 2.0]`` →
+      ``{"v":[1.5,2.0]}``.
 - JSON has no NaN or infinity: polars writes them as ``null``, like a null float. So a nested value
   holding, at any depth, a NaN, an infinity or a null float is written with every float inside it
   as text, under the key ``floats_as_text``: ``[1.5, NaN]`` → ``{"floats_as_text":["1.5","NaN"]}``,
   ``[null]`` → ``{"floats_as_text":[null]}``, ``[inf]`` → ``{"floats_as_text":["inf"]}``. This is
-  *input hash format 2*, recorded in a checkpoint's meta (``input_hash_format``). Format 1, of
-  earlier versions, wrote all of them as ``{"v":[null]}``: a change between NaN, infinities and null
-  inside a nested input went unseen. Every other value has the same text in both formats.
+  *input hash format 2*, recorded in a checkpoint's meta (``input_hash_format``). Format 1, found
+  in older checkpoints, writes all of them as ``{"v":[null]}``. There, a change between NaN,
+  infinities and null inside a nested input goes unseen. Every other value has the same text in
+  both formats.
 - ``XXH3-64`` (seed 0) of that text, computed by the ``polars-hash`` plugin, is a value's hash.
-- The shard of an id among ``n`` is ``floor(h * n / 2**64)`` of its hash ``h = xxh3_64(text(id))``
-  (the *range rule*): shard ``i`` holds the hashes from ``ceil(i * 2**64 / n)`` up to, not
-  including, ``ceil((i + 1) * 2**64 / n)``, one contiguous range, so a shard of one count overlaps
-  at most ``ceil(n_old / n_new) + 1`` shards of another. It is computed exactly, in integers. It
-  depends on the id alone: not on the row's position, the input's length, or ``limit``.
-  Checkpoints written before this rule used ``h % n`` (the *mod rule*); their meta records no rule.
+- The shard of an id among ``n`` is ``floor(h * n / 2**64)``, where ``h = xxh3_64(text(id))``.
+  This is the *range rule*. Shard ``i`` holds the hashes from ``ceil(i * 2**64 / n)`` up to, not
+  including, ``ceil((i + 1) * 2**64 / n)``. That is one contiguous range, so a shard of one count
+  overlaps at most ``ceil(n_old / n_new) + 1`` shards of another. It is computed exactly, in
+  integers. It depends on the id alone: not on the row's position, the input's length, or
+  ``limit``. A checkpoint whose meta records no rule was written by the *mod rule*, ``h % n``.
   As a polars expression (``shard_key``), an id's *shard key* is ``h - 2**63`` as a signed 64-bit
-  integer: ordered as ``h``, and within the integers every Parquet reader compares (a stored
-  source keeps it in a column, so a shard's filter on it skips other row groups).
+  integer. It is ordered as ``h``, and within the integers every Parquet reader compares. A stored
+  source keeps it in a column, so a shard's filter on it skips other row groups.
 - A row's input hash folds the hashes of the id and each input column, in order, with
-  ``h = (h ^ x) * 0x9E3779B97F4A7C15 (mod 2**64)``; a null folds in ``0x6E756C6C`` ("null")
-  instead of a value's hash. It is stored with each result and detects changed inputs per row.
+  ``h = (h ^ x) * 0x9E3779B97F4A7C15 (mod 2**64)``. A null folds in ``0x6E756C6C`` ("null")
+  instead of a value's hash. The input hash is stored with each result and detects changed
+  inputs per row.
 - A partition's input fingerprint is BLAKE3 over the row count and the sum and xor of its row
-  hashes (order-independent, so re-ordering the input is not a change).
+  hashes. It ignores order, so re-ordering the input is not a change.
 - A job fingerprint is BLAKE3 over a canonical JSON of the settings that change results.
 
-Row hashes use XXH3 rather than BLAKE3 per row: a 64-bit hash of either has the same chance of
-missing a change (2**-64), and XXH3 runs about 40 times faster here, which matters at 10**8 rows.
-BLAKE3 stays where a digest is kept and compared as a whole.
+Row hashes use XXH3 rather than BLAKE3. A 64-bit hash of either has the same chance of missing a
+change (2**-64). XXH3 runs about 40 times faster here, which matters at 10**8 rows. BLAKE3 stays
+where a digest is kept and compared as a whole.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ _SEED = np.uint64(0xC4EC)  # "checkpoint": the fold's starting value
 _CHUNK_ROWS = 1 << 20
 _SPACE = 1 << 64  # the hash space
 MAX_SHARDS = (1 << 32) - 1  # keeps the exact shard arithmetic within uint64
-# The input hash format: 2 tells NaN, infinities and null apart inside nested values; 1 did not.
+# The input hash format: 2 tells NaN, infinities and null apart inside nested values; 1 does not.
 HASH_FORMAT = 2
 EXACT_FLOATS_KEY = "floats_as_text"
 
@@ -64,8 +69,8 @@ EXACT_FLOATS_KEY = "floats_as_text"
 def value_text(column: str, dtype: pl.DataType, *, hash_format: int = HASH_FORMAT) -> pl.Expr:
     """The canonical text of a column's values (see the module docstring).
 
-    ``hash_format=1``: the text of earlier versions, where NaN, infinities and null inside nested
-    values were all JSON's ``null`` (used only to recognise rows stored by them).
+    ``hash_format=1``: the text of format 1, where NaN, infinities and null inside nested values
+    are all JSON's ``null``. It serves only to recognise rows stored in that format.
     """
     if dtype == pl.String:
         return pl.col(column)
@@ -85,9 +90,9 @@ def value_text(column: str, dtype: pl.DataType, *, hash_format: int = HASH_FORMA
     text = pl.struct(_rewrite(value, dtype, _as_hex).alias("v")).struct.json_encode()
     if hash_format < 2 or not _holds(dtype, _is_float):
         return text
-    # JSON has no NaN or infinity: polars writes them as null. A value holding one (or a null
-    # float, which the earlier text could not tell from them) has every float inside it as text,
-    # under another key, so the text of every other value stays as it was.
+    # JSON has no NaN or infinity: polars writes them as null. A value holding one, or a null
+    # float, has every float inside it as text, under another key. (Format 1 cannot tell these
+    # apart.) So the text of every other value stays as it is in format 1.
     exact = pl.struct(_rewrite(value, dtype, _as_exact_text).alias(EXACT_FLOATS_KEY))
     return (
         pl.when(_any_unclear_float(value, dtype)).then(exact.struct.json_encode()).otherwise(text)
@@ -176,8 +181,8 @@ def shard_of(ids: pl.Series, n: int) -> np.ndarray:
 def shard_of_hashes(hashes: np.ndarray, n: int) -> np.ndarray:
     """``floor(h * n / 2**64)`` of each uint64 ``h``, exactly.
 
-    With ``h = hi * 2**32 + lo``: ``h * n / 2**64 = (hi * n + lo * n / 2**32) / 2**32``, and the
-    inner division may be floored first (``hi * n`` is an integer). Every product stays below
+    With ``h = hi * 2**32 + lo``: ``h * n / 2**64 = (hi * n + lo * n / 2**32) / 2**32``. The
+    inner division may be floored first, since ``hi * n`` is an integer. Every product stays below
     ``2**64`` for ``n < 2**32``, so uint64 arithmetic never wraps.
     """
     if not 1 <= n <= MAX_SHARDS:
@@ -207,8 +212,8 @@ def overlapping(index: int, n: int, other: int) -> range:
 def shard_key(column: str, dtype: pl.DataType) -> pl.Expr:
     """The shard key of each id in ``column`` (``h - 2**63`` as Int64), computed by polars.
 
-    A null id has key ``-2**63`` (``h = 0``), as ``shard_of`` puts it in shard 0: the shard's
-    run then reports it rather than losing it.
+    A null id has key ``-2**63`` (``h = 0``), as ``shard_of`` puts it in shard 0. The shard's run
+    then reports it rather than losing it.
     """
     flipped = _text_hash(column, dtype).fill_null(0) ^ pl.lit(1 << 63, pl.UInt64)
     return flipped.reinterpret(signed=True)
@@ -225,7 +230,7 @@ def row_hashes(
 ) -> np.ndarray:
     """The input hash of each row over ``columns`` (id first, then the input columns).
 
-    ``hash_format=1``: as earlier versions computed it (see ``value_text``).
+    ``hash_format=1``: the hash of format 1 (see ``value_text``).
     """
     exprs = [
         pl.when(pl.col(c).is_null())
@@ -249,8 +254,11 @@ def _text_hash(column: str, dtype: pl.DataType, hash_format: int = HASH_FORMAT) 
 
 
 def _by_chunk(df: pl.DataFrame, exprs: list[pl.Expr]) -> Iterator[tuple[int, pl.DataFrame]]:
-    """``exprs`` over slices of ``_CHUNK_ROWS`` rows: the canonical text of a chunk at a time
-    (an integer id's decimal text is a new string column) keeps memory flat at 10**8 rows."""
+    """``exprs`` over slices of ``_CHUNK_ROWS`` rows.
+
+    Each chunk's canonical text is a new string column (an integer id's decimal text, say).
+    Building it a chunk at a time keeps memory flat at 10**8 rows.
+    """
     for start in range(0, df.height, _CHUNK_ROWS):
         yield start, df.slice(start, _CHUNK_ROWS).select(exprs)
 

@@ -2,10 +2,10 @@
 
 A checkpoint belongs to one of three schemes:
 
-- a **shard** ``i`` of ``n`` (partition key ``"<i>-of-<n>"``, ``i`` zero-padded to the width of
-  ``n``): the input rows whose id hashes to shard ``i`` (``shard_of`` in ``hashing.py``) by the
-  *range rule*, recorded as ``"rule": "range"``. A shard recorded without a rule was written by
-  the *mod rule* of earlier versions (``h % n``): the same key then held other rows, so a run
+- a **shard** ``i`` of ``n``, with partition key ``"<i>-of-<n>"`` (``i`` zero-padded to the
+  width of ``n``). It holds the input rows whose id hashes to shard ``i`` by the *range rule*
+  (``shard_of`` in ``hashing.py``), recorded as ``"rule": "range"``. A shard recorded without a
+  rule was written by the *mod rule* (``h % n``), where the same key holds other rows. So a run
   never resumes such a checkpoint as if it were a range shard (see ``rule_changed``);
 - another **partition** key: the whole input the asset receives for that partition;
 - **unpartitioned**: the whole input.
@@ -110,7 +110,7 @@ class Scheme:
             return cls("shard", shard=shard, key=shard.key)
         if kind == "partition":
             return cls("partition", key=str(data.get("key")))
-        return cls("unpartitioned")  # "all" in checkpoints written before this name
+        return cls("unpartitioned")  # older checkpoints record it as "all"
 
 
 def rule_changed(stored: Scheme | None, current: Scheme | None) -> bool:
@@ -121,8 +121,11 @@ def rule_changed(stored: Scheme | None, current: Scheme | None) -> bool:
 
 
 def shard_key_column(id_column: str) -> str:
-    """The column of a stored source that holds the shard key of ``id_column`` (its rows are
-    stored ordered by it, so a shard's filter skips the row groups of other shards)."""
+    """The column of a stored source that holds the shard key of ``id_column``.
+
+    The source's rows are stored ordered by it, so a shard's filter skips the row groups of
+    other shards.
+    """
     return f"{SHARD_KEY_PREFIX}{id_column}"
 
 
@@ -141,9 +144,9 @@ def rows_in(frame: Frame, id_column: str, partitions: Sequence[str | None]) -> F
     """The rows of ``frame`` that the checkpoints of ``partitions`` process.
 
     Shard keys select their rows by id; any other key (or none) takes the whole input. A lazy
-    ``frame`` stays lazy: the filter is a polars expression, so a streaming collect holds only
-    the shard's rows, and a stored shard key column (``shard_key_column``) lets the Parquet
-    reader skip the row groups of other shards.
+    ``frame`` stays lazy: the filter is a polars expression. So a streaming collect holds only
+    the shard's rows. A stored shard key column (``shard_key_column``) lets the Parquet reader
+    skip the row groups of other shards.
     """
     shards = [Shard.parse(p) if p is not None else None for p in partitions]
     schema = frame.collect_schema()

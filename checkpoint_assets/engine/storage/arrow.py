@@ -1,11 +1,13 @@
-"""pyarrow's view of a store, for lazy scans of stored Parquet: every read is one ranged GET,
-counted in the store (``requests``, ``bytes_read``) like any other request.
+"""pyarrow's view of a store, for lazy scans of stored Parquet.
 
-fsspec's own file objects read ahead (s3fs fetches 50 MiB past each read), so a shard's scan of
-a stored source fetched far more than its row groups, and nothing counted it. pyarrow's Parquet
-reader already asks for the byte ranges it needs, coalesced (``pre_buffer``: ranges less than
-8 KiB apart become one), so each read it makes is worth exactly one request. A file's size is
-asked once (a HEAD), however often it is opened.
+Every read is one ranged GET, counted in the store (``requests``, ``bytes_read``) like any other
+request.
+
+fsspec's own file objects read ahead: s3fs fetches 50 MiB past each read. Through them, a shard's
+scan of a stored source would fetch far more than its row groups, and nothing would count it.
+The Parquet reader of pyarrow already asks for the byte ranges it needs, coalesced
+(``pre_buffer``: ranges less than 8 KiB apart become one). So each read it makes is worth exactly
+one request. A file's size is asked once (a HEAD), however often it is opened.
 """
 
 from __future__ import annotations

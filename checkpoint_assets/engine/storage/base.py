@@ -1,26 +1,31 @@
 """The storage contract: five operations every checkpoint needs, on any fsspec filesystem.
 
-``put`` (atomic whole-file write), ``put_if_absent`` (conditional create, used by the lock),
-``get``, ``list`` and ``delete``; one file per backend implements them (``local.py``,
+The five are ``put`` (atomic whole-file write), ``put_if_absent`` (conditional create, used by
+the lock), ``get``, ``list`` and ``delete``. One file per backend implements them (``local.py``,
 ``objects.py``), and the same test suite runs against each.
 
 Request budget. Every store counts the requests it makes (``requests``: PUT, GET, LIST, DELETE,
-HEAD) and the bytes its GETs fetched (``bytes_read``), which the asset reports as materialization
-metadata: object stores charge and rate-limit per
-request (S3: about 3,500 writes per second per prefix). On S3 a run into a new checkpoint makes 13
-requests to start and finish (lock, meta, merged file, listings), one PUT per flush, a PUT and a
-DELETE per compaction (at most one per seven parts beyond 55: parts are merged from memory, and a
-GET happens only for parts that no longer fit the writer's 256 MiB cache or that an earlier run
-left) and a GET and a PUT per lock renewal: ``Settings.request_budget`` adds them up, at most
-about 1.3 requests per flush. A store also says how often a run may flush to it
-(``min_flush_seconds``): never more than once per 5 s on object stores, so a shard makes at most
-about 0.3 requests per second whatever its speed, and a fast shard pays for its duration, not its
-rows. Per million rows that is about ``13 + 1.3 * min(62,500, duration / 5 s)`` requests: under
-2,000 whenever a shard computes at least ~150 rows per second, against up to about 80,000 for a
-flush every 16 rows. Measured on a moto server (``python -m bench.run --only s3_requests``): 21
-requests for a million fast rows in 56 s; ``tests/engine/test_request_budget.py`` holds runs to
-the budget. Reading a stored source or result lazily is a GET per byte range pyarrow asks for
-(``arrow.py``), counted the same way.
+HEAD) and the bytes its GETs fetched (``bytes_read``). The asset reports both as materialization
+metadata. Object stores charge and rate-limit per request (S3: about 3,500 writes per second per
+prefix). On S3 a run into a new checkpoint makes:
+
+- 13 requests to start and finish (lock, meta, merged file, listings);
+- one PUT per flush;
+- a PUT and a DELETE per compaction, at most one per seven parts beyond 55. Parts are merged
+  from memory. A GET happens only for parts that no longer fit the writer's 256 MiB cache, or
+  that an earlier run left;
+- a GET and a PUT per lock renewal.
+
+``Settings.request_budget`` adds them up: at most about 1.3 requests per flush. A store also says
+how often a run may flush to it (``min_flush_seconds``). On object stores that is never more than
+once per 5 s. So a shard makes at most about 0.3 requests per second whatever its speed, and a
+fast shard pays for its duration, not its rows. Per million rows that is about
+``13 + 1.3 * min(62,500, duration / 5 s)`` requests. That stays under 2,000 whenever a shard
+computes at least ~150 rows per second. A flush every 16 rows would take up to about 80,000.
+Measured on a moto server (``python -m bench.run --only s3_requests``): 21 requests for a million
+fast rows in 56 s. ``tests/engine/test_request_budget.py`` holds runs to the budget. Reading a
+stored source or result lazily is a GET per byte range pyarrow asks for (``arrow.py``), counted
+the same way.
 """
 
 from __future__ import annotations
@@ -116,8 +121,11 @@ class Store:
 
     @contextlib.contextmanager
     def put_file(self, path: str) -> Iterator[str]:
-        """A local file to write ``path``'s content into (by a writer that streams, such as
-        polars' ``sink_parquet``); stored whole when the block ends, never when it raises."""
+        """A local file to write ``path``'s content into, for a writer that streams.
+
+        Polars' ``sink_parquet`` is such a writer. The file is stored whole when the block ends,
+        never when it raises.
+        """
         fd, local = tempfile.mkstemp(suffix=".parquet")
         os.close(fd)
         try:

@@ -3,8 +3,8 @@
 A backend's low-level failure becomes a ``StorageError`` naming the problem: a missing bucket,
 denied access, rejected or missing credentials, an unreachable endpoint. A missing file
 (``FileNotFoundError``) and an existing one (``FileExistsError``) pass through for the caller to
-handle, except a missing bucket, which s3fs also reports as ``FileNotFoundError`` and which must
-never read as "no checkpoint yet". A failed request changes nothing that is stored.
+handle. A missing bucket is the exception: s3fs also reports it as ``FileNotFoundError``, and it
+must never read as "no checkpoint yet". A failed request changes nothing that is stored.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def why_code(code: str) -> str | None:
     if code in _THROTTLED:
         return (
             f"the store kept throttling requests ({code}) after several attempts with back-off; "
-            "run again later (it resumes), and if it persists raise min_flush_seconds or "
+            "run again later (it resumes). If it persists, raise min_flush_seconds or "
             "checkpoint_interval, run fewer shards at once under one prefix, or raise "
             "config_kwargs.retries.max_attempts in storage_options"
         )
@@ -104,7 +104,7 @@ def _why(store: Store, exc: BaseException) -> str | None:
     if any(isinstance(e, OSError) and e.errno in full for e in chain(exc)):
         return (
             "no space left on the device (or the disk quota is used up); free some space or "
-            "point base_dir at a larger disk, then run again: it resumes from what was stored"
+            "point base_dir at a larger disk. Then run again: it resumes from what was stored"
         )
     errnos = {getattr(e, "errno", None) for e in chain(exc)}
     if errno.EROFS in errnos:
@@ -138,8 +138,8 @@ class translate:
     """Turn a backend's low-level failure into a StorageError that says what to fix.
 
     A missing file (FileNotFoundError) and an existing one (FileExistsError) pass through for
-    the caller to handle, except a missing bucket, which s3fs also reports as FileNotFoundError
-    and which must never read as "no checkpoint yet".
+    the caller to handle. A missing bucket is the exception: s3fs also reports it as
+    FileNotFoundError, and it must never read as "no checkpoint yet".
     """
 
     def __init__(self, store: Store, path: str, action: str) -> None:
@@ -168,17 +168,18 @@ class translate:
 
 def refused(store: Store, path: str, exc: OSError, action: str) -> StorageError:
     """The error for a file or folder the operating system would not create, while ``action``
-    ``path``: the path, the OS's reason, and what to do. A missing parent that cannot be made
-    (under ``/proc`` the OS answers ENOENT, under ``/sys`` EPERM, even to root) is said as such,
-    not as a missing file."""
+    ``path``: the path, the OS's reason, and what to do. A missing parent that cannot be made is
+    said as such, not as a missing file. (Under ``/proc`` the OS answers ENOENT, under ``/sys``
+    EPERM, even to root.)
+    """
     why = _why(store, exc)
     if why is None:
         failed = str(exc.filename or path)
         what = f"the folder {failed}" if action == "creating the folder" else "a file"
         why = (
             f"the operating system refused to create {what} in {_nearest_existing(failed)}, "
-            "which exists but takes nothing new (a virtual file system such as /proc or /sys); "
-            "point base_dir at a folder on a writable disk"
+            "which exists but takes nothing new (a virtual file system such as /proc or /sys). "
+            "Point base_dir at a folder on a writable disk"
         )
     reason = errno.errorcode.get(exc.errno or 0, "")
     said = f"{type(exc).__name__}: {reason + ' ' if reason else ''}{exc.strerror or exc}"

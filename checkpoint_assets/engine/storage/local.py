@@ -1,5 +1,7 @@
-"""Local disk: a temporary file, ``fsync`` and ``os.replace``, so a reader never sees half a file
-and a crash never leaves one under the real name."""
+"""Local disk: a temporary file, ``fsync`` and ``os.replace``.
+
+So a reader never sees half a file, and a crash never leaves one under the real name.
+"""
 
 from __future__ import annotations
 
@@ -76,8 +78,10 @@ class LocalStore(Store):
         return True
 
     def _create(self, tmp: str, data: bytes, path: str, action: str) -> None:
-        """Write ``tmp`` (the temporary file of ``path``) in a folder that exists: a file the
-        operating system refuses there is a ``StorageError``, not a "missing file"."""
+        """Write ``tmp`` (the temporary file of ``path``) in a folder that exists.
+
+        A file the operating system refuses there is a ``StorageError``, not a "missing file".
+        """
         try:
             _write(tmp, data)
         except FileExistsError:

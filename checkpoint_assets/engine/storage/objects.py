@@ -2,19 +2,21 @@
 
 - ``ObjectStore``: any non-local fsspec filesystem (GCS, Azure...). No temporary object, no
   copy-then-delete "rename". Directory-listing caches are off so a resume sees what the previous
-  run committed. The conditional create is fsspec's ``pipe_file(mode="create")``: gcsfs sends
-  ``ifGenerationMatch=0`` and adlfs ``If-None-Match: *``, which the server refuses (412/409,
-  raised as ``FileExistsError``) when the object exists; both are tested racing against
+  run committed. The conditional create is fsspec's ``pipe_file(mode="create")``. gcsfs sends
+  ``ifGenerationMatch=0`` and adlfs ``If-None-Match: *``. The server refuses either when the
+  object exists (412/409, raised as ``FileExistsError``). Both are tested racing against
   emulators. A filesystem that ignores ``mode`` would overwrite: only these are tested.
 - ``S3Store``: S3 and S3-compatible stores (MinIO, Ceph, R2) through s3fs. The conditional create
-  is a PUT with ``If-None-Match: *``, which the server refuses when the object exists, so two
+  is a PUT with ``If-None-Match: *``, which the server refuses when the object exists. So two
   writers racing for a lock never both win. Listings and deletes are plain S3 calls (one request
-  per 1,000 keys): s3fs's own ``ls`` of an empty folder lists the parent too, and its ``find``
-  adds a HEAD. A file written whole from a local file (a stored source, the global resume
-  table) larger than two parts goes up as a multipart upload of ``_PART_BYTES`` parts,
-  ``_PARTS_AT_ONCE`` at a time. s3fs's default (ten parts of 50 MiB at once) raised the peak
-  RSS of uploading a 1.2 GiB file by 1,020 MiB, these parts by 148 MiB (and took 25 s instead
-  of 30 s, against a moto server).
+  per 1,000 keys). The ``ls`` of s3fs lists the parent too for an empty folder, and its ``find``
+  adds a HEAD.
+
+A file written whole from a local file (a stored source, the global resume table) may be larger
+than two parts. It then goes to S3 as a multipart upload of ``_PART_BYTES`` parts,
+``_PARTS_AT_ONCE`` at a time. Against a moto server, uploading a 1.2 GiB file this way raises the
+peak RSS by 148 MiB and takes 25 s. With the default of s3fs (ten parts of 50 MiB at once), it
+raises it by 1,020 MiB and takes 30 s.
 """
 
 from __future__ import annotations

@@ -105,10 +105,10 @@ def _filesystem_class(protocol: str) -> type[fsspec.AbstractFileSystem]:
     """fsspec's filesystem for ``protocol``; for GCS, gcsfs's JSON-API one.
 
     gcsfs's default class (its "extended" one) first asks the Storage Control API, over gRPC,
-    for the bucket's layout (again before each operation while it cannot tell, as without that
-    permission or on an emulator), and in zonal buckets writes without the ``ifGenerationMatch=0``
-    precondition the lock's conditional create needs. The JSON-API class makes every operation
-    one HTTP request and sends the precondition.
+    for the bucket's layout. While it cannot tell, it asks again before each operation; that
+    happens without that permission, or on an emulator. In zonal buckets it writes without the
+    ``ifGenerationMatch=0`` precondition that the lock's conditional create needs. The JSON-API
+    class makes every operation one HTTP request and sends the precondition.
     """
     if protocol in _GCS:
         from gcsfs.core import GCSFileSystem

@@ -1,22 +1,23 @@
 """Rebuild a damaged checkpoint from what is readable, keeping every damaged file aside.
 
-``repair`` takes the checkpoint's lock (a checkpoint a live run holds is refused, with its holder
-named; a dead holder's lock is taken over), then:
+``repair`` takes the checkpoint's lock. A checkpoint a live run holds is refused, with its holder
+named; a dead holder's lock is taken over. Then it:
 
 1. deletes temporary files of killed local writes older than ``STALE_TEMPORARY_SECONDS``;
 2. with a readable meta file, moves aside (to ``<name>.parquet.quarantine/``) every file that
-   ``verify`` would flag: the merged file and unmerged parts that are unreadable, or break the
-   checkpoint's invariants (no id column, duplicate ids, missing output columns, ids of another
-   type). When the merged file is moved aside, parts it had already merged but that are still
-   stored are used again. Then it merges what is left into a new merged file, as ``compact``
-   does, and records the new counts in the meta file. Rows lost with a damaged file are simply
-   not stored: the next run computes them again. So are the rows of flushes that no part holds
-   while later ones do (parts deleted outside this package, after listing again in case the
-   listing lags): they are named, and the new merged file covers them;
-3. with a meta file that is unreadable, or missing while data files remain, nothing records the
-   job that wrote the rows (code version, settings), and rows of an unknown job are never
-   resumed: it cannot rebuild the meta file, says so, and moves the meta file and every data file
-   aside, so the next run starts the checkpoint again (the rows stay readable in quarantine).
+   ``verify`` would flag. Those are the merged file and unmerged parts that are unreadable or
+   break the checkpoint's invariants: no id column, duplicate ids, missing output columns, ids of
+   another type. When the merged file is moved aside, parts it had already merged but that are
+   still stored are used again. Then it merges what is left into a new merged file, as
+   ``compact`` does, and records the new counts in the meta file. Rows lost with a damaged file
+   are simply not stored: the next run computes them again. So are the rows of flushes that no
+   part holds while later ones do. Such parts were deleted outside this package. The gap is
+   confirmed by listing again, in case the listing lags. Those flushes are named, and the new
+   merged file covers them;
+3. with a meta file that is unreadable, or missing while data files remain, cannot rebuild the
+   meta file. Nothing else records the job that wrote the rows (code version, settings), and
+   rows of an unknown job are never resumed. It says so and moves the meta file and every data
+   file aside. The next run starts the checkpoint again; the rows stay readable in quarantine.
 
 Nothing is ever deleted but temporary files and parts whose rows are in the new merged file.
 """

@@ -1,12 +1,17 @@
 """What is wrong with a checkpoint: every invariant a reader relies on, checked file by file.
 
-A checkpoint is sound when its meta file is readable (and present whenever other files are), its
-merged file and every unmerged part are readable Parquet, each of them has the id column (of the
-type the meta records), unique ids and, where it holds successes, the output columns, and the
-files agree on their columns and types. Unlike a resume, which stops at the first problem,
-``problems`` reports all of them, and reads each file once. Parts already merged (at or below the
-merged file's watermark) are left for the next writer to delete and are not checked; neither are
-files in quarantine or temporary files of killed writes (see ``damage.py``).
+A checkpoint is sound when:
+
+- its meta file is readable, and present whenever other files are;
+- its merged file and every unmerged part are readable Parquet;
+- each of them has the id column (of the type the meta records) and unique ids;
+- each of them that holds successes has the output columns;
+- the files agree on their columns and types.
+
+A resume stops at the first problem; ``problems`` reports all of them, and reads each file once.
+Parts already merged (at or below the merged file's watermark) are not checked: the next writer
+deletes them. Neither are files in quarantine, nor temporary files of killed writes (see
+``damage.py``).
 """
 
 from __future__ import annotations
