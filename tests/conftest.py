@@ -27,7 +27,7 @@ import pytest
 #   threads and endpoints, kills against the documented loss bound, the benchmark smoke and its
 #   endpoint scenarios). Never two of them at once, so each meets at most one other test's load.
 # - a file whose module-scoped fixture is expensive (a `dagster dev` with its daemon, a built
-#   checkpoint world, a moto server with IAM) starts it once, not once per worker.
+#   checkpoint world, a moto server with IAM, a built wheel) starts it once, not once per worker.
 # Keys: a file under tests/, or a file and a test name (all its parameters).
 XDIST_GROUPS = {
     "engine/test_throttle.py": "timing",
@@ -35,6 +35,7 @@ XDIST_GROUPS = {
     "e2e/test_bench_smoke.py": "timing",
     "e2e/test_llm_openai.py::test_a_shard_killed_mid_run_resumes_without_duplicates": "timing",
     "e2e/test_daemon_path.py": "daemon_path",
+    "e2e/test_install.py": "install",
     "e2e/test_cli.py": "cli",
     "integration/test_s3.py": "s3",
 }
@@ -46,11 +47,26 @@ def xdist_group(nodeid: str) -> str | None:
     return XDIST_GROUPS.get(f"{where}::{name.split('[')[0]}") or XDIST_GROUPS.get(where)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The run's order, which the workers also take their work in: first the units of work that
+    hold a ``slow`` test, then the others; within each, the largest groups first (a stable sort).
+    The longest tests start at once and do not form the run's tail."""
+    slow = {xdist_group(i.nodeid) or i.nodeid for i in items if i.get_closest_marker("slow")}
+    sizes = Counter(xdist_group(i.nodeid) for i in items)
+
+    def rank(item: pytest.Item) -> tuple[bool, int]:
+        group = xdist_group(item.nodeid)
+        return (group or item.nodeid) not in slow, -sizes[group] if group else 0
+
+    items.sort(key=rank)
+
+
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`--dist loadgroup` by XDIST_GROUPS: each group goes to one worker as one unit of work, the
-    other tests one by one (the largest groups first). pytest-xdist's own loadgroup reads
-    ``xdist_group`` marks, which pytest 9.2's node ids no longer carry to its scheduler."""
+    other tests one by one, in the order of ``pytest_collection_modifyitems``. pytest-xdist's own
+    loadgroup reads ``xdist_group`` marks, which pytest 9.2's node ids no longer carry to its
+    scheduler."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadGroupScheduling
@@ -59,6 +75,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return xdist_group(nodeid) or str(super()._split_scope(nodeid))
 
+    config.option.loadscopereorder = False  # the collection's order is the schedule
     return GroupScheduling(config, log)
 
 
@@ -198,7 +215,7 @@ def new_s3_storage(s3_server: str) -> Callable[[], tuple[str, dict[str, Any]]]:
     return lambda: (f"s3://{make_bucket(s3_server)}/checkpoints", s3_options(s3_server))
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.object_store)])
 def storage(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any]]:
     """(base_dir, storage_options) of an empty checkpoint root, local or on S3."""
     if request.param == "local":

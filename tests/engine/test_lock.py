@@ -8,6 +8,7 @@ import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from helpers.jobs import Storage, tickets
 
 from checkpoint_assets import LockHeldError, OutageError
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
+from checkpoint_assets.engine.loop import lock
 
 SETTINGS = Settings(
     id_column="ticket_id", input_columns=("body",), min_flush_seconds=0.0, retry_delay_seconds=0.0
@@ -153,29 +155,54 @@ def test_lock_is_released_after_success_and_after_failure(storage: Storage) -> N
     assert fresh.store.get_or_none(fresh.files.lock) is None
 
 
+class _Seen(logging.Handler):
+    """Sets ``event`` once a record holding ``text`` is logged."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
 def _checkpoint_named(like: Checkpoint, name: str) -> Checkpoint:
     return Checkpoint(like.store, name)
 
 
 def test_a_writer_whose_lock_was_taken_over_stops_and_leaves_the_new_lock_alone(
-    storage: Storage,
+    storage: Storage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     checkpoint = _checkpoint(storage)
     settings = dataclasses.replace(SETTINGS, checkpoint_interval=2, lease_seconds=0.15)
+    # The leases' clock stands still: the lease never runs out, however slow a renewal is on a
+    # loaded machine, and the heartbeat still renews it every 0.05 s.
+    now = time.time()
+    monkeypatch.setattr(lock, "wall_clock", lambda: now)
     calls: list[int] = []
+    seen = _Seen("was taken over by another writer")
+    logger = logging.getLogger("checkpoint_assets")
+    logger.addHandler(seen)
 
     def fn(batch: pl.DataFrame) -> pl.DataFrame:
         calls.append(batch.height)
         if len(calls) == 2:  # as if this run had been paused and another writer took over
-            # Written a few times: a renewal in flight when the first one lands (its read before,
-            # its write after) would overwrite it, which a real takeover after expiry never meets.
-            for _ in range(5):
+            # Written again until the heartbeat sees it: a renewal in flight when it lands (its
+            # read before, its write after) overwrites it, which a real takeover after expiry
+            # never meets.
+            for _ in range(20):
                 _write_lock(checkpoint, host="another-host", pid=4242, run_id="the-taker")
-                time.sleep(0.2)  # heartbeats (one per 0.05 s) see the new holder
+                if seen.event.wait(timeout=1.0):
+                    break
         return batch.select("ticket_id", route=pl.col("body"))
 
-    with pytest.raises(LockHeldError, match=r"taken over by another writer \(run the-taker"):
-        run(fn, prepare(tickets(10), settings), checkpoint, settings, job={"v": 1})
+    try:
+        with pytest.raises(LockHeldError, match=r"taken over by another writer \(run the-taker"):
+            run(fn, prepare(tickets(10), settings), checkpoint, settings, job={"v": 1})
+    finally:
+        logger.removeHandler(seen)
 
     assert calls == [2, 2]  # it stopped at the flush after the takeover
     holder = json.loads(checkpoint.store.get(checkpoint.files.lock))

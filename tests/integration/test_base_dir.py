@@ -137,7 +137,7 @@ def test_a_base_dir_the_os_cannot_create_names_the_folder_the_reason_and_the_fix
     assert f"while creating the folder {base_dir}: " in error
     assert f"refused to create the folder {base_dir} in /proc" in error
     assert "ENOENT No such file or directory" in error
-    assert "point base_dir at a folder on a writable disk" in error
+    assert "Point base_dir at a folder on a writable disk" in error
     assert "Stored work is unchanged" in error
     assert not os.path.exists(base_dir)
 
@@ -151,7 +151,7 @@ def test_an_existing_folder_the_os_does_not_write_names_it_the_reason_and_the_fi
     assert error.startswith("StorageError: ")
     assert "while writing /proc/self/rows.parquet: " in error
     assert "refused to create a file in /proc/self" in error
-    assert "point base_dir at a folder on a writable disk" in error
+    assert "Point base_dir at a folder on a writable disk" in error
     assert set(os.listdir("/proc/self")) == before
 
 

@@ -21,6 +21,7 @@ from helpers.jobs import ASSET, Storage, build_job, parts_by_partition, route, s
 
 from checkpoint_assets.cli import main as cli
 
+pytestmark = pytest.mark.object_store
 HERE = Path(__file__).parent
 TESTS = Path(__file__).parents[1]
 

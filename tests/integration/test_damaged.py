@@ -26,6 +26,7 @@ from checkpoint_assets import LockHeldError
 from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
 from checkpoint_assets.engine.checkpoints.meta import FORMAT_VERSION
 from checkpoint_assets.engine.errors import CorruptCheckpointError, NewerFormatError
+from checkpoint_assets.engine.loop import lock
 from checkpoint_assets.engine.loop.lock import Lease
 from checkpoint_assets.engine.rows import ERROR
 from checkpoint_assets.engine.upkeep.repair import repair
@@ -397,23 +398,24 @@ def test_a_meta_of_a_newer_format_stops_run_verify_and_repair_and_every_file_sta
 
 # -- the lock file -----------------------------------------------------------------------------
 def test_a_garbage_lock_is_held_by_an_unknown_writer_until_a_lease_has_passed(
-    storage: Storage, caplog: pytest.LogCaptureFixture
+    storage: Storage, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     base_dir, options = storage
     checkpoint = Checkpoint(open_store(base_dir, options), "routed/default/all")
-    settings = Settings(**{**vars(SETTINGS), "lease_seconds": 1.5})
     checkpoint.store.put(checkpoint.files.lock, b"\x00\xffnot a lease")
     calls: list[int] = []
 
     with pytest.raises(LockHeldError) as held:
-        engine_run(checkpoint, tickets(8), calls, settings=settings)
+        engine_run(checkpoint, tickets(8), calls)
 
     assert calls == []
     assert "an unknown writer (the lock file is unreadable" in str(held.value)
     assert "delete the lock file" in held.value.remedy
-    time.sleep(2.0)
+    # A lease and a second later (S3 states a file's time to the second) by the leases' clock.
+    later = SETTINGS.lease_seconds + 1.0
+    monkeypatch.setattr(lock, "wall_clock", lambda: time.time() + later)
     with caplog.at_level(logging.WARNING, logger="checkpoint_assets"):
-        result = engine_run(checkpoint, tickets(8), calls, settings=settings)
+        result = engine_run(checkpoint, tickets(8), calls)
     assert sorted(calls) == list(range(8)) and result.height == 8
     assert any("Taking over" in r.message and "lease expired" in r.message for r in caplog.records)
     assert checkpoint.store.get_or_none(checkpoint.files.lock) is None

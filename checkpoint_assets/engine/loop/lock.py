@@ -58,6 +58,12 @@ TAKEOVER_SETTLE_SECONDS = 0.5  # a taker checks after this that no racing taker 
 TRUSTED = 0.9  # the share of its lease a holder trusts: writes stop a tenth before it expires
 
 
+def wall_clock() -> float:
+    """The clock leases are written in: seconds since the epoch. A lease made without a clock
+    reads this function when it is made, so a test can put a later clock in its place."""
+    return time.time()
+
+
 @dataclass(frozen=True)
 class Holder:
     """Who holds a lock, as written in the lock file."""
@@ -127,7 +133,7 @@ class Lease:
     """The lock of one checkpoint, held from ``acquire()`` to ``release()``.
 
     ``watch``: what the heartbeat asks about runs (see ``RunWatch``); ``clock``: the wall
-    clock that leases are written in (injected by tests).
+    clock that leases are written in (default: ``wall_clock``).
     """
 
     def __init__(
@@ -139,7 +145,7 @@ class Lease:
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         watch: RunWatch | None = None,
         logger: Logger | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.store = store
         self.log: Logger = logger or logging.getLogger("checkpoint_assets")
@@ -147,7 +153,7 @@ class Lease:
         self.run_id = run_id
         self.lease_seconds = lease_seconds
         self.watch = watch
-        self.clock = clock
+        self.clock = clock or wall_clock
         self.holder: Holder | None = None
         self.lost: str | None = None  # why this writer no longer holds the lock
         self.stopped: str | None = None  # why this writer should stop although it holds it
