@@ -19,7 +19,8 @@ SCENARIOS |= {"remote", "openai", "throttled", "kill"}
 SCENARIOS |= {"reshard", "global_table"}
 SCENARIOS |= {"random 429 1%", "random 429 5%", "random 429 20%", "limit 32 from 64"}
 SCENARIOS |= {"limit 32>8>32", "limit 32>8>32, 5% 429", "no 429"}
-SCENARIOS |= {"limit 32 from 64, 250 ms", "limit 32>8>32, 250 ms"}
+SCENARIOS |= {"limit 32 from 64, 250 ms", "limit 32>8>32, 250 ms", "no 429, 250 ms"}
+SCENARIOS |= {"random 429 5%, 250 ms"}
 
 
 def test_the_smoke_benchmark_writes_every_scenario_as_json(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +119,9 @@ def test_a_request_costs_its_text_over_four_and_its_output_limit() -> None:
 
 # -- through the real clients ---------------------------------------------------------------
 def endpoint(kind: str, base_url: str, **settings: Any) -> OpenAIResource | AnthropicResource:
-    settings = {"api_key": f"pacing-{kind}", "model": "m", "max_tokens": 8, **settings}
+    # A key of its own: a process keeps one pacer per key, and a test's servers may reuse a port.
+    key = f"pacing-{kind}-{uuid.uuid4().hex[:8]}"
+    settings = {"api_key": key, "model": "m", "max_tokens": 8, **settings}
     if kind == "openai":
         return OpenAIResource(base_url=base_url, **settings)
     return AnthropicResource(base_url=base_url.removesuffix("/v1"), **settings)
@@ -147,7 +150,8 @@ def test_requests_are_held_while_the_stated_budget_is_spent(kind: str) -> None:
     # 300 tokens a second, 600 at most at once; 41 requests of 28 tokens: about 1,150 tokens,
     # so half of them wait for the budget. Unpaced, a third of them are refused (below); paced,
     # one or two at most, when the server is slow to take a request in (a retry answers it).
-    with serve(tokens_per_minute=18_000, budget_window_seconds=2) as base_url:
+    # Answers take 50 ms, as a model's take longer than the client's own work on a request.
+    with serve(tokens_per_minute=18_000, budget_window_seconds=2, latency_ms=50) as base_url:
         asyncio.run(ask_many(endpoint(kind, base_url, max_retries=2), 40))
         served = stats(base_url)
 
@@ -158,8 +162,9 @@ def test_requests_are_held_while_the_stated_budget_is_spent(kind: str) -> None:
 @pytest.mark.parametrize("kind", ["openai", "anthropic"])
 def test_a_first_burst_waits_for_answers_that_state_the_budget(kind: str) -> None:
     # 40 requests at once, before any answer: about twice the 600 tokens the key holds. Sent
-    # all at once, about half would be refused; a few go first, and the answers pace the rest.
-    with serve(tokens_per_minute=18_000, budget_window_seconds=2) as base_url:
+    # all at once, 19 are refused; a few go first, and the answers pace the rest. Answers take
+    # 50 ms, as a model's take longer than the client's own work on a request.
+    with serve(tokens_per_minute=18_000, budget_window_seconds=2, latency_ms=50) as base_url:
         asyncio.run(ask_many(endpoint(kind, base_url, max_retries=2), 40, learn=False))
         served = stats(base_url)
 
