@@ -129,8 +129,8 @@ def test_a_resource_that_cannot_be_fingerprinted_says_what_to_fix(declared: Any)
     assert "mapping of the request settings" in str(e.value)
 
 
-def _run(tmp_path: Path, fingerprint: dict[str, str] | None) -> Any:
-    settings = Settings(id_column="ticket_id", input_columns=("body",))
+def _run(tmp_path: Path, fingerprint: dict[str, str] | None, resume: bool = True) -> Any:
+    settings = Settings(id_column="ticket_id", input_columns=("body",), resume=resume)
     checkpoint = Checkpoint(open_store(str(tmp_path)), "job")
     inputs = prepare(tickets(8), settings)
     _, stats = run(
@@ -169,18 +169,8 @@ def test_a_run_that_reuses_nothing_is_quiet(
 ) -> None:
     _run(tmp_path, {"code": "a"})
     caplog.set_level(logging.WARNING, logger="checkpoint_assets")
-    settings = Settings(id_column="ticket_id", input_columns=("body",), resume=False)
-    checkpoint = Checkpoint(open_store(str(tmp_path)), "job")
-    inputs = prepare(tickets(8), settings)
 
-    _, stats = run(
-        route,
-        inputs,
-        checkpoint,
-        settings,
-        job={},
-        context=RunContext(function_fingerprint={"code": "b"}),
-    )
+    stats = _run(tmp_path, {"code": "b"}, resume=False)
 
     assert stats.function_changed == []
     assert caplog.text == ""
