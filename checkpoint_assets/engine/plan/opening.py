@@ -1,5 +1,6 @@
 """Opening a run: check the stored job, load what is stored, start a generation, import finished
-rows of other checkpoints (global resume), and plan what is left to compute.
+rows of other checkpoints (global resume), plan what is left to compute, and take what the result
+store holds of it (``from_store.py``).
 
 ``open_run`` returns an ``Opened`` value; nothing here keeps state between runs.
 """
@@ -21,10 +22,12 @@ from checkpoint_assets.engine.errors import (
     JobChangedError,
     JobMismatchError,
 )
-from checkpoint_assets.engine.plan import function_fingerprint
+from checkpoint_assets.engine.plan import from_store, function_fingerprint
 from checkpoint_assets.engine.plan.global_resume import FUNCTION
 from checkpoint_assets.engine.plan.inputs import Prepared
 from checkpoint_assets.engine.plan.resume import Copies, Plan, dedupe, plan
+from checkpoint_assets.engine.reuse import layout as reuse
+from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH, SEQ
 from checkpoint_assets.engine.settings import OnInputChange, Settings
 from checkpoint_assets.engine.sharding import hashing
@@ -43,6 +46,8 @@ class Start:
     next_seq: int = 1
     parts: list[Part] = field(default_factory=list)
     imported: int = 0  # rows copied from other checkpoints (global resume)
+    from_store: int = 0  # rows taken from the result store
+    cost_saved: float | None = None  # what they cost when computed (with a budget)
     # This run's function fingerprint, which the meta records when the run finishes; and what
     # differs from the one recorded (reported only when stored results are reused).
     function_fingerprint: dict[str, str] | None = None
@@ -71,6 +76,11 @@ class Job:
     def fingerprint(self) -> str:
         return hashing.job_fingerprint(self.settings)
 
+    @property
+    def scope(self) -> str:
+        """The scope of its results in the result store (``reuse/layout.py``)."""
+        return reuse.scope(self.function or {}, self.settings)
+
 
 def open_run(
     inputs: Prepared,
@@ -82,8 +92,12 @@ def open_run(
     imported: pl.DataFrame | None,
     log: Logger,
     label: str,
+    results: ResultStore | None = None,
 ) -> Opened:
-    """Everything a run needs before its first call (``checkpoint`` None: checkpointing off)."""
+    """Everything a run needs before its first call (``checkpoint`` None: checkpointing off).
+
+    ``results``: the result store, whose results the rows left to compute take when it holds
+    them (with checkpointing and resume only)."""
     keys = inputs.keys
     start, stored = Start(function_fingerprint=job.function), rows.empty(settings.id_column)
     if checkpoint is not None:
@@ -111,6 +125,8 @@ def open_run(
         _log_function_changed(start.function_changed, found.resumed, log, label)
     else:
         start.function_changed = []  # no stored result of the earlier function is used
+    if results is not None and checkpoint is not None and settings.resume:
+        found.todo = _from_store(start, found.todo, results, job, settings, checkpoint, log, label)
     todo, copies = found.todo, None
     if settings.dedupe and todo.height:
         todo, copies = dedupe(todo, settings.id_column)
@@ -267,22 +283,83 @@ def _import(
             f"The global resume table holds the output columns {list(outputs)}, but the "
             f"checkpoint {checkpoint.url} holds results with {list(opened.meta.output_schema)}.",
         )
-    seq = opened.next_seq
     found = wanted.with_columns(
-        pl.lit(None, pl.String).alias(ERROR),
-        pl.col(ATTEMPTS).fill_null(0).cast(pl.Int32),
-        pl.lit(seq, pl.Int64).alias(SEQ),
+        pl.lit(None, pl.String).alias(ERROR), pl.col(ATTEMPTS).fill_null(0).cast(pl.Int32)
     )
-    part = checkpoint.write_part(found, seq, id_column=id_column)
-    opened.next_seq += 1
-    opened.known = None
-    opened.parts = checkpoint.compact([*opened.parts, part], id_column)
+    _write_found(opened, found, id_column, checkpoint)
     opened.imported = found.height
     log.info(
         "%s: global resume took %d finished row(s) from other checkpoints.", label, found.height
     )
     merged = rows.concat([stored, found], checkpoint.url) if stored.height else found
     return rows.pick_winners(merged, id_column)
+
+
+def _write_found(start: Start, found: pl.DataFrame, id_column: str, checkpoint: Checkpoint) -> None:
+    """Write rows found elsewhere (global resume, the result store) as one part."""
+    seq = start.next_seq
+    part = checkpoint.write_part(
+        found.with_columns(pl.lit(seq, pl.Int64).alias(SEQ)), seq, id_column=id_column
+    )
+    start.next_seq += 1
+    start.known = None
+    start.parts = checkpoint.compact([*start.parts, part], id_column)
+
+
+def _from_store(
+    start: Start,
+    todo: pl.DataFrame,
+    results: ResultStore,
+    job: Job,
+    settings: Settings,
+    checkpoint: Checkpoint,
+    log: Logger,
+    label: str,
+) -> pl.DataFrame:
+    """Take the rows of ``todo`` the result store holds into the checkpoint; the rest of
+    ``todo``, in its order."""
+    if not job.function:
+        log.warning(
+            "%s: the function has no fingerprint (no readable source or bytecode), so the "
+            "result store is not used: it could hand over another function's results.",
+            label,
+        )
+        return todo
+    id_column = settings.id_column
+    taken = from_store.take(todo, results, job.scope, id_column, settings.budget)
+    for path in results.unreadable:
+        log.warning(
+            "%s: the result store file %s is unreadable; its rows are computed again. Delete "
+            "it (`checkpoint-assets clean --results`) or move it away.",
+            label,
+            path,
+        )
+    if taken is None:
+        return todo
+    assert start.meta is not None
+    outputs = {c: str(taken.rows.schema[c]) for c in rows.outputs_of(taken.rows, id_column)}
+    known = start.meta.output_schema
+    if known and sorted(known) != sorted(outputs):
+        log.warning(
+            "%s: the result store holds results with the output columns %s, but the checkpoint "
+            "holds %s; they are not taken.",
+            label,
+            sorted(outputs),
+            sorted(known),
+        )
+        return todo
+    if not known:
+        start.meta.output_schema = outputs
+        checkpoint.meta_file.write(start.meta)
+    _write_found(start, taken.rows, id_column, checkpoint)
+    start.from_store, start.cost_saved = taken.rows.height, taken.cost_saved
+    log.info(
+        "%s: took %d result(s) from the result store %s instead of computing them.",
+        label,
+        taken.rows.height,
+        results.url,
+    )
+    return todo.filter(~pl.col(id_column).is_in(taken.rows.get_column(id_column).implode()))
 
 
 def _keys(frame: pl.DataFrame, key: pl.Expr) -> pl.Series:
