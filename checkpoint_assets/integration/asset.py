@@ -26,6 +26,7 @@ from checkpoint_assets.engine.loop.shard_run import ShardRun
 from checkpoint_assets.engine.plan import function_fingerprint
 from checkpoint_assets.engine.plan.global_resume import JOB, shard_rows
 from checkpoint_assets.engine.plan.inputs import Inputs, Limited
+from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.sharding.scheme import Scheme, Shard, rows_in
@@ -189,6 +190,7 @@ class _AssetRun:
     started: Usage  # the store's counts when the step began (its source's first reads)
     imported: pl.DataFrame | None  # global resume: read once for every shard of a ranged run
     spend: AssetSpend | None
+    results: ResultStore | None  # the result store, when the run reuses results by content
 
     @classmethod
     def of(
@@ -235,6 +237,7 @@ class _AssetRun:
             started=started,
             imported=imported,
             spend=_spend(context, settings, keys),
+            results=_results(io_manager, a, config),
         )
 
     def materialize(self) -> pl.DataFrame:
@@ -305,7 +308,8 @@ class _AssetRun:
         """Run one partition's checkpoint over its input rows; returns its result and stats."""
         context, spend = self.context, self.spend
         limit = self.config.limit
-        inputs = runner.prepare(rows if limit is None else Limited(rows, limit), self.settings)
+        rows = rows if limit is None else Limited(rows, limit)
+        inputs = runner.prepare(rows, self.settings, content=self.results is not None)
         label = context.asset_key.to_user_string() + (f" {partition}" if partition else "")
         watch = DagsterRunWatch(context.instance, context.run.run_id, label)
         if spend is not None:
@@ -320,6 +324,7 @@ class _AssetRun:
             function_fingerprint=self.printed,
             spend=None if spend is None else spend.spend,
             loop=self.loop,
+            results=self.results,
         )
         try:
             return runner.run(
@@ -341,6 +346,15 @@ def _spend(
         return None
     label = context.asset_key.to_user_string()
     return AssetSpend(context, Spend(settings.budget, label=label), keys)
+
+
+def _results(
+    io_manager: CheckpointIOManager, a: CommonArguments, config: CheckpointRunConfig
+) -> ResultStore | None:
+    """The result store, when this run reuses results: run config's ``reuse``, else the
+    asset's, else the IO manager's ``reuse_results``; never without checkpointing."""
+    chosen = next(r for r in (config.reuse, a.reuse, io_manager.reuse_results) if r is not None)
+    return io_manager.results() if chosen and config.checkpointing else None
 
 
 def _global_rows(

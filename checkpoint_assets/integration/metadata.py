@@ -59,6 +59,7 @@ INPUT_FINGERPRINT = "input_fingerprint"
 TOP_ERRORS = "top_errors"
 FUNCTION_CHANGED = "function_changed"
 FUNCTION_CHANGES = "function_changes"
+COST_SAVED_USD = "cost_saved_usd"
 # The failure of a run that submitted and ended: when the provider ends the last of its batches
 # at the latest (their 24 h window), and which sensor collects them.
 RESULTS_DUE_BY = "results_due_by"
@@ -81,6 +82,7 @@ COUNTS = (
     "rows_dropped",
     "rows_changed",
     "rows_imported",
+    "rows_from_store",
     "calls",
 )
 
@@ -98,6 +100,10 @@ MATERIALIZATION: dict[str, str] = {
     "rows_changed": "Finished rows whose input changed, computed again "
     "(`on_input_change: recompute`). They count in `rows_computed` too.",
     "rows_imported": "Rows taken from `<asset>_global_resume` (`global_resume: true`).",
+    "rows_from_store": "Rows taken from the result store instead of computed (`reuse`): the "
+    "same function and input, stored by any asset, tag or id.",
+    COST_SAVED_USD: "With `reuse` and a `budget`: what the rows taken from the result store "
+    "cost when they were computed, at the budget's prices.",
     "calls": "Calls of the function in this run, retries and splits included. Through provider "
     "batches: the requests submitted.",
     ROWS_PER_SECOND: "`rows_computed` per second of the run. Absent when it computed nothing.",
@@ -223,6 +229,9 @@ def materialization(
             out[TOP_ERRORS] = top_errors(result, id_column)
     out.update(_throttling(runs))
     out.update(_usage(runs))
+    saved = [r.cost_saved_usd for r in runs if r.cost_saved_usd is not None]
+    if saved:
+        out[COST_SAVED_USD] = round(sum(saved), 6)
     if checkpointing:  # without a checkpoint there is no earlier function to compare with
         out.update(_function(runs))
     return declared(out, MATERIALIZATION)

@@ -1,0 +1,198 @@
+"""Results reused by content: a row whose function and input the result store holds takes its
+result, with no call, whatever its asset, tag or id (issue 35)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import dagster as dg
+import polars as pl
+import pytest
+from helpers.jobs import Storage
+
+from checkpoint_assets import Budget, CheckpointIOManager, checkpointed_asset
+from checkpoint_assets.engine.reuse.store import ResultStore
+from checkpoint_assets.engine.storage import open_store
+
+CALLED: list[str] = []  # the bodies each call was given, across assets
+
+
+def routed(batch: pl.DataFrame) -> pl.DataFrame:
+    CALLED.extend(batch.get_column("body").to_list())
+    return batch.select(
+        "ticket_id",
+        route=pl.col("body").str.to_uppercase(),
+        input_tokens=pl.col("body").str.len_chars(),
+        output_tokens=pl.lit(10),
+    )
+
+
+def rerouted(batch: pl.DataFrame) -> pl.DataFrame:  # another function: its results differ
+    CALLED.extend(batch.get_column("body").to_list())
+    return batch.select(
+        "ticket_id",
+        route=pl.col("body").str.to_lowercase(),
+        input_tokens=pl.col("body").str.len_chars(),
+        output_tokens=pl.lit(10),
+    )
+
+
+def bodies(ids: range, *, offset: int = 0) -> pl.DataFrame:
+    """Tickets with ids ``ids`` shifted by ``offset``; a body depends on the unshifted id."""
+    return pl.DataFrame(
+        {"ticket_id": [i + offset for i in ids], "body": [f"ticket body {i}" for i in ids]}
+    )
+
+
+def asset_of(
+    name: str, fn: Callable[[pl.DataFrame], pl.DataFrame], source: str, **kw: Any
+) -> dg.AssetsDefinition:
+    arguments: dict[str, Any] = {"checkpoint_interval": 8, "input_columns": ["body"], "reuse": True}
+    return checkpointed_asset(source=source, id_column="ticket_id", name=name, **(arguments | kw))(
+        fn
+    )
+
+
+def run(
+    storage: Storage,
+    asset: dg.AssetsDefinition,
+    data: pl.DataFrame,
+    *,
+    source: str = "tickets",
+    config: dict[str, Any] | None = None,
+    **io: Any,
+) -> dict[str, Any]:
+    """Materialize ``asset`` over ``data``; its metadata; ``CALLED`` holds its calls only."""
+    CALLED.clear()
+
+    @dg.asset(name=source, io_manager_key="source_io")
+    def tickets() -> pl.DataFrame:
+        return data
+
+    base_dir, options = storage
+    result = dg.materialize(
+        [tickets, asset],
+        resources={
+            "io_manager": CheckpointIOManager(base_dir=base_dir, storage_options=options, **io),
+            "source_io": dg.InMemoryIOManager(),  # type: ignore[no-untyped-call]
+        },
+        run_config={"ops": {asset.key.path[-1]: {"config": config}}} if config else None,
+    )
+    (materialization,) = result.asset_materializations_for_node(asset.key.path[-1])
+    values = {k: v.value for k, v in materialization.metadata.items()}
+    output = result.output_for_node(asset.key.path[-1])
+    values["result"] = output.sort("ticket_id")
+    return values
+
+
+def expected(data: pl.DataFrame) -> pl.DataFrame:
+    return data.select("ticket_id", route=pl.col("body").str.to_uppercase()).sort("ticket_id")
+
+
+def test_a_second_asset_over_a_half_overlapping_table_computes_only_the_new_half(
+    storage: Storage,
+) -> None:
+    first, second = bodies(range(0, 40)), bodies(range(20, 60))
+    run(storage, asset_of("first", routed, "tickets"), first)
+
+    meta = run(storage, asset_of("second", routed, "other_tickets"), second, source="other_tickets")
+
+    assert sorted(CALLED) == sorted(f"ticket body {i}" for i in range(40, 60))
+    assert (meta["rows_from_store"], meta["rows_computed"]) == (20, 20)
+    assert meta["result"].select("ticket_id", "route").equals(expected(second))
+    assert meta["result"].get_column("_error").null_count() == 40
+
+
+def test_a_new_checkpoint_tag_takes_every_result_from_the_store(storage: Storage) -> None:
+    data = bodies(range(30))
+    asset = asset_of("first", routed, "tickets")
+    run(storage, asset, data)
+
+    meta = run(storage, asset, data, config={"checkpoint_tag": "again"})
+
+    assert CALLED == []
+    assert (meta["rows_from_store"], meta["rows_computed"], meta["calls"]) == (30, 0, 0)
+    assert meta["result"].select("ticket_id", "route").equals(expected(data))
+
+
+def test_renumbered_ids_take_their_results_by_content(storage: Storage) -> None:
+    asset = asset_of("first", routed, "tickets")
+    run(storage, asset, bodies(range(30)))
+
+    renumbered = bodies(range(30), offset=1000)
+    meta = run(storage, asset, renumbered, config={"checkpoint_tag": "renumbered"})
+
+    assert CALLED == []
+    assert meta["rows_from_store"] == 30
+    assert meta["result"].select("ticket_id", "route").equals(expected(renumbered))
+
+
+def test_a_changed_function_misses_the_store(storage: Storage) -> None:
+    data = bodies(range(20))
+    run(storage, asset_of("first", routed, "tickets"), data)
+
+    meta = run(storage, asset_of("second", rerouted, "tickets"), data)
+
+    assert len(CALLED) == 20
+    assert (meta["rows_from_store"], meta["rows_computed"]) == (0, 20)
+    lower = data.select("ticket_id", route=pl.col("body").str.to_lowercase())
+    assert meta["result"].select("ticket_id", "route").equals(lower)
+
+
+def test_failed_rows_are_not_stored(storage: Storage) -> None:
+    def sometimes(batch: pl.DataFrame) -> pl.DataFrame:
+        CALLED.extend(batch.get_column("body").to_list())
+        if "ticket body 3" in batch.get_column("body").to_list():
+            raise ValueError("cannot route ticket body 3")
+        return batch.select("ticket_id", route=pl.col("body").str.to_uppercase())
+
+    data = bodies(range(16))
+    options = {"batch_size": 1, "max_attempts": 1, "max_failed_fraction": 0.5}
+    run(storage, asset_of("first", sometimes, "tickets", **options), data)
+
+    meta = run(
+        storage,
+        asset_of("first", sometimes, "tickets", **options),
+        data,
+        config={"checkpoint_tag": "again"},
+    )
+
+    assert CALLED == ["ticket body 3"]
+    assert (meta["rows_from_store"], meta["rows_failed"]) == (15, 1)
+
+
+def test_reuse_is_off_unless_asked_and_run_config_turns_it_off(storage: Storage) -> None:
+    data = bodies(range(10))
+    run(storage, asset_of("first", routed, "tickets", reuse=None), data)
+    store = ResultStore(open_store(storage[0], storage[1]))
+    assert store.files() == []  # the IO manager's reuse_results is off: nothing stored
+
+    run(
+        storage,
+        asset_of("first", routed, "tickets", reuse=None),
+        data,
+        reuse_results=True,
+        config={"checkpoint_tag": "stored"},
+    )
+    meta = run(
+        storage,
+        asset_of("first", routed, "tickets"),
+        data,
+        config={"checkpoint_tag": "off", "reuse": False},
+    )
+
+    assert (len(CALLED), meta["rows_from_store"]) == (10, 0)
+
+
+def test_with_a_budget_the_metadata_says_what_reuse_saved(storage: Storage) -> None:
+    budget = Budget({"small": {"input": 1.0, "output": 2.0}})
+    columns = {"usage_columns": ["input_tokens", "output_tokens"], "budget": budget}
+    data = bodies(range(10))
+    computed = run(storage, asset_of("first", routed, "tickets", **columns), data)
+
+    meta = run(storage, asset_of("second", routed, "tickets", **columns), data)
+
+    assert meta["rows_from_store"] == 10
+    assert meta["cost_saved_usd"] == pytest.approx(computed["cost_usd"])
+    assert computed["cost_usd"] > 0
