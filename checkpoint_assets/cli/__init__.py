@@ -7,7 +7,8 @@
 - ``checkpoint-assets compact BASE_DIR [NAME]``: merge unmerged parts (takes the lock).
 - ``checkpoint-assets repair BASE_DIR [NAME] [--json]``: rebuild from what is readable, damaged
   files kept aside (takes the lock).
-- ``checkpoint-assets clean BASE_DIR --tag TAG``: delete the checkpoints of a tag.
+- ``checkpoint-assets clean BASE_DIR --tag TAG``: delete the checkpoints of a tag;
+  ``clean BASE_DIR --results --older-than 30d --max-bytes 20GB``: keep the result store bounded.
 
 ``BASE_DIR`` is the IO manager's ``base_dir`` (a local path or an fsspec URI). ``NAME`` is a
 checkpoint as ``status`` lists it (``ticket_routing/default/3-of-8``). Storage options are given

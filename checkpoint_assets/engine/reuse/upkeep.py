@@ -9,6 +9,7 @@ newest result.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -45,22 +46,33 @@ def clean(
 ) -> Cleaned:
     """Delete result files written more than ``older_than`` seconds before ``now``, then the
     oldest until the store holds at most ``max_bytes``; then merge each bucket's small files."""
-    now = time.time() if now is None else now
     files = results.files()
-    done = Cleaned()
-    if older_than is not None:
-        old = [f for f in files if (written_at(f.path) or now) < now - older_than]
-        done.deleted += old
-        files = [f for f in files if f not in old]
-    if max_bytes is not None:
-        total = sum(f.size for f in files)
-        while files and total > max_bytes:  # oldest first: files are sorted by name
-            total -= files[0].size
-            done.deleted.append(files.pop(0))
+    done = Cleaned(deleted=chosen(files, older_than=older_than, max_bytes=max_bytes, now=now))
     results.store.delete(f.path for f in done.deleted)
-    done.merged = merge(results, files)
+    deleted = {f.path for f in done.deleted}
+    done.merged = merge(results, [f for f in files if f.path not in deleted])
     done.kept_bytes = sum(f.size for f in results.files())
     return done
+
+
+def chosen(
+    files: list[FileInfo],
+    *,
+    older_than: float | None = None,
+    max_bytes: int | None = None,
+    now: float | None = None,
+) -> list[FileInfo]:
+    """The files of ``files`` (oldest first) that ``clean`` deletes."""
+    now = time.time() if now is None else now
+    cutoff = -math.inf if older_than is None else now - older_than
+    gone = [f for f in files if (written_at(f.path) or now) < cutoff]
+    left = [f for f in files if (written_at(f.path) or now) >= cutoff]
+    if max_bytes is not None:
+        total = sum(f.size for f in left)
+        while left and total > max_bytes:
+            total -= left[0].size
+            gone.append(left.pop(0))
+    return gone
 
 
 def merge(results: ResultStore, files: list[FileInfo]) -> int:
