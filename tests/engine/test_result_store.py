@@ -230,3 +230,28 @@ def test_clean_merges_small_files_and_keeps_every_result(tmp_path: Any) -> None:
     found = store.lookup(SCOPE, everything.select(layout.KEYS))
     assert found.sort(layout.KEYS).equals(everything.sort(layout.KEYS))
     assert np.all(found.get_column("route").str.starts_with("BODY").to_numpy())
+
+
+def test_a_store_that_cannot_be_written_leaves_the_run_and_its_results_intact(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = open_store(str(tmp_path / "checkpoints"))
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    results = ResultStore(open_store(str(tmp_path)), str(blocked / "results"))
+    settings = engine_settings(checkpoint_interval=8)
+    context = RunContext(results=results, function_fingerprint=FUNCTION)
+    checkpoint = Checkpoint(store, "job")
+
+    result, stats = run(
+        route,
+        prepare(_bodies(20), settings, content=True),
+        checkpoint,
+        settings,
+        job=JOB,
+        context=context,
+    )
+
+    assert result.get_column("_error").null_count() == 20 == stats.rows_computed
+    assert checkpoint.load(ID).rows.height == 20
+    assert "Could not add results to the result store" in caplog.text

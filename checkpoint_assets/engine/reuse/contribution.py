@@ -52,6 +52,8 @@ class Contribution:
 
     def durable(self, rows: pl.DataFrame) -> None:
         """``rows`` (stored rows) are durable in the checkpoint: hold the successful ones."""
+        if self.failed:
+            return
         if ERROR in rows.columns:
             rows = rows.filter(pl.col(ERROR).is_null())
         if not rows.height:
@@ -66,9 +68,9 @@ class Contribution:
         held, self.held, self.held_rows = self.held, [], 0
         if not held or self.failed:
             return
-        frame = pl.concat(held, how="diagonal_relaxed")
-        keyed = frame.join(self.keys, on=self.id_column, how="inner").drop(self.id_column)
         try:
+            frame = pl.concat(held, how="diagonal_relaxed")
+            keyed = frame.join(self.keys, on=self.id_column, how="inner").drop(self.id_column)
             self.stored += self.results.add(self.scope, keyed)
         except Exception as e:  # the results are in the checkpoint: the run goes on
             self.failed = True
