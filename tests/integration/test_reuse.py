@@ -11,9 +11,10 @@ import polars as pl
 import pytest
 from helpers.jobs import Storage
 
-from checkpoint_assets import Budget, CheckpointIOManager, checkpointed_asset
+from checkpoint_assets import Budget, CheckpointIOManager, OpenAIResource, checkpointed_asset
 from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.storage import open_store
+from examples.llm_openai.server import serve, stats
 
 CALLED: list[str] = []  # the bodies each call was given, across assets
 
@@ -45,9 +46,7 @@ def bodies(ids: range, *, offset: int = 0) -> pl.DataFrame:
     )
 
 
-def asset_of(
-    name: str, fn: Callable[[pl.DataFrame], pl.DataFrame], source: str, **kw: Any
-) -> dg.AssetsDefinition:
+def asset_of(name: str, fn: Callable[..., Any], source: str, **kw: Any) -> dg.AssetsDefinition:
     arguments: dict[str, Any] = {"checkpoint_interval": 8, "input_columns": ["body"], "reuse": True}
     return checkpointed_asset(source=source, id_column="ticket_id", name=name, **(arguments | kw))(
         fn
@@ -61,6 +60,7 @@ def run(
     *,
     source: str = "tickets",
     config: dict[str, Any] | None = None,
+    resources: dict[str, Any] | None = None,
     **io: Any,
 ) -> dict[str, Any]:
     """Materialize ``asset`` over ``data``; its metadata; ``CALLED`` holds its calls only."""
@@ -76,6 +76,7 @@ def run(
         resources={
             "io_manager": CheckpointIOManager(base_dir=base_dir, storage_options=options, **io),
             "source_io": dg.InMemoryIOManager(),  # type: ignore[no-untyped-call]
+            **(resources or {}),
         },
         run_config={"ops": {asset.key.path[-1]: {"config": config}}} if config else None,
     )
@@ -196,3 +197,39 @@ def test_with_a_budget_the_metadata_says_what_reuse_saved(storage: Storage) -> N
     assert meta["rows_from_store"] == 10
     assert meta["cost_saved_usd"] == pytest.approx(computed["cost_usd"])
     assert computed["cost_usd"] > 0
+
+
+def answer(row: dict[str, Any], chat: OpenAIResource) -> dict[str, Any]:
+    """One model request per row, through the resource's client."""
+    messages: Any = [{"role": "user", "content": row["body"]}]
+    reply = chat.sync_client().chat.completions.create(messages=messages, **chat.request_defaults())
+    return {"route": reply.choices[0].message.content}
+
+
+def test_the_endpoint_answers_only_rows_it_was_never_asked(tmp_path: Any) -> None:
+    storage: Storage = (str(tmp_path / "checkpoints"), {})
+    with serve() as base_url:
+        chat = OpenAIResource(base_url=base_url, api_key="local", model="m", temperature=0.0)
+
+        def served(asset: dg.AssetsDefinition, data: pl.DataFrame, **kw: Any) -> int:
+            before = stats(base_url)["requests"]
+            run(storage, asset, data, resources={"chat": chat}, **kw)
+            return stats(base_url)["requests"] - before
+
+        first = served(asset_of("first", answer, "tickets"), bodies(range(0, 40)))
+        second = asset_of("second", answer, "other_tickets")
+        overlap = served(second, bodies(range(20, 60)), source="other_tickets")
+        new_tag = served(
+            second,
+            bodies(range(20, 60)),
+            source="other_tickets",
+            config={"checkpoint_tag": "again"},
+        )
+        renumbered = served(
+            second,
+            bodies(range(0, 60), offset=500),
+            source="other_tickets",
+            config={"checkpoint_tag": "renumbered"},
+        )
+
+    assert (first, overlap, new_tag, renumbered) == (40, 20, 0, 0)
