@@ -105,6 +105,13 @@ def clean(
     if results:
         return _clean_results(base_dir, result_store, older_than, max_bytes, yes, options)
     assert tag is not None
+    return _clean_tag(base_dir, tag, asset, yes, options)
+
+
+def _clean_tag(
+    base_dir: str, tag: str, asset: str | None, yes: bool, options: dict[str, Any]
+) -> int:
+    """``clean --tag``: delete the tag's checkpoints, each under its lock."""
     store = open_store(base_dir, options)
     by_name = layout.files_by_name(
         ((f.path, f) for f in store.list_recursive(store.root)), store.root
