@@ -11,9 +11,17 @@ import polars as pl
 import pytest
 from helpers.jobs import Storage
 
-from checkpoint_assets import Budget, CheckpointIOManager, OpenAIResource, checkpointed_asset
+from checkpoint_assets import (
+    Budget,
+    CheckpointIOManager,
+    OpenAIResource,
+    checkpointed_asset,
+    provider_batch_asset,
+)
 from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.storage import open_store
+from examples.llm_batch.provider import serve as serve_batches
+from examples.llm_batch.provider import stats as batch_stats
 from examples.llm_openai.server import serve, stats
 
 CALLED: list[str] = []  # the bodies each call was given, across assets
@@ -233,3 +241,51 @@ def test_the_endpoint_answers_only_rows_it_was_never_asked(tmp_path: Any) -> Non
         )
 
     assert (first, overlap, new_tag, renumbered) == (40, 20, 0, 0)
+
+
+def batch_request(row: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": row["body"]}]}
+
+
+def batch_parse(body: dict[str, Any]) -> dict[str, Any]:
+    return {"route": body["choices"][0]["message"]["content"]}
+
+
+def test_a_provider_batch_asset_submits_only_rows_never_asked(tmp_path: Any) -> None:
+    storage: Storage = (str(tmp_path / "checkpoints"), {})
+
+    def batch_asset(name: str, source: str) -> dg.AssetsDefinition:
+        return provider_batch_asset(
+            name=name,
+            source=source,
+            id_column="ticket_id",
+            input_columns=["body"],
+            parse=batch_parse,
+            provider="openai",
+            reuse=True,
+            poll_seconds=0.05,
+            max_poll_seconds=0.2,
+        )(batch_request)
+
+    with serve_batches() as base_url:
+        openai = OpenAIResource(base_url=base_url, api_key="local", model="m")
+        first = run(
+            storage,
+            batch_asset("first", "tickets"),
+            bodies(range(0, 40)),
+            resources={"openai": openai},
+        )
+        submitted = batch_stats(base_url)["submitted"]
+        second = run(
+            storage,
+            batch_asset("second", "other_tickets"),
+            bodies(range(20, 60)),
+            source="other_tickets",
+            resources={"openai": openai},
+        )
+        again = batch_stats(base_url)["submitted"] - submitted
+
+    assert (submitted, again) == (40, 20)
+    assert (first["rows_from_store"], second["rows_from_store"]) == (0, 20)
+    routes = second["result"].get_column("route")
+    assert routes.null_count() == 0 and second["result"].height == 40
