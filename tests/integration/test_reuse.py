@@ -17,6 +17,7 @@ from checkpoint_assets import (
     OpenAIResource,
     checkpointed_asset,
     provider_batch_asset,
+    shard_partitions,
 )
 from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.storage import open_store
@@ -69,6 +70,7 @@ def run(
     source: str = "tickets",
     config: dict[str, Any] | None = None,
     resources: dict[str, Any] | None = None,
+    partition_key: str | None = None,
     **io: Any,
 ) -> dict[str, Any]:
     """Materialize ``asset`` over ``data``; its metadata; ``CALLED`` holds its calls only."""
@@ -87,6 +89,7 @@ def run(
             **(resources or {}),
         },
         run_config={"ops": {asset.key.path[-1]: {"config": config}}} if config else None,
+        partition_key=partition_key,
     )
     (materialization,) = result.asset_materializations_for_node(asset.key.path[-1])
     values = {k: v.value for k, v in materialization.metadata.items()}
@@ -289,3 +292,26 @@ def test_a_provider_batch_asset_submits_only_rows_never_asked(tmp_path: Any) -> 
     assert (first["rows_from_store"], second["rows_from_store"]) == (0, 20)
     routes = second["result"].get_column("route")
     assert routes.null_count() == 0 and second["result"].height == 40
+
+
+def test_another_shard_scheme_takes_its_results_from_the_store(storage: Storage) -> None:
+    data = bodies(range(80))
+    four = asset_of("first", routed, "tickets", partitions_def=shard_partitions(4))
+    for key in shard_partitions(4).get_partition_keys():
+        run(storage, four, data, partition_key=key)
+    two = asset_of("second", routed, "tickets", partitions_def=shard_partitions(2))
+
+    metas = [run(storage, two, data, partition_key=k) for k in ("0-of-2", "1-of-2")]
+
+    assert CALLED == []
+    assert sum(m["rows_from_store"] for m in metas) == 80
+    both = pl.concat([m["result"] for m in metas]).sort("ticket_id")
+    assert both.select("ticket_id", "route").equals(expected(data))
+
+
+def test_an_empty_shard_with_reuse_stores_and_takes_nothing(storage: Storage) -> None:
+    empty = bodies(range(5)).clear()
+
+    meta = run(storage, asset_of("first", routed, "tickets"), empty)
+
+    assert (meta["rows_from_store"], meta["rows_computed"], meta["result"].height) == (0, 0, 0)
