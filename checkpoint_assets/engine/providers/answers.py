@@ -79,8 +79,7 @@ def reparse(
                 checked = check.row(out, row_id)
             except Broken as e:
                 raise FunctionError(label, f"parse(): {e}", done) from None
-            checked[ANSWER] = answer
-            ok.append(RowResult(checked, row_id, input_hash, attempts))
+            ok.append(RowResult({**checked, ANSWER: answer}, row_id, input_hash, attempts))
         done += chunk.height
         yield Reparsed(ok, _failures(failed, id_column, stored.schema[id_column]))
 

@@ -465,7 +465,7 @@ class ProviderRun(ShardRun):
         except Broken as e:
             raise FunctionError(self.label, f"parse(): {e}", self.done_rows) from None
         if answer is not None:
-            checked[ANSWER] = answer
+            checked = {**checked, ANSWER: answer}
         attempts = self.attempts.pop(row_id)
         record = RowResult(checked, row_id, input_hash, attempts + 1)
         self.pending.append(record)
