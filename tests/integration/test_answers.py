@@ -18,7 +18,7 @@ from typing import Any
 import dagster as dg
 import polars as pl
 import pytest
-from helpers.jobs import ASSET, run_logs, stats
+from helpers.jobs import ASSET, run_logs, stats, step_error
 
 from checkpoint_assets import CheckpointIOManager, OpenAIResource, provider_batch_asset
 from checkpoint_assets import shard_partitions as shards
@@ -87,7 +87,9 @@ class Runs:
         }
         return provider_batch_asset(name=ASSET, **(options | kw))(fn)
 
-    def __call__(self, asset: dg.AssetsDefinition, **config: Any) -> dg.ExecuteInProcessResult:
+    def __call__(
+        self, asset: dg.AssetsDefinition, raise_on_error: bool = True, **config: Any
+    ) -> dg.ExecuteInProcessResult:
         @dg.asset(name="tickets", io_manager_key="source_io")
         def source() -> pl.DataFrame:
             return self.df
@@ -102,6 +104,7 @@ class Runs:
             },
             partition_key=SHARD,
             run_config={"ops": {ASSET: {"config": config}}} if config else None,
+            raise_on_error=raise_on_error,
         )
 
     def requested(self) -> int:
@@ -214,3 +217,22 @@ def test_answers_kept_off_store_none_and_a_changed_parse_requests_them_only_when
     assert stats(asked)["rows_computed"] == ROWS
     assert runs.answers() == [expected(i) for i in range(ROWS)]
     assert runs.stored().get_column("_answer").null_count() == 0  # kept from now on
+
+
+def parse_broken(body: dict[str, Any]) -> Any:
+    return body["choices"][0]["message"]["content"]  # a string, not a dict of columns
+
+
+def test_a_broken_parse_fails_the_run_with_its_cause_and_leaves_the_stored_rows_as_they_were(
+    runs: Runs,
+) -> None:
+    assert runs(runs.asset()).success
+    before = runs.stored()
+    broken = runs(runs.asset(parse=parse_broken), raise_on_error=False)
+    assert not broken.success
+    assert "parse(): it returned str" in step_error(broken)
+    assert runs.stored().equals(before) and runs.requested() == ROWS
+
+    fixed = runs(runs.asset(parse=parse_upper))
+    assert fixed.success and runs.requested() == ROWS
+    assert runs.answers() == [expected(i).upper() for i in range(ROWS)]

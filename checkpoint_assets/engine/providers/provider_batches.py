@@ -187,29 +187,11 @@ class ProviderRun(ShardRun):
 
     # -- answers parsed again ------------------------------------------------------------
     def _rederive(self, r: Rederive, todo: pl.DataFrame) -> pl.DataFrame:
-        """Parse the stored answers again into a new generation holding every stored row (see
-        the module docstring); ``todo`` and the finished rows without answer, when asked."""
-        assert isinstance(self.sink, PartWriter)
-        first, again, failed = self.sink.next_seq, 0, 0
-        for chunk in reparse(r.answered, self.job.parse, self.check, self.label):
-            for frame in build(chunk.ok, self.id, self.inputs.schema[self.id]):
-                self.sink.learn_outputs(frame)
-                self.sink.add(frame)
-            self.sink.add(chunk.failed)
-            again, failed = again + chunk.height, failed + chunk.failed.height
-            if self.sink.due():
-                self.sink.flush()
-        self.sink.add(r.carried)
-        self.sink.begin_generation(first)
-        self.failed_rows += failed
-        self.stats.rows_reparsed, self.stats.rows_without_answer = again, r.unanswered.height
-        self.log.info(
-            "%s: parse() changed: %d stored answer(s) parsed again with no request, %d of them "
-            "failed.",
-            self.label,
-            again,
-            failed,
-        )
+        """Parse the stored answers again (see the module docstring); returns ``todo``, with
+        the finished rows without answer when the run asks for them."""
+        self.stats.rows_without_answer = r.unanswered.height
+        if r.answered.height:
+            self._reparse(r)
         if not r.unanswered.height:
             return todo
         if not self.job.recompute_unanswered:
@@ -228,6 +210,32 @@ class ProviderRun(ShardRun):
             r.unanswered.height,
         )
         return pl.concat([todo, r.unanswered.select(todo.columns)]).sort(POSITION)
+
+    def _reparse(self, r: Rederive) -> None:
+        """Write a new generation of the checkpoint: the answered rows parsed again, the other
+        stored rows as they are. Until it begins, the rows written are newer rows of the
+        current one: a run killed meanwhile leaves the next to parse them again."""
+        assert isinstance(self.sink, PartWriter)
+        first, again, failed = self.sink.next_seq, 0, 0
+        for chunk in reparse(r.answered, self.job.parse, self.check, self.label):
+            for frame in build(chunk.ok, self.id, self.inputs.schema[self.id]):
+                self.sink.learn_outputs(frame)
+                self.sink.add(frame)
+            self.sink.add(chunk.failed)
+            again, failed = again + chunk.height, failed + chunk.failed.height
+            if self.sink.due():
+                self.sink.flush()
+        self.sink.add(r.carried)
+        self.sink.begin_generation(first)
+        self.failed_rows += failed
+        self.stats.rows_reparsed = again
+        self.log.info(
+            "%s: parse() changed: %d stored answer(s) parsed again with no request, %d of them "
+            "failed.",
+            self.label,
+            again,
+            failed,
+        )
 
     # -- submitting ----------------------------------------------------------------------
     def _attach(self, s: Submission) -> bool:
