@@ -20,7 +20,12 @@ import polars as pl
 import pytest
 from helpers.jobs import ASSET, run_logs, stats, step_error
 
-from checkpoint_assets import CheckpointIOManager, OpenAIResource, provider_batch_asset
+from checkpoint_assets import (
+    AnthropicResource,
+    CheckpointIOManager,
+    OpenAIResource,
+    provider_batch_asset,
+)
 from checkpoint_assets import shard_partitions as shards
 from checkpoint_assets.engine import Checkpoint, open_store
 from examples.llm_batch.jobs import Settings
@@ -54,6 +59,14 @@ def parse_upper(body: dict[str, Any]) -> dict[str, Any]:
         "answer": body["choices"][0]["message"]["content"].upper(),
         "input_tokens": body["usage"]["prompt_tokens"],
     }
+
+
+def parse_message(message: dict[str, Any]) -> dict[str, Any]:
+    return {"answer": message["content"][0]["text"]}
+
+
+def parse_message_upper(message: dict[str, Any]) -> dict[str, Any]:
+    return {"answer": message["content"][0]["text"].upper()}
 
 
 def parse_strict(body: dict[str, Any]) -> dict[str, Any]:
@@ -101,6 +114,12 @@ class Runs:
                 "io_manager": CheckpointIOManager(base_dir=self.base_dir),
                 "source_io": dg.InMemoryIOManager(),  # type: ignore[no-untyped-call]
                 "openai": OpenAIResource(base_url=self.url, api_key="local", model="m"),
+                "claude": AnthropicResource(
+                    base_url=self.url.removesuffix("/v1"),
+                    api_key="local",
+                    model="claude-test",
+                    max_tokens=8,
+                ),
             },
             partition_key=SHARD,
             run_config={"ops": {ASSET: {"config": config}}} if config else None,
@@ -155,6 +174,19 @@ def test_a_changed_parse_rederives_every_row_from_its_stored_answer_with_no_requ
     quiet = runs(runs.asset(parse=parse_upper))
     assert quiet.success and stats(quiet)["function_changed"] is False
     assert runs.requested() == ROWS
+
+
+def test_through_anthropic_the_kept_answer_is_the_message_and_a_changed_parse_is_free(
+    runs: Runs,
+) -> None:
+    assert runs(runs.asset(parse=parse_message, provider="claude", usage_columns=[])).success
+    message = json.loads(runs.stored().get_column("_answer")[0])
+    assert message["content"][0]["text"] == ANSWERS[0]
+    changed = runs.asset(parse=parse_message_upper, provider="claude", usage_columns=[])
+    again = runs(changed)
+    assert again.success and runs.requested() == ROWS
+    assert stats(again)["rows_reparsed"] == ROWS
+    assert runs.answers() == [expected(i).upper() for i in range(ROWS)]
 
 
 def test_a_parse_that_raises_fails_its_rows_and_a_fixed_parse_recovers_them_free(
