@@ -26,10 +26,10 @@ rules are the same as for computed rows. Its steps::
     end          with ``wait`` off, as soon as every submission is created and what had ended is
                  collected: the run ends with :class:`BatchesPendingError`, the shard unfinished
 
-Answers. Each collected row keeps its response body in ``_answer`` (``keep_answers``). When only
-``parse`` changed since the stored rows were computed, the run first parses their answers again
-(``answers.py``) into a new generation of the checkpoint that holds every stored row, with no
-request; finished rows without an answer keep their outputs unless ``recompute_unanswered``.
+Answers. Each collected row keeps its response body in ``_answer`` (``keep_answers``). When
+``parse`` changed since the stored rows were computed, the run first parses their answers again,
+with no request (``answers.py``); finished rows without one keep their outputs unless
+``recompute_unanswered``.
 
 Spend budget. Before a submission is recorded or sent, its cost is estimated and reserved in the
 run's spend (``Spend.reserve``, at the batch price): input tokens are the bytes the provider
@@ -58,7 +58,7 @@ from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine.calls.batches import Broken, Check, RowResult, build
+from checkpoint_assets.engine.calls.batches import Broken, Check, RowResult
 from checkpoint_assets.engine.calls.budget import Budget
 from checkpoint_assets.engine.errors import (
     BatchesPendingError,
@@ -68,9 +68,7 @@ from checkpoint_assets.engine.errors import (
 )
 from checkpoint_assets.engine.loop.shard_run import ShardRun
 from checkpoint_assets.engine.loop.sink import PartWriter
-from checkpoint_assets.engine.plan.inputs import POSITION
-from checkpoint_assets.engine.plan.opening import Rederive
-from checkpoint_assets.engine.providers.answers import ANSWER, dumps, parse_error, reparse
+from checkpoint_assets.engine.providers.answers import ANSWER, dumps, parse_error, rederive
 from checkpoint_assets.engine.providers.submission_records import Records, Submission, new_tag
 from checkpoint_assets.engine.providers.submissions import (
     WINDOW_SECONDS,
@@ -165,7 +163,8 @@ class ProviderRun(ShardRun):
         self.records = Records(self.sink.checkpoint.store, self.sink.checkpoint.files)
         self.check = Check(self.id)
         if self.opened.rederive is not None:
-            todo = self._rederive(self.opened.rederive, todo)
+            again = self.job.recompute_unanswered
+            todo = rederive(self, self.opened.rederive, self.job.parse, self.check, todo, again)
         todo = self.prepared.whole(todo)  # a submission sends its rows at once
         self.todo = todo
         # The rows to do that no collected result covers yet, with their calls so far.
@@ -184,58 +183,6 @@ class ProviderRun(ShardRun):
         if self.spend is not None and self.spend.problem is not None:
             return self.spend.problem  # a result whose cost is unknown
         return self._over_budget_of(pending) if self.refused is not None else pending
-
-    # -- answers parsed again ------------------------------------------------------------
-    def _rederive(self, r: Rederive, todo: pl.DataFrame) -> pl.DataFrame:
-        """Parse the stored answers again (see the module docstring); returns ``todo``, with
-        the finished rows without answer when the run asks for them."""
-        self.stats.rows_without_answer = r.unanswered.height
-        if r.answered.height:
-            self._reparse(r)
-        if not r.unanswered.height:
-            return todo
-        if not self.job.recompute_unanswered:
-            self.log.warning(
-                "%s: %d finished row(s) have no stored answer (keep_answers off, or stored "
-                "without one): they keep the outputs of the earlier parse(). To request them "
-                "again (paid), run with `recompute_unanswered: true` in the run config.",
-                self.label,
-                r.unanswered.height,
-            )
-            return todo
-        self.log.info(
-            "%s: requesting %d finished row(s) again that have no stored answer "
-            "(recompute_unanswered).",
-            self.label,
-            r.unanswered.height,
-        )
-        return pl.concat([todo, r.unanswered.select(todo.columns)]).sort(POSITION)
-
-    def _reparse(self, r: Rederive) -> None:
-        """Write a new generation of the checkpoint: the answered rows parsed again, the other
-        stored rows as they are. Until it begins, the rows written are newer rows of the
-        current one: a run killed meanwhile leaves the next to parse them again."""
-        assert isinstance(self.sink, PartWriter)
-        first, again, failed = self.sink.next_seq, 0, 0
-        for chunk in reparse(r.answered, self.job.parse, self.check, self.label):
-            for frame in build(chunk.ok, self.id, self.inputs.schema[self.id]):
-                self.sink.learn_outputs(frame)
-                self.sink.add(frame)
-            self.sink.add(chunk.failed)
-            again, failed = again + chunk.height, failed + chunk.failed.height
-            if self.sink.due():
-                self.sink.flush()
-        self.sink.add(r.carried)
-        self.sink.begin_generation(first)
-        self.failed_rows += failed
-        self.stats.rows_reparsed = again
-        self.log.info(
-            "%s: parse() changed: %d stored answer(s) parsed again with no request, %d of them "
-            "failed.",
-            self.label,
-            again,
-            failed,
-        )
 
     # -- submitting ----------------------------------------------------------------------
     def _attach(self, s: Submission) -> bool:
