@@ -329,6 +329,10 @@ class RunStats:
     cost_saved_usd: float | None = None
     # What differs from the function that computed the stored results it reused (same job).
     function_changed: list[str] = field(default_factory=list)
+    # A request/parse job whose parse changed: stored answers parsed again (no request), and
+    # finished rows without a stored answer.
+    rows_reparsed: int = 0
+    rows_without_answer: int = 0
 
     @property
     def rows_per_second(self) -> float:

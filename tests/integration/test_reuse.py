@@ -292,6 +292,9 @@ def test_a_provider_batch_asset_submits_only_rows_never_asked(tmp_path: Any) -> 
     assert (first["rows_from_store"], second["rows_from_store"]) == (0, 20)
     routes = second["result"].get_column("route")
     assert routes.null_count() == 0 and second["result"].height == 40
+    manager = CheckpointIOManager(base_dir=storage[0])
+    stored = manager.checkpoint(dg.AssetKey("second"), None, None).load("ticket_id").rows
+    assert stored.get_column("_answer").null_count() == 0  # taken rows keep their answer
 
 
 def test_another_shard_scheme_takes_its_results_from_the_store(storage: Storage) -> None:

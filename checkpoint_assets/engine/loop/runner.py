@@ -143,7 +143,8 @@ class _Shard:
                 if min_flush is None
                 else min_flush,
                 max_unflushed=s.max_unflushed_rows,
-                contribution=self._contribution(),
+                # A re-derived parse carries rows computed by the earlier one: none is added.
+                contribution=self._contribution() if opened.rederive is None else None,
             )
             return self._work(opened, sink)
         finally:

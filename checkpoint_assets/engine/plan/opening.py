@@ -2,6 +2,10 @@
 rows of other checkpoints (global resume), plan what is left to compute, and take what the result
 store holds of it (``from_store.py``).
 
+When only how answers are read changed (a request/parse job's ``parse``, see
+``function_fingerprint.py``), the stored rows with an answer are not computed again: ``Rederive``
+hands them to the work loop, which parses them again (``providers/answers.py``).
+
 ``open_run`` returns an ``Opened`` value; nothing here keeps state between runs.
 """
 
@@ -28,7 +32,7 @@ from checkpoint_assets.engine.plan.inputs import Prepared
 from checkpoint_assets.engine.plan.resume import Copies, Plan, dedupe, plan
 from checkpoint_assets.engine.reuse import layout as reuse
 from checkpoint_assets.engine.reuse.store import ResultStore
-from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH, SEQ
+from checkpoint_assets.engine.rows import ANSWER, ATTEMPTS, CURRENT, ERROR, INPUT_HASH, SEQ
 from checkpoint_assets.engine.settings import OnInputChange, Settings
 from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.sharding.scheme import Scheme, rule_changed
@@ -52,6 +56,18 @@ class Start:
     # differs from the one recorded (reported only when stored results are reused).
     function_fingerprint: dict[str, str] | None = None
     function_changed: list[str] = field(default_factory=list)
+    parse_changed: bool = False  # a request/parse job's parse part differs (no call needed)
+    request_changed: bool = False  # anything else differs
+
+
+@dataclass(frozen=True)
+class Rederive:
+    """The stored rows of a job whose ``parse`` changed, for a new generation that holds them
+    all: those to parse again, those copied as they are, and the finished ones without answer."""
+
+    answered: pl.DataFrame  # id, input hash, attempts, answer: input unchanged, answer kept
+    carried: pl.DataFrame  # every other stored row (bookkeeping but ``_seq`` included)
+    unanswered: pl.DataFrame  # rows of the input's keys, with ``_attempts``: no answer kept
 
 
 @dataclass(kw_only=True)
@@ -61,6 +77,7 @@ class Opened(Start):
     plan: Plan
     todo: pl.DataFrame  # the rows to call the function on (one per distinct input with dedupe)
     copies: Copies | None = None  # rows that take the result of a row in ``todo`` (dedupe)
+    rederive: Rederive | None = None  # the parse changed: stored answers to parse again
 
 
 @dataclass(frozen=True)
@@ -121,16 +138,45 @@ def open_run(
         earlier_hashes=inputs.earlier_hashes if earlier_hashes else None,
     )
     _log_plan(found, log, label)
-    if start.function_changed and found.resumed:
-        _log_function_changed(start.function_changed, found.resumed, log, label)
+    todo, copies, rederive = found.todo, None, None
+    if start.parse_changed and stored.height:
+        rederive = _rederive(stored, keys, settings.id_column)
+        answered = rederive.answered.get_column(settings.id_column)
+        todo = todo.filter(~pl.col(settings.id_column).is_in(answered.implode()))
+    if start.function_changed and (found.resumed or rederive is not None):
+        if start.request_changed:  # a changed parse alone is the work loop's to tell
+            _log_function_changed(start.function_changed, found.resumed, log, label)
     else:
         start.function_changed = []  # no stored result of the earlier function is used
-    if results is not None and checkpoint is not None and settings.resume:
-        found.todo = _from_store(start, found.todo, results, job, settings, checkpoint, log, label)
-    todo, copies = found.todo, None
+    # A run that re-derives a changed parse starts a new generation after its first parts: it
+    # takes nothing from the store (rows it wrote before that generation would be left out).
+    if results is not None and checkpoint is not None and settings.resume and rederive is None:
+        todo, taken = _from_store(start, todo, results, job, settings, checkpoint, log, label)
+        if taken is not None:
+            found.todo = found.todo.filter(~pl.col(settings.id_column).is_in(taken.implode()))
     if settings.dedupe and todo.height:
         todo, copies = dedupe(todo, settings.id_column)
-    return Opened(**vars(start), plan=found, todo=todo, copies=copies)
+    return Opened(**vars(start), plan=found, todo=todo, copies=copies, rederive=rederive)
+
+
+def _rederive(stored: pl.DataFrame, keys: pl.DataFrame, id_column: str) -> Rederive:
+    """Split ``stored`` for a changed ``parse``: rows with an answer whose input is unchanged
+    (or gone from the input), and the rest; and the finished rows of the input without one."""
+    now = keys.select(id_column, pl.col(INPUT_HASH).alias("__now"))
+    answer = pl.col(ANSWER) if ANSWER in stored.columns else pl.lit(None, pl.String)
+    joined = stored.with_columns(answer.alias(ANSWER)).join(
+        now, on=id_column, how="left", maintain_order="left"
+    )
+    unchanged = pl.col("__now").is_null() | (pl.col("__now") == pl.col(INPUT_HASH))
+    again = unchanged & pl.col(ANSWER).is_not_null()
+    unanswered = joined.filter(
+        (pl.col("__now") == pl.col(INPUT_HASH)) & pl.col(ERROR).is_null() & pl.col(ANSWER).is_null()
+    ).select(id_column, ATTEMPTS)
+    return Rederive(
+        answered=joined.filter(again).select(id_column, INPUT_HASH, ATTEMPTS, ANSWER),
+        carried=joined.filter(~again).drop("__now", SEQ, CURRENT, strict=False),
+        unanswered=keys.join(unanswered, on=id_column, how="inner", maintain_order="left"),
+    )
 
 
 def _load(
@@ -180,10 +226,11 @@ def _load(
         next_seq=loaded.next_seq,
         parts=list(loaded.parts),
         function_fingerprint=job.function,
-        function_changed=function_fingerprint.changes(recorded, job.function)
-        if recorded and job.function
-        else [],
     )
+    if recorded and job.function:
+        start.function_changed = function_fingerprint.changes(recorded, job.function)
+        start.parse_changed = function_fingerprint.parse_changed(recorded, job.function)
+        start.request_changed = function_fingerprint.request_changed(recorded, job.function)
     return start, loaded.rows
 
 
@@ -315,16 +362,16 @@ def _from_store(
     checkpoint: Checkpoint,
     log: Logger,
     label: str,
-) -> pl.DataFrame:
+) -> tuple[pl.DataFrame, pl.Series | None]:
     """Take the rows of ``todo`` the result store holds into the checkpoint; the rest of
-    ``todo``, in its order."""
+    ``todo``, in its order, and the ids taken (None: none)."""
     if not job.function:
         log.warning(
             "%s: the function has no fingerprint (no readable source or bytecode), so the "
             "result store is not used: it could hand over another function's results.",
             label,
         )
-        return todo
+        return todo, None
     id_column = settings.id_column
     taken = from_store.take(todo, results, job.scope, id_column, settings.budget)
     for path in results.unreadable:
@@ -335,7 +382,7 @@ def _from_store(
             path,
         )
     if taken is None:
-        return todo
+        return todo, None
     assert start.meta is not None
     outputs = {c: str(taken.rows.schema[c]) for c in rows.outputs_of(taken.rows, id_column)}
     known = start.meta.output_schema
@@ -347,7 +394,7 @@ def _from_store(
             sorted(outputs),
             sorted(known),
         )
-        return todo
+        return todo, None
     if not known:
         start.meta.output_schema = outputs
         checkpoint.meta_file.write(start.meta)
@@ -359,7 +406,8 @@ def _from_store(
         taken.rows.height,
         results.url,
     )
-    return todo.filter(~pl.col(id_column).is_in(taken.rows.get_column(id_column).implode()))
+    ids = taken.rows.get_column(id_column)
+    return todo.filter(~pl.col(id_column).is_in(ids.implode())), ids
 
 
 def _keys(frame: pl.DataFrame, key: pl.Expr) -> pl.Series:
@@ -389,8 +437,11 @@ def _note_imported_functions(opened: Start, wanted: pl.DataFrame) -> pl.DataFram
     if opened.function_fingerprint:
         # Distinct first: one text per checkpoint, not one per row.
         for text in wanted.get_column(FUNCTION).unique().cast(pl.String).drop_nulls().sort():
-            found = function_fingerprint.changes(json.loads(text), opened.function_fingerprint)
+            recorded = json.loads(text)
+            found = function_fingerprint.changes(recorded, opened.function_fingerprint)
             opened.function_changed += [c for c in found if c not in opened.function_changed]
+            changed = function_fingerprint.request_changed(recorded, opened.function_fingerprint)
+            opened.request_changed = opened.request_changed or changed
     return wanted.drop(FUNCTION)
 
 

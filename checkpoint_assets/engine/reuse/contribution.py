@@ -3,8 +3,9 @@
 The sink hands over the rows of each part after the part is written, and those of the merged
 file after finalize (``durable``). Successful rows are held until ``BATCH_ROWS`` of them are, or
 the run ends (``close``), then stored in one file per bucket: a few large files, not many tiny
-ones. Failed rows (``_error``) are never stored. A store that cannot be written is logged and the
-run goes on: its results are safe in the checkpoint, and only later reuse of them is lost.
+ones. Failed rows (``_error``) are never stored; a row's ``_answer`` is, beside its outputs. A
+store that cannot be written is logged and the run goes on: its results are safe in the
+checkpoint, and only later reuse of them is lost.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import polars as pl
 
 from checkpoint_assets.engine.reuse.layout import stored_keys
 from checkpoint_assets.engine.reuse.store import ResultStore
-from checkpoint_assets.engine.rows import ERROR, outputs_of
+from checkpoint_assets.engine.rows import ANSWER, ERROR, outputs_of
 
 BATCH_ROWS = 1 << 16
 Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
@@ -58,7 +59,8 @@ class Contribution:
             rows = rows.filter(pl.col(ERROR).is_null())
         if not rows.height:
             return
-        self.held.append(rows.select(self.id_column, *outputs_of(rows, self.id_column)))
+        answer = [ANSWER] if ANSWER in rows.columns else []  # a later parse may read it again
+        self.held.append(rows.select(self.id_column, *outputs_of(rows, self.id_column), *answer))
         self.held_rows += rows.height
         if self.held_rows >= self.batch_rows:
             self.write()
