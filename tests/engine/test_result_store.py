@@ -69,6 +69,26 @@ def test_a_lookup_skips_row_groups_without_its_keys(tmp_path: Any) -> None:
     assert store.store.usage().since(before).bytes_read < size / 4
 
 
+def test_a_lookup_by_the_same_ids_reads_only_the_row_groups_of_their_range(tmp_path: Any) -> None:
+    store = ResultStore(open_store(str(tmp_path / "results")))
+    n = 100_000
+    stored = results_of([f"body {i}" for i in range(n)]).with_columns(
+        pl.int_range(0, n, dtype=pl.Int64).alias(layout.ID_KEY)  # asked by ids in this order
+    )
+    path = layout.new_file(store.root, SCOPE, 0)
+    store.write(path, stored)  # one large file, in bucket 0's folder
+    size = store.store.size(path)
+    wanted = stored.filter(layout.bucket() == 0, pl.col(layout.ID_KEY) < n // 16)
+    assert wanted.height > 10
+
+    before = store.store.usage()
+    found = store.lookup(SCOPE, wanted.select(*layout.KEYS, layout.ID_KEY))
+
+    expect = wanted.drop(layout.ID_KEY).sort(layout.KEYS)
+    assert found.sort(layout.KEYS).select(expect.columns).equals(expect)
+    assert store.store.usage().since(before).bytes_read < size / 8
+
+
 def test_a_key_of_another_scope_is_not_found(tmp_path: Any) -> None:
     store = ResultStore(open_store(str(tmp_path / "results")))
     stored = results_of(["a", "b"])

@@ -17,7 +17,7 @@ from checkpoint_assets.engine.calls.budget import Budget
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.plan.inputs import CONTENT_LO
 from checkpoint_assets.engine.plan.resume import DEDUPE_KEY
-from checkpoint_assets.engine.reuse.layout import KEYS, stored_keys
+from checkpoint_assets.engine.reuse.layout import ID_KEY, KEYS, id_key, stored_keys
 from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH
 
@@ -42,8 +42,13 @@ def take(
     holds, or None when it holds none."""
     if not todo.height or CONTENT_LO not in todo.columns:
         return None
-    keyed = todo.select(id_column, INPUT_HASH, *stored_keys(DEDUPE_KEY, CONTENT_LO))
-    found = results.lookup(scope, keyed.select(KEYS))
+    keyed = todo.select(
+        id_column,
+        INPUT_HASH,
+        *stored_keys(DEDUPE_KEY, CONTENT_LO),
+        id_key(id_column, todo.schema[id_column]),
+    )
+    found = results.lookup(scope, keyed.select(*KEYS, ID_KEY))
     if not found.height:
         return None
     outputs = [c for c in found.columns if c not in KEYS]

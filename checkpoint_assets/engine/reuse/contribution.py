@@ -14,7 +14,7 @@ import logging
 
 import polars as pl
 
-from checkpoint_assets.engine.reuse.layout import stored_keys
+from checkpoint_assets.engine.reuse.layout import id_key, stored_keys
 from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.rows import ANSWER, ERROR, outputs_of
 
@@ -42,7 +42,8 @@ class Contribution:
     ) -> None:
         self.results = results
         self.scope = scope
-        self.keys = keys.select(id_column, *stored_keys(hi, lo))
+        where = id_key(id_column, keys.schema[id_column])
+        self.keys = keys.select(id_column, *stored_keys(hi, lo), where)
         self.id_column = id_column
         self.log = log
         self.batch_rows = batch_rows

@@ -8,8 +8,10 @@ Under the store's root (by default ``result-store`` beside the checkpoints)::
   change results (``scope``). A changed function or setting has another scope: it misses.
 - ``<bucket>``: the top ``BUCKET_BITS`` bits of the content key, two hex digits.
 - a file: immutable, written once under a unique name, never rewritten. It holds ``KEY_HI``,
-  ``KEY_LO`` and the output columns, sorted by key, in row groups of ``ROW_GROUP_ROWS`` with
-  statistics. Its name starts with when it was written (milliseconds since the epoch).
+  ``KEY_LO``, ``ID_KEY`` (the shard key of the id whose run computed the row: ``hashing.py``'s
+  ``shard_key``) and the output columns, sorted by ``ID_KEY``, in row groups of
+  ``ROW_GROUP_ROWS`` with statistics. Its name starts with when it was written (milliseconds
+  since the epoch).
 
 Keys are stored as signed 64-bit integers: the unsigned half with its top bit flipped, ordered
 as the unsigned value, within the integers every Parquet reader compares.
@@ -30,10 +32,11 @@ from checkpoint_assets.engine.sharding import hashing
 
 FOLDER = "result-store"  # the store's folder under a checkpoint root, by default
 BUCKET_BITS = 8
-ROW_GROUP_ROWS = 8192
+ROW_GROUP_ROWS = 2048
 KEY_HI = "_key_hi"
 KEY_LO = "_key_lo"
 KEYS = (KEY_HI, KEY_LO)
+ID_KEY = "_id_key"
 # The job settings that say where results are kept, not what they are: left out of the scope.
 PLACE = ("asset", "id_column")
 _FILE = re.compile(r"^(\d{13})-[0-9a-f]{12}\.parquet$")
@@ -52,6 +55,11 @@ def stored_keys(hi: str, lo: str) -> list[pl.Expr]:
         (pl.col(hi) ^ flip).reinterpret(signed=True).alias(KEY_HI),
         (pl.col(lo) ^ flip).reinterpret(signed=True).alias(KEY_LO),
     ]
+
+
+def id_key(id_column: str, dtype: pl.DataType) -> pl.Expr:
+    """``ID_KEY`` of each (canonical) id in ``id_column``: where its shard finds it."""
+    return hashing.shard_key(id_column, dtype).alias(ID_KEY)
 
 
 def bucket() -> pl.Expr:
