@@ -5,12 +5,14 @@
 in chunks of a million rows as shards add them, then merged as ``checkpoint-assets clean
 --results`` merges them. For shard 0 it measures, in this one process:
 
-- ``lookup``: ``ResultStore.lookup`` of the shard's content keys (every one of them stored), as a
-  run does before its first call: bytes its GETs fetched, wall and CPU time;
+- ``lookup``: ``ResultStore.lookup`` of the shard's keys (every one of them stored, under the
+  same ids), as a run does before its first call: bytes its GETs fetched, wall and CPU time;
 - ``baseline``: a polars scan of the same rows' checkpoint (their merged file, written by the
   engine): the file's bytes, wall and CPU time.
 
-It prints one JSON object. The keys' hashing (``prepare``) is not in either figure.
+It prints one JSON object: ``bytes_ratio`` is the lookup's bytes over the baseline's,
+``results_share_ratio`` over the stored bytes of the results it took (the store's bytes times
+the shard's share of its rows). The keys' hashing (``prepare``) is in neither figure.
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ def fill(store: ResultStore, total: int) -> None:
         chunk = rows(first, min(CHUNK, total - first))
         hi, lo = hashing.content_keys(chunk, ["body"])
         keys = pl.DataFrame({"hi": hi, "lo": lo}, schema={"hi": pl.UInt64, "lo": pl.UInt64})
+        where = chunk.select(layout.id_key("ticket_id", pl.Int64))
         stored = keys.select(layout.stored_keys("hi", "lo")).hstack(
-            results(chunk).drop("ticket_id").get_columns()
+            [*where.get_columns(), *results(chunk).drop("ticket_id").get_columns()]
         )
         store.add(SCOPE, stored)
     upkeep.merge(store, store.files())
@@ -89,7 +92,9 @@ def main(total: int, shards: int, folder: str) -> dict[str, Any]:
     inputs = prepare(mine, settings, content=True)
     checkpoint = Checkpoint(store, "bench/default/00")
     run(results, inputs, checkpoint, settings, job=JOB)
-    keys = inputs.keys.select(layout.stored_keys(DEDUPE_KEY, CONTENT_LO))
+    keys = inputs.keys.select(
+        *layout.stored_keys(DEDUPE_KEY, CONTENT_LO), layout.id_key("ticket_id", pl.Int64)
+    )
 
     before = store.usage()
     found, seconds, cpu = timed(lambda: result_store.lookup(SCOPE, keys))
@@ -116,6 +121,7 @@ def main(total: int, shards: int, folder: str) -> dict[str, Any]:
             "cpu": round(base_cpu, 3),
         },
         "bytes_ratio": round(read.bytes_read / os.path.getsize(merged), 2),
+        "results_share_ratio": round(read.bytes_read / (stored_bytes * mine.height / total), 2),
         "cpu_ratio": round(cpu / max(base_cpu, 1e-9), 2),
         "store_share_read": round(read.bytes_read / stored_bytes, 3),
         "shard_share": round(1 / shards, 3),
