@@ -7,6 +7,7 @@ in chunks of a million rows as shards add them, then merged as ``checkpoint-asse
 
 - ``lookup``: ``ResultStore.lookup`` of the shard's keys (every one of them stored, under the
   same ids), as a run does before its first call: bytes its GETs fetched, wall and CPU time;
+- ``miss``: the same for as many new rows of shard 0, none of them stored;
 - ``baseline``: a polars scan of the same rows' checkpoint (their merged file, written by the
   engine): the file's bytes, wall and CPU time.
 
@@ -27,7 +28,7 @@ from typing import Any
 import polars as pl
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
-from checkpoint_assets.engine.plan.inputs import CONTENT_LO
+from checkpoint_assets.engine.plan.inputs import CONTENT_LO, Prepared
 from checkpoint_assets.engine.plan.resume import DEDUPE_KEY
 from checkpoint_assets.engine.reuse import layout, upkeep
 from checkpoint_assets.engine.reuse.store import ResultStore
@@ -68,6 +69,12 @@ def fill(store: ResultStore, total: int) -> None:
     upkeep.merge(store, store.files())
 
 
+def _keys(inputs: Prepared) -> pl.DataFrame:
+    """The stored keys and id keys of a shard's rows, as a run looks them up."""
+    where = layout.id_key("ticket_id", pl.Int64)
+    return inputs.keys.select(*layout.stored_keys(DEDUPE_KEY, CONTENT_LO), where)
+
+
 def timed(fn: Any) -> tuple[Any, float, float]:
     started, cpu = time.perf_counter(), time.process_time()
     out = fn()
@@ -92,13 +99,18 @@ def main(total: int, shards: int, folder: str) -> dict[str, Any]:
     inputs = prepare(mine, settings, content=True)
     checkpoint = Checkpoint(store, "bench/default/00")
     run(results, inputs, checkpoint, settings, job=JOB)
-    keys = inputs.keys.select(
-        *layout.stored_keys(DEDUPE_KEY, CONTENT_LO), layout.id_key("ticket_id", pl.Int64)
-    )
+    keys = _keys(inputs)
 
     before = store.usage()
     found, seconds, cpu = timed(lambda: result_store.lookup(SCOPE, keys))
     read = store.usage().since(before)
+    new = rows(total, total)  # never stored: the shard's share of as many new rows
+    new = new.filter(pl.Series(hashing.shard_of(new.get_column("ticket_id"), shards) == 0))
+    missing = _keys(prepare(new, settings, content=True))
+    before = store.usage()
+    none, miss_seconds, miss_cpu = timed(lambda: result_store.lookup(SCOPE, missing))
+    miss = store.usage().since(before)
+    assert none.height == 0
     merged = checkpoint.files.merged
     scanned, base_seconds, base_cpu = timed(lambda: pl.scan_parquet(merged).collect())
     assert found.height == mine.height == scanned.height
@@ -114,6 +126,12 @@ def main(total: int, shards: int, folder: str) -> dict[str, Any]:
             "gets": read.requests.get("GET", 0),
             "seconds": round(seconds, 3),
             "cpu": round(cpu, 3),
+        },
+        "miss": {
+            "rows": missing.height,
+            "bytes": miss.bytes_read,
+            "seconds": round(miss_seconds, 3),
+            "cpu": round(miss_cpu, 3),
         },
         "baseline": {
             "bytes": os.path.getsize(merged),
