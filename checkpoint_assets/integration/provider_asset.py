@@ -127,7 +127,7 @@ def provider_batch_asset(
         code = function_fingerprint.of_function(request)
         parsed = sorted(function_fingerprint.of_function(a.parse).items())  # "the constant parse"
         code[function_fingerprint.CONSTANT + "parse"] = ",".join(f"{k}={v}" for k, v in parsed)
-        calls = Calls((provider,), code, bind, ProviderRun, ProviderBatchRunConfig)
+        calls = Calls((provider,), code, bind, ProviderRun, ProviderBatchRunConfig, request=request)
         return define(request, calls, declared, kinds={"polars", "parquet", provider})
 
     return decorator

@@ -30,6 +30,7 @@ from checkpoint_assets.engine import rows
 from checkpoint_assets.engine.calls import tokens
 from checkpoint_assets.engine.calls.budget import Budget
 from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.fields import setting
 from checkpoint_assets.engine.plan.inputs import Prepared
 from checkpoint_assets.engine.plan.opening import Job, importable, plan_rows, read_stored
 from checkpoint_assets.engine.plan.resume import dedupe
@@ -56,26 +57,58 @@ class Requests:
 
 @dataclass
 class Estimate:
-    """What a run would compute and cost: one shard's, or the sum of several.
+    """What a run would compute and cost: one shard's, or the sum of several. Each field's
+    meaning is declared with it (the docs' metadata reference shows them)."""
 
-    ``output_tokens`` is a ceiling (each request's ``max_tokens``), over the rows whose request
-    names one; ``rows_uncapped`` name none. Costs are None without a budget.
-    """
-
-    rows_total: int = 0
-    rows_done: int = 0  # stored and finished (or failed and kept), global resume's included
-    rows_reused: int = 0  # from the result store
-    rows_deduped: int = 0  # copies of an identical input's result
-    rows_to_compute: int = 0
-    input_tokens: int = 0
-    output_tokens: int = 0
-    rows_uncapped: int = 0  # rows whose request names no max_tokens
-    cost_online_usd: float | None = None
-    cost_batch_usd: float | None = None
-    tokenizer: str = ""
+    rows_total: int = setting(0, "Input rows.")
+    rows_done: int = setting(
+        0,
+        "Rows the checkpoint holds as finished, or failed and kept (`retry_failed: false`); "
+        "with `global_resume`, other checkpoints' too.",
+    )
+    rows_reused: int = setting(0, "Rows the result store would give.")
+    rows_deduped: int = setting(0, "Rows that would take an identical input's result (`dedupe`).")
+    rows_to_compute: int = setting(
+        0, "Rows the run would compute: rows left after resume, reuse and dedupe."
+    )
+    input_tokens: int = setting(
+        0, "Estimated input tokens of those rows (`tokenizer`; see the operations guide)."
+    )
+    output_tokens: int = setting(
+        0, "The most output tokens those rows may use: each request's `max_tokens`, a ceiling."
+    )
+    rows_uncapped: int = setting(
+        0, "Rows whose request names no `max_tokens`: their output is not counted."
+    )
+    cost_online_usd: float | None = setting(
+        None, "With a `budget`: what those tokens cost through the endpoint, in USD."
+    )
+    cost_batch_usd: float | None = setting(
+        None, "With a `budget`: the same at the provider's batch price."
+    )
+    tokenizer: str = setting(
+        "", "How input tokens were counted: `tiktoken <encoding>` or `bytes/4`."
+    )
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def summary(self) -> str:
+        """The estimate in one line, for people."""
+        said = (
+            f"{self.rows_to_compute:,} of {self.rows_total:,} row(s) to compute "
+            f"({self.rows_done:,} done, {self.rows_reused:,} reused, {self.rows_deduped:,} "
+            f"deduped); {self.input_tokens:,} input tokens ({self.tokenizer}), at most "
+            f"{self.output_tokens:,} output tokens"
+        )
+        if self.rows_uncapped:
+            said += f" ({self.rows_uncapped:,} row(s) name no max_tokens: not counted)"
+        if self.cost_online_usd is not None and self.cost_batch_usd is not None:
+            said += (
+                f"; {self.cost_online_usd:,.4f} USD online, {self.cost_batch_usd:,.4f} USD as "
+                "provider batches"
+            )
+        return said
 
     @classmethod
     def total(cls, shards: Iterable[Estimate]) -> Estimate:

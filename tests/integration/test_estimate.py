@@ -1,0 +1,279 @@
+"""The bill before the run: a dry run (``dry_run: true``) against the real run of the same job, on
+a real instance and real files, through ``OpenAIResource`` and the local chat server or the local
+batch provider.
+
+How the figures can meet: the local servers count a token per whitespace-separated word
+(``examples/llm_openai/answers.py`` ``count_tokens``, and the batch provider alike); the
+estimate counts bytes/4 (tiktoken is not installed in CI). The texts here are words of three
+letters, four bytes a word with its space, about what English averages per token with OpenAI's
+tokenizers. Each answer is one word, a department, and the resource's ``max_tokens`` is 1, so
+the output ceiling is the answer's length.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import polars as pl
+import pytest
+from helpers.jobs import step_error
+
+from checkpoint_assets import (
+    Budget,
+    CheckpointIOManager,
+    OpenAIResource,
+    Price,
+    checkpointed_asset,
+    provider_batch_asset,
+    shard_partitions,
+)
+from checkpoint_assets.engine.plan.estimate import Estimate
+from checkpoint_assets.integration import metadata as md
+from examples.llm_batch import provider
+from examples.llm_openai import server
+
+ID = "id"
+ASSET = "routed"
+SHARDS = shard_partitions(2)
+PRICE = Price(input=1.0, output=2.0)
+BUDGET = Budget({"m": PRICE}, input_tokens="prompt_tokens", output_tokens="completion_tokens")
+SYSTEM = "Route the support ticket to one department."
+ROWS = 120
+
+
+def texts(n: int, seed: int = 7) -> pl.DataFrame:
+    """``n`` rows of 20 to 60 words of three letters each."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+
+    def word() -> str:
+        return "".join(rng.choice(letters) for _ in range(3))
+
+    bodies = [" ".join(word() for _ in range(rng.randint(20, 60))) for _ in range(n)]
+    return pl.DataFrame({ID: list(range(n)), "text": bodies})
+
+
+def parse(body: dict[str, Any]) -> dict[str, Any]:
+    usage = body["usage"]
+    return {
+        "department": body["choices"][0]["message"]["content"],
+        "prompt_tokens": usage["prompt_tokens"],
+        "completion_tokens": usage["completion_tokens"],
+    }
+
+
+def online_asset(**kw: Any) -> dg.AssetsDefinition:
+    @checkpointed_asset(
+        **kw,
+        source="texts",
+        name=ASSET,
+        id_column=ID,
+        input_columns=["text"],
+        partitions_def=SHARDS,
+        usage_columns=["prompt_tokens", "completion_tokens"],
+        budget=BUDGET,
+        checkpoint_interval=16,
+        retry_delay_seconds=0.0,
+    )
+    async def routed(row: dict[str, Any], chat: OpenAIResource) -> dict[str, Any]:
+        reply = await chat.client().chat.completions.create(
+            messages=[{"role": "user", "content": row["text"]}], **chat.request_defaults()
+        )
+        return parse(reply.model_dump())
+
+    return routed
+
+
+def batch_asset() -> dg.AssetsDefinition:
+    @provider_batch_asset(
+        source="texts",
+        name=ASSET,
+        id_column=ID,
+        input_columns=["text"],
+        partitions_def=SHARDS,
+        usage_columns=["prompt_tokens", "completion_tokens"],
+        budget=BUDGET,
+        parse=parse,
+        provider="chat",
+        poll_seconds=0.05,
+        max_poll_seconds=0.2,
+    )
+    def routed(row: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": row["text"]},
+            ]
+        }
+
+    return routed
+
+
+class Job:
+    """One asset over ``texts(ROWS)`` on a real SQLite instance and checkpoint files."""
+
+    def __init__(self, tmp_path: Path, url: str, asset: dg.AssetsDefinition) -> None:
+        self.base_dir = tmp_path / "checkpoints"
+        self.instance = dg.DagsterInstance.local_temp(
+            tempdir=str(tmp_path), overrides={"telemetry": {"enabled": False}}
+        )
+        self.url = url
+        self.asset = asset
+        self.df = texts(ROWS)
+
+    def run(
+        self, partition: str, raise_on_error: bool = True, **config: Any
+    ) -> dg.ExecuteInProcessResult:
+        @dg.asset(name="texts", io_manager_key="source_io")
+        def source() -> pl.DataFrame:
+            return self.df
+
+        return dg.materialize(
+            [source, self.asset],
+            instance=self.instance,
+            partition_key=partition,
+            resources={
+                "io_manager": CheckpointIOManager(base_dir=str(self.base_dir)),
+                "source_io": dg.InMemoryIOManager(),  # type: ignore[no-untyped-call]
+                "chat": OpenAIResource(base_url=self.url, api_key="local", model="m", max_tokens=1),
+            },
+            run_config={"ops": {ASSET: {"config": config}}},
+            raise_on_error=raise_on_error,
+        )
+
+    def estimate(self, partition: str, **config: Any) -> Estimate:
+        """A dry run's estimate of ``partition``, read from the observation it recorded."""
+        result = self.run(partition, dry_run=True, **config)
+        assert result.success
+        (event,) = result.get_asset_observation_events()
+        observation = event.asset_observation_data.asset_observation
+        assert observation.partition == partition
+        return md.estimate_of({k: md.plain(v) for k, v in observation.metadata.items()})
+
+    def files(self) -> dict[str, bytes]:
+        return {
+            str(p.relative_to(self.base_dir)): p.read_bytes()
+            for p in sorted(self.base_dir.rglob("*"))
+            if p.is_file()
+        }
+
+
+def materialized(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
+    (event,) = result.asset_materializations_for_node(ASSET)
+    return {k: md.plain(v) for k, v in event.metadata.items()}
+
+
+@pytest.fixture
+def chat_url() -> Iterator[str]:
+    with server.serve() as url:
+        yield url
+
+
+@pytest.fixture
+def provider_url() -> Iterator[str]:
+    with provider.serve(provider.Settings()) as url:
+        yield url
+
+
+def near(estimated: float, actual: float) -> bool:
+    return abs(estimated - actual) <= 0.15 * actual
+
+
+def test_the_estimate_meets_the_real_run_rows_exactly_tokens_and_cost_within_15_percent(
+    tmp_path: Path, chat_url: str
+) -> None:
+    job = Job(tmp_path, chat_url, online_asset())
+    found = job.estimate("0-of-2")
+    assert server.stats(chat_url)["requests"] == 0  # nothing was asked
+    result = job.run("0-of-2")
+    done = materialized(result)
+    served = server.stats(chat_url)
+    assert found.rows_total == done["rows_total"]
+    assert found.rows_to_compute == done["rows_computed"] == served["ok"]
+    assert found.rows_done == 0 and found.tokenizer == "bytes/4"
+    assert near(found.input_tokens, served["prompt_tokens"])
+    assert near(found.output_tokens, served["completion_tokens"])
+    assert found.cost_online_usd is not None and near(found.cost_online_usd, done[md.COST_USD])
+    assert found.cost_batch_usd == pytest.approx(found.cost_online_usd * 0.5)
+
+
+def test_after_a_partial_run_the_estimate_counts_only_what_is_left(
+    tmp_path: Path, chat_url: str
+) -> None:
+    job = Job(tmp_path, chat_url, online_asset())
+    first = materialized(job.run("1-of-2", limit=25))
+    assert first["rows_computed"] == 25
+    found = job.estimate("1-of-2")
+    assert found.rows_done == 25
+    assert found.rows_to_compute == found.rows_total - 25
+    before = server.stats(chat_url)
+    rest = materialized(job.run("1-of-2"))
+    after = server.stats(chat_url)
+    assert found.rows_to_compute == rest["rows_computed"] == after["ok"] - before["ok"]
+    asked = after["prompt_tokens"] - before["prompt_tokens"]
+    assert near(found.input_tokens, asked)
+    assert found.cost_online_usd is not None and near(found.cost_online_usd, rest[md.COST_USD])
+
+
+def test_a_dry_run_leaves_the_checkpoint_byte_identical_and_records_no_materialization(
+    tmp_path: Path, chat_url: str
+) -> None:
+    job = Job(tmp_path, chat_url, online_asset())
+    job.run("0-of-2", limit=10)
+    key = dg.AssetKey(ASSET)
+    files = job.files()
+    materializations = job.instance.fetch_materializations(key, limit=100).records
+    found = job.estimate("0-of-2")
+    assert found.rows_done == 10
+    assert job.files() == files  # no lock, no meta, no part
+    assert job.instance.fetch_materializations(key, limit=100).records == materializations
+    status = job.instance.get_status_by_partition(key, ["0-of-2", "1-of-2"], SHARDS)
+    assert status == {"0-of-2": dg.AssetPartitionStatus.MATERIALIZED, "1-of-2": None}
+    # A dry run of a shard never run writes nothing either.
+    job.estimate("1-of-2")
+    assert job.files() == files
+
+
+def test_with_dedupe_the_estimate_counts_one_row_per_distinct_input(
+    tmp_path: Path, chat_url: str
+) -> None:
+    job = Job(tmp_path, chat_url, online_asset(dedupe=True))
+    job.df = job.df.with_columns(text=pl.col("text").gather(pl.col(ID) % 10))  # 10 distinct
+    found = job.estimate("0-of-2")
+    done = materialized(job.run("0-of-2"))
+    assert found.rows_to_compute == server.stats(chat_url)["ok"] <= 10
+    assert found.rows_deduped == done["rows_reused"] == found.rows_total - found.rows_to_compute
+
+
+def test_a_dry_run_fails_as_the_run_would_on_another_jobs_checkpoint(
+    tmp_path: Path, chat_url: str
+) -> None:
+    job = Job(tmp_path, chat_url, online_asset())
+    job.run("0-of-2", limit=5)
+    files = job.files()
+    job.asset = online_asset(code_version="v2")
+    dry = job.run("0-of-2", raise_on_error=False, dry_run=True)
+    real = job.run("0-of-2", raise_on_error=False)
+    assert not dry.success and not real.success
+    assert step_error(dry).startswith("JobChangedError: ")
+    assert "code_version" in step_error(dry)
+    assert step_error(dry) == step_error(real)
+    assert job.files() == files
+
+
+def test_provider_batches_estimate_meets_the_real_run_at_the_batch_price(
+    tmp_path: Path, provider_url: str
+) -> None:
+    job = Job(tmp_path, provider_url, batch_asset())
+    found = job.estimate("0-of-2")
+    assert provider.stats(provider_url)["submitted"] == 0
+    done = materialized(job.run("0-of-2"))
+    paid = provider.stats(provider_url)
+    assert found.rows_to_compute == done["rows_computed"] == paid["processed"]
+    assert near(found.input_tokens, paid["input_tokens"])
+    assert near(found.output_tokens, paid["output_tokens"])
+    assert found.cost_batch_usd is not None and near(found.cost_batch_usd, done[md.COST_USD])
