@@ -28,7 +28,8 @@ from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.plan.estimate import Estimate
 from checkpoint_assets.integration import metadata as md
 
-_QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+# The run's own log stays in the instance; a failure is said once, by its cause (``_failure``).
+_QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
 @click.command(short_help="Rows, tokens and cost a run would take, computing nothing.")
@@ -156,11 +157,8 @@ def _estimates(
 ) -> dict[str, Estimate]:
     """The estimates the dry run recorded, by partition; its error when it failed."""
     if not result.success:
-        said = [_cause(e.step_failure_data.error) for e in result.get_step_failure_events()]
         where = f"{asset} {partition or UNPARTITIONED}"
-        raise CheckpointError(
-            f"The dry run of {where} failed: {' '.join(said) or 'see the log above'}"
-        )
+        raise CheckpointError(f"The dry run of {where} failed: {_failure(result)}")
     found: dict[str, Estimate] = {}
     for event in result.get_asset_observation_events():
         observation = event.asset_observation_data.asset_observation
@@ -170,11 +168,18 @@ def _estimates(
     return found
 
 
-def _cause(error: Any) -> str:
-    """What failed the step, without Dagster's wrapping errors."""
-    while error is not None and error.cause is not None and error.cls_name.startswith("Dagster"):
-        error = error.cause
-    return "" if error is None else str(error.message).strip()
+def _failure(result: dg.ExecuteInProcessResult) -> str:
+    """What failed the run (a step, a resource), without Dagster's wrapping errors."""
+    for event in result.all_events:
+        error = getattr(event.event_specific_data, "error", None)
+        while (
+            error is not None and error.cause is not None and error.cls_name.startswith("Dagster")
+        ):
+            error = error.cause
+        if error is not None:
+            named, _, said = str(error.message).strip().partition(": ")
+            return f"{error.cls_name}: {said if named.endswith(error.cls_name) else named}"
+    return f"see run {result.run_id} in the instance's log"
 
 
 _COLUMNS = {
