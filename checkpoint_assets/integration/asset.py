@@ -28,6 +28,8 @@ from checkpoint_assets.engine.plan.estimate import Estimate, Requests, estimate
 from checkpoint_assets.engine.plan.global_resume import JOB, shard_rows
 from checkpoint_assets.engine.plan.inputs import Inputs, Limited
 from checkpoint_assets.engine.plan.opening import Job
+from checkpoint_assets.engine.providers.submission_records import Records
+from checkpoint_assets.engine.rows import INPUT_HASH
 from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.sharding.scheme import Scheme, Shard, rows_in
@@ -296,6 +298,9 @@ class _AssetRun:
                         scheme=Scheme.of(key),
                         imported=self.imported,
                         requests=self.requests,
+                        submitted=_submitted(checkpoint, self.settings.id_column)
+                        if self.requests.body
+                        else None,
                     )
                 except CheckpointError as e:
                     raise e.in_dagster_terms() from None
@@ -375,6 +380,16 @@ class _AssetRun:
         finally:
             if spend is not None:
                 spend.finish(partition)
+
+
+def _submitted(checkpoint: Checkpoint | None, id_column: str) -> pl.DataFrame | None:
+    """The id and input hash of the rows in ``checkpoint``'s open provider batch submissions."""
+    if checkpoint is None:
+        return None
+    sent = [s for s in Records(checkpoint.store, checkpoint.files).load() if s.open]
+    ids = [i for s in sent for i in s.ids]
+    hashes = pl.Series(INPUT_HASH, [h for s in sent for h in s.hashes], dtype=pl.UInt64)
+    return pl.DataFrame([pl.Series(id_column, ids), hashes])
 
 
 def _request_defaults(resources: Any) -> dict[str, Any]:

@@ -76,8 +76,9 @@ def online_asset(**kw: Any) -> dg.AssetsDefinition:
     return routed
 
 
-def batch_asset() -> dg.AssetsDefinition:
+def batch_asset(**kw: Any) -> dg.AssetsDefinition:
     @provider_batch_asset(
+        **kw,
         source="texts",
         name=ASSET,
         id_column=ID,

@@ -193,3 +193,16 @@ def test_provider_batches_estimate_meets_the_real_run_at_the_batch_price(
     assert near(found.input_tokens, paid["input_tokens"])
     assert near(found.output_tokens, paid["output_tokens"])
     assert found.cost_batch_usd is not None and near(found.cost_batch_usd, done[md.COST_USD])
+
+
+def test_rows_in_batches_submitted_and_not_collected_are_not_counted_again(
+    tmp_path: Path,
+) -> None:
+    with provider.serve(provider.Settings(processing_delay=3600)) as url:
+        job = Job(tmp_path, url, batch_asset(wait=False))
+        assert not job.run("0-of-2", raise_on_error=False).success  # submitted, ends pending
+        sent = provider.stats(url)["submitted"]
+        found = job.estimate("0-of-2")
+        assert found.rows_submitted == found.rows_total == sent
+        assert found.rows_to_compute == found.input_tokens == 0
+        assert found.cost_batch_usd == 0

@@ -5,6 +5,7 @@
     read_stored    what the checkpoint holds, read without the lock (opening.py); it raises
                    what would stop the run (another job's checkpoint, a changed shard rule)
     plan_rows      what resume leaves to compute (resume.py); global resume's rows count as done
+    submitted      rows in provider batches sent and not collected yet: collected, not sent again
     reuse          rows the result store holds: none yet (``_reused``)
     dedupe         one row per distinct input, with ``dedupe``
     tokens         the rows left read again, a slice at a time: their request bodies
@@ -66,6 +67,11 @@ class Estimate:
         "Rows the checkpoint holds as finished, or failed and kept (`retry_failed: false`); "
         "with `global_resume`, other checkpoints' too.",
     )
+    rows_submitted: int = setting(
+        0,
+        "Rows in provider batches submitted and not collected yet: the run collects them and "
+        "sends them no more. Their cost is not counted.",
+    )
     rows_reused: int = setting(0, "Rows the result store would give.")
     rows_deduped: int = setting(0, "Rows that would take an identical input's result (`dedupe`).")
     rows_to_compute: int = setting(
@@ -97,9 +103,9 @@ class Estimate:
         """The estimate in one line, for people."""
         said = (
             f"{self.rows_to_compute:,} of {self.rows_total:,} row(s) to compute "
-            f"({self.rows_done:,} done, {self.rows_reused:,} reused, {self.rows_deduped:,} "
-            f"deduped); {self.input_tokens:,} input tokens ({self.tokenizer}), at most "
-            f"{self.output_tokens:,} output tokens"
+            f"({self.rows_done:,} done, {self.rows_submitted:,} submitted, {self.rows_reused:,} "
+            f"reused, {self.rows_deduped:,} deduped); {self.input_tokens:,} input tokens "
+            f"({self.tokenizer}), at most {self.output_tokens:,} output tokens"
         )
         if self.rows_uncapped:
             said += f" ({self.rows_uncapped:,} row(s) name no max_tokens: not counted)"
@@ -133,9 +139,13 @@ def estimate(
     scheme: Scheme | None,
     imported: pl.DataFrame | None,
     requests: Requests,
+    submitted: pl.DataFrame | None = None,
 ) -> Estimate:
     """What a run of ``inputs`` on ``checkpoint`` (None: checkpointing off) would compute and
-    cost (see the module docstring); raises what would stop that run before its first call."""
+    cost (see the module docstring); raises what would stop that run before its first call.
+
+    ``submitted``: the id and ``_input_hash`` of the rows in the checkpoint's open provider
+    batch submissions."""
     id_column = settings.id_column
     stored, meta = rows.empty(id_column), None
     if checkpoint is not None:
@@ -149,9 +159,12 @@ def estimate(
     todo = plan.todo
     if checkpoint is not None and imported is not None and settings.resume:
         taken = importable(stored, imported, inputs.keys, id_column)
-        key = pl.struct(id_column, INPUT_HASH)
-        todo = todo.filter(~key.is_in(taken.select(key.alias("k")).get_column("k").implode()))
+        todo = todo.join(_matching(todo, taken, id_column), on=id_column, how="anti")
     out = Estimate(rows_total=plan.total, rows_done=plan.total - todo.height)
+    if submitted is not None and submitted.height:
+        sent = _matching(todo, submitted, id_column)
+        out.rows_submitted = sent.height
+        todo = todo.join(sent, on=id_column, how="anti")
     reused = _reused(todo)
     out.rows_reused = reused.height
     if reused.height:
@@ -162,6 +175,14 @@ def estimate(
     out.rows_to_compute = todo.height
     _count_tokens(out, inputs, todo, requests, settings.budget)
     return out
+
+
+def _matching(todo: pl.DataFrame, rows: pl.DataFrame, id_column: str) -> pl.DataFrame:
+    """The ids of ``todo`` that ``rows`` holds with the same input hash."""
+    if rows.height == 0 or id_column not in rows.columns:
+        return todo.clear().select(id_column)
+    wanted = rows.select(pl.col(id_column).cast(todo.schema[id_column]), INPUT_HASH)
+    return todo.join(wanted, on=[id_column, INPUT_HASH], how="semi").select(id_column)
 
 
 def _reused(todo: pl.DataFrame) -> pl.DataFrame:
