@@ -28,8 +28,6 @@ from checkpoint_assets.engine.plan.estimate import Estimate, Requests, estimate
 from checkpoint_assets.engine.plan.global_resume import JOB, shard_rows
 from checkpoint_assets.engine.plan.inputs import Inputs, Limited
 from checkpoint_assets.engine.plan.opening import Job
-from checkpoint_assets.engine.providers.submission_records import Records
-from checkpoint_assets.engine.rows import INPUT_HASH
 from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.sharding.scheme import Scheme, Shard, rows_in
@@ -248,7 +246,7 @@ class _AssetRun:
             started=started,
             imported=imported,
             spend=_spend(context, settings, keys),
-            requests=Requests(calls.request, _request_defaults(resources.values())),
+            requests=dry_run.requests(calls.request, resources.values()),
         )
 
     def materialize(self) -> pl.DataFrame:
@@ -273,38 +271,31 @@ class _AssetRun:
 
     def estimate(self) -> dict[str | None, Estimate]:
         """What a run of each shard would compute and cost, computing and writing nothing."""
-        found: dict[str | None, Estimate] = {}
         remote = not self.store.local
-        limit = self.config.limit
         shards = ShardRows(self.source, self.settings.id_column, self.keys, remote=remote)
-        printed = self.printed or None
         with shards as rows:
-            for key in self.keys:
-                shard = rows.of(key)
-                checkpoint = None
-                if self.config.checkpointing:
-                    tag = self.config.checkpoint_tag
-                    checkpoint = self.io_manager.checkpoint(
-                        self.context.asset_key, tag, key, self.store
-                    )
-                try:
-                    found[key] = estimate(
-                        runner.prepare(
-                            shard if limit is None else Limited(shard, limit), self.settings
-                        ),
-                        self.settings,
-                        checkpoint,
-                        job=Job(dict(self.job), printed),
-                        scheme=Scheme.of(key),
-                        imported=self.imported,
-                        requests=self.requests,
-                        submitted=_submitted(checkpoint, self.settings.id_column)
-                        if self.requests.body
-                        else None,
-                    )
-                except CheckpointError as e:
-                    raise e.in_dagster_terms() from None
-        return found
+            try:
+                return {key: self._estimate_one(key, rows.of(key)) for key in self.keys}
+            except CheckpointError as e:
+                raise e.in_dagster_terms() from None
+
+    def _estimate_one(self, partition: str | None, rows: Inputs) -> Estimate:
+        config, settings = self.config, self.settings
+        checkpoint = None
+        if config.checkpointing:
+            asset_key, tag = self.context.asset_key, config.checkpoint_tag
+            checkpoint = self.io_manager.checkpoint(asset_key, tag, partition, self.store)
+        limit = config.limit
+        return estimate(
+            runner.prepare(rows if limit is None else Limited(rows, limit), settings),
+            settings,
+            checkpoint,
+            job=Job(dict(self.job), self.printed or None),
+            scheme=Scheme.of(partition),
+            imported=self.imported,
+            requests=self.requests,
+            submitted=dry_run.submitted(checkpoint, settings.id_column, self.requests),
+        )
 
     def _run_all(self) -> tuple[list[pl.DataFrame], list[RunStats]]:
         """Each shard's result and stats. A shard with too many failed rows, or with provider
@@ -380,26 +371,6 @@ class _AssetRun:
         finally:
             if spend is not None:
                 spend.finish(partition)
-
-
-def _submitted(checkpoint: Checkpoint | None, id_column: str) -> pl.DataFrame | None:
-    """The id and input hash of the rows in ``checkpoint``'s open provider batch submissions."""
-    if checkpoint is None:
-        return None
-    sent = [s for s in Records(checkpoint.store, checkpoint.files).load() if s.open]
-    ids = [i for s in sent for i in s.ids]
-    hashes = pl.Series(INPUT_HASH, [h for s in sent for h in s.hashes], dtype=pl.UInt64)
-    return pl.DataFrame([pl.Series(id_column, ids), hashes])
-
-
-def _request_defaults(resources: Any) -> dict[str, Any]:
-    """What the first endpoint resource (one with ``request_defaults()``) adds to every
-    request: its model and ``max_tokens``."""
-    for resource in resources:
-        defaults = getattr(resource, "request_defaults", None)
-        if callable(defaults):
-            return dict(defaults())
-    return {}
 
 
 def _spend(
