@@ -334,6 +334,18 @@ class PartWriter(Sink):
             finally:
                 self.wait_seconds += time.perf_counter() - started
 
+    def begin_generation(self, seq: int) -> None:
+        """Make flush ``seq`` the first of the checkpoint's rows: earlier ones stop counting,
+        and finalize drops them. Call it once every row to keep is in a flush from ``seq`` on;
+        it waits for them to be durable before the meta says so."""
+        self.flush()
+        self.wait_for_writes()
+        self.base_seq = seq
+        if self.meta is not None:
+            self.meta.base_seq = seq
+            self.checkpoint.fenced()
+            self.checkpoint.meta_file.write(self.meta)
+
     def flush_before_leaving(self, log: Logger) -> None:
         try:
             self.write_what_is_left()
