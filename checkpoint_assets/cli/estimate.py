@@ -64,7 +64,8 @@ def estimate(
     `dry_run: true` on the instance of $DAGSTER_HOME. The run records its estimate as an
     observation of the partition; it computes nothing and materializes nothing.
 
-    Per shard and in total: rows; rows done (resume); submitted (in provider batches not yet
+    Per shard and in total: rows; rows done (resume); reparsed (stored answers, a changed
+    parse); submitted (in provider batches not yet
     collected); reused (the result store); deduped; to compute. Input tokens (tiktoken if
     installed, else bytes/4). Output tokens: each request's max_tokens, a ceiling. With a
     budget, the cost online and as provider batches.
@@ -186,6 +187,7 @@ def _failure(result: dg.ExecuteInProcessResult) -> str:
 _COLUMNS = {
     "rows_total": "rows",
     "rows_done": "done",
+    "rows_reparsed": "reparsed",
     "rows_submitted": "submitted",
     "rows_reused": "reused",
     "rows_deduped": "deduped",

@@ -110,8 +110,8 @@ def test_the_cli_prints_the_dry_runs_figures_and_the_real_run_meets_them(
     lines = table.stdout.splitlines()
     assert lines[0].split()[:3] == ["partition", "rows", "done"]
     rows = f"{shards['1-of-2']['rows_total']:,}"
-    assert lines[1].split()[:7] == ["1-of-2", rows, rows, "0", "0", "0", "0"]
-    assert lines[2].split()[:7] == ["total", rows, rows, "0", "0", "0", "0"]
+    assert lines[1].split()[:8] == ["1-of-2", rows, rows, "0", "0", "0", "0", "0"]
+    assert lines[2].split()[:8] == ["total", rows, rows, "0", "0", "0", "0", "0"]
     assert "Input tokens counted by bytes/4." in table.stderr
 
 

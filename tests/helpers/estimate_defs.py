@@ -78,7 +78,7 @@ def online_asset(**kw: Any) -> dg.AssetsDefinition:
 
 def batch_asset(**kw: Any) -> dg.AssetsDefinition:
     @provider_batch_asset(
-        **kw,
+        **{"parse": parse, **kw},
         source="texts",
         name=ASSET,
         id_column=ID,
@@ -86,7 +86,6 @@ def batch_asset(**kw: Any) -> dg.AssetsDefinition:
         partitions_def=SHARDS,
         usage_columns=["prompt_tokens", "completion_tokens"],
         budget=BUDGET,
-        parse=parse,
         provider="chat",
         poll_seconds=0.05,
         max_poll_seconds=0.2,

@@ -19,7 +19,7 @@ from typing import Any
 import dagster as dg
 import polars as pl
 import pytest
-from helpers.estimate_defs import ASSET, ID, ROWS, SHARDS, batch_asset, online_asset, texts
+from helpers.estimate_defs import ASSET, ID, ROWS, SHARDS, batch_asset, online_asset, parse, texts
 from helpers.jobs import step_error
 
 from checkpoint_assets import CheckpointIOManager, OpenAIResource
@@ -206,3 +206,27 @@ def test_rows_in_batches_submitted_and_not_collected_are_not_counted_again(
         assert found.rows_submitted == found.rows_total == sent
         assert found.rows_to_compute == found.input_tokens == 0
         assert found.cost_batch_usd == 0
+
+
+def parse_odd_fails(body: dict[str, Any]) -> dict[str, Any]:
+    """``parse``, failing the rows whose prompt has an odd number of words."""
+    if body["usage"]["prompt_tokens"] % 2:
+        raise ValueError("odd prompt")
+    return parse(body)
+
+
+def test_with_a_fixed_parse_rows_with_a_stored_answer_are_reparsed_not_requested(
+    tmp_path: Path, provider_url: str
+) -> None:
+    tolerated = {"max_failed_fraction": 1.0}
+    job = Job(tmp_path, provider_url, batch_asset(parse=parse_odd_fails, **tolerated))
+    failed = materialized(job.run("0-of-2"))["rows_failed"]
+    assert failed > 0
+    sent = provider.stats(provider_url)["submitted"]
+    job.asset = batch_asset(parse=parse, **tolerated)
+    found = job.estimate("0-of-2")
+    assert found.rows_reparsed == failed
+    assert found.rows_to_compute == found.input_tokens == 0
+    done = materialized(job.run("0-of-2"))
+    assert done["rows_failed"] == 0
+    assert provider.stats(provider_url)["submitted"] == sent  # no request

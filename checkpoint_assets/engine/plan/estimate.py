@@ -5,6 +5,7 @@
     read_stored    what the checkpoint holds, read without the lock (opening.py); it raises
                    what would stop the run (another job's checkpoint, a changed shard rule)
     plan_rows      what resume leaves to compute (resume.py); global resume's rows count as done
+    reparsed       with a changed ``parse``, rows left whose answer is stored: parsed again, no call
     submitted      rows in provider batches sent and not collected yet: collected, not sent again
     reuse          rows the result store holds: none yet (``_reused``)
     dedupe         one row per distinct input, with ``dedupe``
@@ -32,10 +33,11 @@ from checkpoint_assets.engine.calls import tokens
 from checkpoint_assets.engine.calls.budget import Budget
 from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.fields import setting
+from checkpoint_assets.engine.plan.function_fingerprint import parse_changed
 from checkpoint_assets.engine.plan.inputs import Prepared
 from checkpoint_assets.engine.plan.opening import Job, importable, plan_rows, read_stored
 from checkpoint_assets.engine.plan.resume import dedupe
-from checkpoint_assets.engine.rows import INPUT_HASH
+from checkpoint_assets.engine.rows import ANSWER, INPUT_HASH
 from checkpoint_assets.engine.settings import Settings
 from checkpoint_assets.engine.sharding.scheme import Scheme
 
@@ -66,6 +68,11 @@ class Estimate:
         0,
         "Rows the checkpoint holds as finished, or failed and kept (`retry_failed: false`); "
         "with `global_resume`, other checkpoints' too.",
+    )
+    rows_reparsed: int = setting(
+        0,
+        "Rows left to do whose answer is stored: a changed `parse` reads it again, with no "
+        "request. Finished rows are parsed again too, and count as done.",
     )
     rows_submitted: int = setting(
         0,
@@ -103,7 +110,8 @@ class Estimate:
         """The estimate in one line, for people."""
         said = (
             f"{self.rows_to_compute:,} of {self.rows_total:,} row(s) to compute "
-            f"({self.rows_done:,} done, {self.rows_submitted:,} submitted, {self.rows_reused:,} "
+            f"({self.rows_done:,} done, {self.rows_reparsed:,} reparsed, {self.rows_submitted:,} "
+            f"submitted, {self.rows_reused:,} "
             f"reused, {self.rows_deduped:,} deduped); {self.input_tokens:,} input tokens "
             f"({self.tokenizer}), at most {self.output_tokens:,} output tokens"
         )
@@ -147,7 +155,7 @@ def estimate(
     ``submitted``: the id and ``_input_hash`` of the rows in the checkpoint's open provider
     batch submissions."""
     id_column = settings.id_column
-    stored, meta = rows.empty(id_column), None
+    stored, meta, reparse = rows.empty(id_column), None, False
     if checkpoint is not None:
         found = read_stored(
             inputs.keys, settings, checkpoint, job, scheme, importing=imported is not None
@@ -155,12 +163,20 @@ def estimate(
         meta = found.meta
         used = meta is not None and settings.resume and found.same_job
         stored = found.loaded.rows if used else stored
+        recorded = meta.function_fingerprint if used and meta is not None else None
+        reparse = bool(recorded and job.function) and parse_changed(
+            recorded or {}, job.function or {}
+        )
     plan = plan_rows(inputs, settings, stored, meta)
     todo = plan.todo
     if checkpoint is not None and imported is not None and settings.resume:
         taken = importable(stored, imported, inputs.keys, id_column)
         todo = todo.join(_matching(todo, taken, id_column), on=id_column, how="anti")
     out = Estimate(rows_total=plan.total, rows_done=plan.total - todo.height)
+    if reparse and ANSWER in stored.columns:
+        answered = _matching(todo, stored.filter(pl.col(ANSWER).is_not_null()), id_column)
+        out.rows_reparsed = answered.height
+        todo = todo.join(answered, on=id_column, how="anti")
     if submitted is not None and submitted.height:
         sent = _matching(todo, submitted, id_column)
         out.rows_submitted = sent.height
