@@ -138,6 +138,9 @@ def define(
     return asset
 
 
+_RESULT = dg.PythonObjectDagsterType(pl.DataFrame)
+
+
 def _asset_options(
     fn: Callable[..., Any],
     calls: Calls,
@@ -171,6 +174,7 @@ def _asset_options(
         },
         "io_manager_key": a.io_manager_key,
         "output_required": False,  # a dry run yields no output
+        "dagster_type": _RESULT,  # what a generator's annotation does not say
         "required_resource_keys": set(calls.resources) or None,
         "backfill_policy": a.backfill_policy,
         "kinds": {*(kinds or {"polars", "parquet"}), *(a.kinds or ())},
