@@ -19,68 +19,21 @@ from typing import Any
 import dagster as dg
 import polars as pl
 import pytest
-from helpers.estimate_defs import ASSET, ID, ROWS, SHARDS, batch_asset, online_asset, parse, texts
+from helpers.estimate_defs import (
+    ASSET,
+    ID,
+    SHARDS,
+    Job,
+    batch_asset,
+    materialized,
+    online_asset,
+    parse,
+)
 from helpers.jobs import step_error
 
-from checkpoint_assets import CheckpointIOManager, OpenAIResource
-from checkpoint_assets.engine.plan.estimate import Estimate
 from checkpoint_assets.integration import metadata as md
 from examples.llm_batch import provider
 from examples.llm_openai import server
-
-
-class Job:
-    """One asset over ``texts(ROWS)`` on a real SQLite instance and checkpoint files."""
-
-    def __init__(self, tmp_path: Path, url: str, asset: dg.AssetsDefinition) -> None:
-        self.base_dir = tmp_path / "checkpoints"
-        self.instance = dg.DagsterInstance.local_temp(
-            tempdir=str(tmp_path), overrides={"telemetry": {"enabled": False}}
-        )
-        self.url = url
-        self.asset = asset
-        self.df = texts(ROWS)
-
-    def run(
-        self, partition: str, raise_on_error: bool = True, **config: Any
-    ) -> dg.ExecuteInProcessResult:
-        @dg.asset(name="texts", io_manager_key="source_io")
-        def source() -> pl.DataFrame:
-            return self.df
-
-        return dg.materialize(
-            [source, self.asset],
-            instance=self.instance,
-            partition_key=partition,
-            resources={
-                "io_manager": CheckpointIOManager(base_dir=str(self.base_dir)),
-                "source_io": dg.InMemoryIOManager(),  # type: ignore[no-untyped-call]
-                "chat": OpenAIResource(base_url=self.url, api_key="local", model="m", max_tokens=1),
-            },
-            run_config={"ops": {ASSET: {"config": config}}},
-            raise_on_error=raise_on_error,
-        )
-
-    def estimate(self, partition: str, **config: Any) -> Estimate:
-        """A dry run's estimate of ``partition``, read from the observation it recorded."""
-        result = self.run(partition, dry_run=True, **config)
-        assert result.success
-        (event,) = result.get_asset_observation_events()
-        observation = event.asset_observation_data.asset_observation
-        assert observation.partition == partition
-        return md.estimate_of({k: md.plain(v) for k, v in observation.metadata.items()})
-
-    def files(self) -> dict[str, bytes]:
-        return {
-            str(p.relative_to(self.base_dir)): p.read_bytes()
-            for p in sorted(self.base_dir.rglob("*"))
-            if p.is_file()
-        }
-
-
-def materialized(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
-    (event,) = result.asset_materializations_for_node(ASSET)
-    return {k: md.plain(v) for k, v in event.metadata.items()}
 
 
 @pytest.fixture
