@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import fields
 from typing import Any
 
 import dagster as dg
@@ -20,6 +21,8 @@ from checkpoint_assets.engine.errors import (
     QuotaExhaustedError,
     TooManyFailuresError,
 )
+from checkpoint_assets.engine.fields import DOC
+from checkpoint_assets.engine.plan.estimate import Estimate
 from checkpoint_assets.engine.rows import CURRENT, ERROR
 from checkpoint_assets.engine.settings import RunStats
 from checkpoint_assets.engine.storage.base import Usage
@@ -408,3 +411,22 @@ def report_saved(
 def plain(value: Any) -> Any:
     """A metadata entry's plain value (``MetadataValue`` or already plain)."""
     return value.value if isinstance(value, dg.MetadataValue) else value
+
+
+# A dry run's observation of each partition (``dry_run: true``): ``ESTIMATE`` + a field of the
+# engine's ``Estimate``, whose declaration says what it means.
+ESTIMATE = "estimate/"
+DRY_RUN: dict[str, str] = {ESTIMATE + f.name: f.metadata[DOC] for f in fields(Estimate)}
+
+
+def estimate(found: Estimate) -> dict[str, Any]:
+    """The metadata of one shard's estimate (a cost is absent without a budget)."""
+    out = {ESTIMATE + k: v for k, v in found.as_dict().items() if v is not None}
+    return declared(out, DRY_RUN)
+
+
+def estimate_of(metadata: dict[str, Any]) -> Estimate:
+    """The estimate an observation's plain ``metadata`` records (``estimate`` read back)."""
+    names = {f.name for f in fields(Estimate)}
+    found = {k.removeprefix(ESTIMATE): v for k, v in metadata.items() if k.startswith(ESTIMATE)}
+    return Estimate(**{k: v for k, v in found.items() if k in names})

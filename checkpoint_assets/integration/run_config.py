@@ -80,6 +80,11 @@ class CheckpointRunConfig(_AssetOverrides):
     limit: int | None = Field(
         default=None, ge=0, description="Process only the first N rows of the shard (a smoke run)."
     )
+    dry_run: bool = Field(
+        default=False,
+        description="Compute and write nothing: estimate each shard's rows, tokens and cost, "
+        "recorded as an observation of its partition; nothing materializes.",
+    )
     budget: BudgetLimits | None = Field(
         default=None,
         description=f"{{{', '.join(LIMITS)}}}: spend limits in USD replacing the asset's "

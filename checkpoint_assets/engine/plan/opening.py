@@ -118,25 +118,14 @@ def open_run(
     keys = inputs.keys
     start, stored = Start(function_fingerprint=job.function), rows.empty(settings.id_column)
     if checkpoint is not None:
-        start, stored = _load(keys, settings, checkpoint, job, scheme, log)
-        reshard = start.meta is not None and rule_changed(start.meta.scheme, scheme)
-        if reshard and imported is None:
-            raise _rule_changed_error(checkpoint, start.meta, scheme)
+        importing = imported is not None
+        start, stored, reshard = _load(keys, settings, checkpoint, job, scheme, importing, log)
         if imported is not None and settings.resume:
             stored = _import(start, stored, imported, keys, settings, checkpoint, log, label)
         if reshard and start.meta is not None:
             start.meta.scheme = scheme  # its rows are resharded now: record the current rule
             checkpoint.meta_file.write(start.meta)
-    earlier_hashes = start.meta is not None and start.meta.input_hash_format < 2
-    found = plan(
-        keys,
-        stored,
-        settings.id_column,
-        resume=settings.resume,
-        retry_failed=settings.retry_failed,
-        on_input_change=OnInputChange(settings.on_input_change),
-        earlier_hashes=inputs.earlier_hashes if earlier_hashes else None,
-    )
+    found = plan_rows(inputs, settings, stored, start.meta)
     _log_plan(found, log, label)
     todo, copies, rederive = found.todo, None, None
     if start.parse_changed and stored.height:
@@ -179,28 +168,86 @@ def _rederive(stored: pl.DataFrame, keys: pl.DataFrame, id_column: str) -> Reder
     )
 
 
+def plan_rows(
+    inputs: Prepared, settings: Settings, stored: pl.DataFrame, meta: Meta | None
+) -> Plan:
+    """The plan of ``inputs`` against the ``stored`` rows of a checkpoint with ``meta``."""
+    earlier_hashes = meta is not None and meta.input_hash_format < 2
+    return plan(
+        inputs.keys,
+        stored,
+        settings.id_column,
+        resume=settings.resume,
+        retry_failed=settings.retry_failed,
+        on_input_change=OnInputChange(settings.on_input_change),
+        earlier_hashes=inputs.earlier_hashes if earlier_hashes else None,
+    )
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a checkpoint holds for a run, read without writing: its meta, its files loaded,
+    whether the run uses its rows (``resume`` and the same job), and its shard rule's change."""
+
+    meta: Meta | None
+    loaded: Stored
+    same_job: bool
+    reshard: bool
+
+
+def read_stored(
+    keys: pl.DataFrame,
+    settings: Settings,
+    checkpoint: Checkpoint,
+    job: Job,
+    scheme: Scheme | None,
+    *,
+    importing: bool,
+    quarantine: Logger | None = None,
+) -> Found:
+    """Read the checkpoint for a run over ``keys``; raises what would stop the run: another
+    job's checkpoint, a missing meta file, a changed shard rule without global resume
+    (``importing``). ``quarantine``: the caller holds the lock (``Checkpoint.load``)."""
+    id_column = settings.id_column
+    meta = checkpoint.meta_file.read()
+    if meta is not None:
+        id_dtype = str(keys.schema[id_column])
+        _check_job(meta, job, id_column, id_dtype, settings.resume, checkpoint.url)
+    same_job = meta is not None and meta.job_fingerprint == job.fingerprint
+    outputs = list(meta.output_schema) if meta and same_job and meta.output_schema else None
+    # Under the lock, unreadable parts are moved aside, and their rows computed again.
+    base_seq = meta.base_seq if meta else 0
+    loaded = checkpoint.load(id_column, base_seq, outputs, quarantine=quarantine)
+    if meta is None and loaded.files:
+        raise checkpoint.meta_file.missing(loaded.files)
+    # A new generation (resume: false, another job) records the current rule.
+    used = meta is not None and settings.resume and same_job
+    reshard = used and meta is not None and rule_changed(meta.scheme, scheme)
+    if reshard and not importing:
+        raise _rule_changed_error(checkpoint, meta, scheme)
+    if used and meta is not None and meta.output_schema and loaded.rows.height:
+        _check_stored_columns(loaded.rows, list(meta.output_schema), checkpoint.url)
+    return Found(meta, loaded, same_job, reshard)
+
+
 def _load(
     keys: pl.DataFrame,
     settings: Settings,
     checkpoint: Checkpoint,
     job: Job,
     scheme: Scheme | None,
+    importing: bool,
     log: Logger,
-) -> tuple[Start, pl.DataFrame]:
-    """Check the stored job and load its rows: where the run starts, and the stored rows it
-    uses (none, in a new generation, when they are not to be used)."""
+) -> tuple[Start, pl.DataFrame, bool]:
+    """Check the stored job and load its rows: where the run starts, the stored rows it uses
+    (none, in a new generation, when they are not to be used), and whether its rule changed."""
     id_column = settings.id_column
     id_dtype = str(keys.schema[id_column])
-    meta = checkpoint.meta_file.read()
-    if meta is not None:
-        _check_job(meta, job, id_column, id_dtype, settings.resume, checkpoint.url)
-    same_job = meta is not None and meta.job_fingerprint == job.fingerprint
-    outputs = list(meta.output_schema) if meta and same_job and meta.output_schema else None
-    # The run holds the lock: unreadable parts are moved aside, and their rows computed again.
-    loaded = checkpoint.load(id_column, meta.base_seq if meta else 0, outputs, quarantine=log)
-    if meta is None and loaded.files:
-        raise checkpoint.meta_file.missing(loaded.files)
-    if meta is not None and (not settings.resume or not same_job):
+    found = read_stored(
+        keys, settings, checkpoint, job, scheme, importing=importing, quarantine=log
+    )
+    meta, loaded = found.meta, found.loaded
+    if meta is not None and (not settings.resume or not found.same_job):
         # resume: false ignores what is stored (which may even be another job's, with other
         # output columns): start a new generation.
         meta = _new_meta(job, id_column, id_dtype, scheme, base_seq=loaded.next_seq)
@@ -212,12 +259,10 @@ def _load(
             parts=list(loaded.parts),
             function_fingerprint=job.function,
         )
-        return start, loaded.rows.clear()
+        return start, loaded.rows.clear(), False
     if meta is None:
         meta = _new_meta(job, id_column, id_dtype, scheme, base_seq=0)
         checkpoint.meta_file.write(meta)
-    elif meta.output_schema and loaded.rows.height:
-        _check_stored_columns(loaded.rows, list(meta.output_schema), checkpoint.url)
     recorded = meta.function_fingerprint
     start = Start(
         meta=meta,
@@ -231,7 +276,7 @@ def _load(
         start.function_changed = function_fingerprint.changes(recorded, job.function)
         start.parse_changed = function_fingerprint.parse_changed(recorded, job.function)
         start.request_changed = function_fingerprint.request_changed(recorded, job.function)
-    return start, loaded.rows
+    return start, loaded.rows, found.reshard
 
 
 def _new_meta(
@@ -307,15 +352,7 @@ def _import(
 ) -> pl.DataFrame:
     """Copy matching finished rows of other checkpoints into this one (one part)."""
     id_column = settings.id_column
-    if id_column not in imported.columns or imported.height == 0:
-        return stored
-    imported = imported.with_columns(pl.col(id_column).cast(inputs.schema[id_column]))
-    # Rows whose (id, input hash) the input has, not those done already: membership tests
-    # hold a third of what a join on both columns does (130 against 370 MB at 2M rows).
-    key = pl.struct(id_column, INPUT_HASH)
-    wanted = imported.filter(key.is_in(_keys(inputs, key)))
-    if stored.height:
-        wanted = wanted.filter(~key.is_in(_keys(stored.filter(pl.col(ERROR).is_null()), key)))
+    wanted = importable(stored, imported, inputs, id_column)
     if wanted.height == 0:
         return stored
     wanted = _note_imported_functions(opened, wanted)
@@ -408,6 +445,23 @@ def _from_store(
     )
     ids = taken.rows.get_column(id_column)
     return todo.filter(~pl.col(id_column).is_in(ids.implode())), ids
+
+
+def importable(
+    stored: pl.DataFrame, imported: pl.DataFrame, inputs: pl.DataFrame, id_column: str
+) -> pl.DataFrame:
+    """The rows of ``imported`` (other checkpoints' finished rows) that the input ``inputs``
+    has, with the same input hash, and that ``stored`` does not hold as done."""
+    if id_column not in imported.columns or imported.height == 0:
+        return imported.clear()
+    imported = imported.with_columns(pl.col(id_column).cast(inputs.schema[id_column]))
+    # Membership tests hold a third of what a join on both columns does (130 against 370 MB at
+    # 2M rows).
+    key = pl.struct(id_column, INPUT_HASH)
+    wanted = imported.filter(key.is_in(_keys(inputs, key)))
+    if stored.height:
+        wanted = wanted.filter(~key.is_in(_keys(stored.filter(pl.col(ERROR).is_null()), key)))
+    return wanted
 
 
 def _keys(frame: pl.DataFrame, key: pl.Expr) -> pl.Series:
