@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import threading
 from typing import Any
 
 import numpy as np
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 from helpers.jobs import Storage, engine_settings
 
 from checkpoint_assets.engine import Checkpoint, open_store, prepare, run
 from checkpoint_assets.engine.loop.shard_run import RunContext
-from checkpoint_assets.engine.reuse import layout, upkeep
+from checkpoint_assets.engine.reuse import key_filter, layout, upkeep
 from checkpoint_assets.engine.reuse.store import WHOLE_FILE_BYTES, ResultStore
 from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.sharding.scheme import Scheme
@@ -87,6 +89,116 @@ def test_a_lookup_by_the_same_ids_reads_only_the_row_groups_of_their_range(tmp_p
     expect = wanted.drop(layout.ID_KEY).sort(layout.KEYS)
     assert found.sort(layout.KEYS).select(expect.columns).equals(expect)
     assert store.store.usage().since(before).bytes_read < size / 8
+
+
+def keys_in_bucket(n: int, index: int, seed: int) -> pl.DataFrame:
+    """``n`` random stored keys of bucket ``index``, with a ``route`` each."""
+    rng = np.random.default_rng(seed)
+    top = np.uint64(index) << np.uint64(64 - layout.BUCKET_BITS)
+    unsigned = top | rng.integers(0, 1 << (64 - layout.BUCKET_BITS), n, dtype=np.uint64)
+    hi = (unsigned ^ np.uint64(1 << 63)).view(np.int64)
+    lo = rng.integers(-(1 << 63), (1 << 63) - 1, n, dtype=np.int64)
+    return pl.DataFrame({layout.KEY_HI: hi, layout.KEY_LO: lo}).with_columns(
+        route=pl.format("ROUTE {}", pl.int_range(0, n))
+    )
+
+
+def _outside_row_groups(results: ResultStore, path: str) -> int:
+    """The bytes of result file ``path`` after its last column chunk: its key filter's
+    sections, its footer and the footer's length (and a page index, where one is written)."""
+    data = results.store.get(path)
+    meta = pq.read_metadata(io.BytesIO(data))
+    chunks = [
+        meta.row_group(g).column(c)
+        for g in range(meta.num_row_groups)
+        for c in range(meta.num_columns)
+    ]
+    ends = [
+        int(c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset)
+        + int(c.total_compressed_size)
+        for c in chunks
+    ]
+    return len(data) - max(ends) - 4  # less the closing "PAR1"
+
+
+def test_a_lookup_of_keys_never_stored_reads_no_key_column(storage: Storage) -> None:
+    base_dir, options = storage
+    results = ResultStore(open_store(base_dir, options))
+    stored = keys_in_bucket(20_000, 0, seed=1)
+    path = layout.new_file(results.root, SCOPE, 0)
+    results.write(path, stored)
+    assert results.store.size(path) > 2 * WHOLE_FILE_BYTES  # read by ranges, not whole
+    absent = keys_in_bucket(5_000, 0, seed=2)
+    around = _outside_row_groups(results, path)
+
+    before = results.store.usage()
+    found = results.lookup(SCOPE, absent.select(layout.KEYS))
+    read = results.store.usage().since(before)
+
+    assert found.height == 0
+    assert read.bytes_read <= around  # no byte of a column chunk
+    assert read.requests["GET"] == 3
+
+
+def test_keys_never_stored_asked_with_their_ids_read_no_key_column(tmp_path: Any) -> None:
+    results = ResultStore(open_store(str(tmp_path / "results")))
+    n = 20_000
+    stored = keys_in_bucket(n, 0, seed=1).with_columns(
+        pl.int_range(0, n, dtype=pl.Int64).alias(layout.ID_KEY)
+    )
+    path = layout.new_file(results.root, SCOPE, 0)
+    results.write(path, stored)
+    absent = keys_in_bucket(500, 0, seed=2).with_columns(
+        pl.int_range(0, 500, dtype=pl.Int64).alias(layout.ID_KEY)  # the first row group's ids
+    )
+    around = _outside_row_groups(results, path)
+
+    before = results.store.usage()
+    found = results.lookup(SCOPE, absent.select(*layout.KEYS, layout.ID_KEY))
+    read = results.store.usage().since(before).bytes_read
+
+    assert found.height == 0
+    assert read <= around  # each section read once, no byte of a column chunk
+
+
+def test_a_false_positive_of_the_filter_still_finds_nothing(storage: Storage) -> None:
+    base_dir, options = storage
+    results = ResultStore(open_store(base_dir, options))
+    stored = keys_in_bucket(20_000, 0, seed=1)
+    path = layout.new_file(results.root, SCOPE, 0)
+    results.write(path, stored)
+    # Another key with the same fingerprint: its lowest bit is no part of it.
+    twins = stored.head(3).with_columns(pl.col(layout.KEY_HI) ^ 1)
+    fingerprints = key_filter.fingerprints
+    assert np.array_equal(
+        fingerprints(twins.get_column(layout.KEY_HI).to_numpy()),
+        fingerprints(stored.head(3).get_column(layout.KEY_HI).to_numpy()),
+    )
+    around = _outside_row_groups(results, path)
+
+    before = results.store.usage()
+    found = results.lookup(SCOPE, twins.select(layout.KEYS))
+    read = results.store.usage().since(before).bytes_read
+
+    assert found.height == 0
+    assert read > around  # the filter said maybe: the key columns said no
+    again = results.lookup(SCOPE, pl.concat([twins, stored.head(3)]).select(layout.KEYS))
+    assert again.sort(layout.KEYS).equals(stored.head(3).sort(layout.KEYS))
+
+
+def test_a_file_without_a_filter_is_still_read(tmp_path: Any) -> None:
+    results = ResultStore(open_store(str(tmp_path / "results")))
+    stored = keys_in_bucket(20_000, 0, seed=1)
+    path = layout.new_file(results.root, SCOPE, 0)
+    buffer = io.BytesIO()  # as a store written without filters holds them
+    stored.write_parquet(buffer, statistics=True, row_group_size=layout.ROW_GROUP_ROWS)
+    results.store.put(path, buffer.getvalue())
+    absent = keys_in_bucket(100, 0, seed=2)
+
+    asked = pl.concat([stored.slice(7_000, 50), absent])
+    found = results.lookup(SCOPE, asked.select(layout.KEYS))
+
+    assert found.sort(layout.KEYS).equals(stored.slice(7_000, 50).sort(layout.KEYS))
 
 
 def test_a_key_of_another_scope_is_not_found(tmp_path: Any) -> None:
@@ -232,6 +344,29 @@ def test_clean_by_size_deletes_the_oldest_first_until_it_fits(tmp_path: Any) -> 
 
     assert cleaned.deleted == oldest and cleaned.kept_bytes == fits
     assert {layout.written_at(f.path) for f in store.files()} == {2 * DAY, 3 * DAY}
+
+
+def test_a_merged_file_has_the_filter_of_every_result(tmp_path: Any) -> None:
+    results = ResultStore(open_store(str(tmp_path / "results")))
+    files = upkeep.MERGE_AT + 1
+    everything = keys_in_bucket(files * 2_000, 3, seed=4)
+    for i in range(files):
+        _aged(results, (i + 1) * DAY, everything.slice(i * 2_000, 2_000))
+
+    assert upkeep.clean(results, now=100 * DAY).merged == files
+
+    (merged,) = results.files()
+    meta = pq.read_metadata(merged.path)
+    assert meta.num_rows == everything.height
+    spans = key_filter.spans(meta, merged.size, 0)
+    assert spans is not None and len(spans) == meta.num_row_groups
+    before = results.store.usage()
+    absent = keys_in_bucket(1_000, 3, seed=5)
+    assert results.lookup(SCOPE, absent.select(layout.KEYS)).height == 0
+    read = results.store.usage().since(before).bytes_read
+    assert read <= _outside_row_groups(results, merged.path)
+    found = results.lookup(SCOPE, everything.select(layout.KEYS))
+    assert found.sort(layout.KEYS).equals(everything.sort(layout.KEYS))
 
 
 def test_clean_merges_small_files_and_keeps_every_result(tmp_path: Any) -> None:

@@ -12,8 +12,10 @@ file's footer once, in two passes:
 2. the rest: for the keys still missing, the row groups not read yet whose ``KEY_HI`` range
    holds one (other ids, or a key never stored).
 
-Of each row group it reads the key columns, then the other columns only where a key matched. A
-key stored twice (two shards computed it at once) is taken from the oldest file.
+Before any key column, it reads the key filter of the row groups a pass would read
+(``key_filter.py``) and drops those holding none of its keys. Of the others it reads the key
+columns, then the other columns only where a key matched. A key stored twice (two shards
+computed it at once) is taken from the oldest file.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from __future__ import annotations
 import io
 import posixpath
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from checkpoint_assets.engine.reuse import key_filter
 from checkpoint_assets.engine.reuse.layout import (
     ID_KEY,
     KEY_HI,
@@ -78,13 +82,31 @@ class ResultStore:
         return results.height
 
     def write(self, path: str, rows: pl.DataFrame) -> None:
-        """Write ``rows`` as the result file ``path``, sorted by ``ID_KEY`` (else by key)."""
+        """Write ``rows`` as the result file ``path``, sorted by ``ID_KEY`` (else by key), in
+        row groups of ``ROW_GROUP_ROWS``, with its key filter (``key_filter.py``)."""
         order = [ID_KEY, *KEYS] if ID_KEY in rows.columns else list(KEYS)
+        rows = rows.sort(order)
+        hi = rows.get_column(KEY_HI).to_numpy()
+        starts = range(0, rows.height, ROW_GROUP_ROWS)
+        sections = [key_filter.section(hi[start : start + ROW_GROUP_ROWS]) for start in starts]
         buffer = io.BytesIO()
-        rows.sort(order).write_parquet(
-            buffer, compression="zstd", statistics=True, row_group_size=ROW_GROUP_ROWS
+        rows.write_parquet(
+            buffer,
+            compression="zstd",
+            statistics=True,
+            row_group_size=ROW_GROUP_ROWS,
+            metadata=key_filter.metadata(sections),
         )
-        self.store.put(path, buffer.getvalue())
+        data = buffer.getvalue()
+        written = pq.read_metadata(io.BytesIO(data))
+        sizes = [written.row_group(g).num_rows for g in range(written.num_row_groups)]
+        if sizes != [min(ROW_GROUP_ROWS, rows.height - start) for start in starts]:
+            raise RuntimeError(
+                f"polars wrote row groups of {sizes} rows, not of {ROW_GROUP_ROWS}: the key "
+                "filter's sections would not match them. Pin polars to a release that keeps "
+                "row_group_size."
+            )
+        self.store.put(path, key_filter.with_filter(data, sections))
 
     def lookup(self, scope: str, keys: pl.DataFrame) -> pl.DataFrame:
         """The stored results of ``keys`` (``KEY_HI``, ``KEY_LO``, and ``ID_KEY`` when known)
@@ -144,32 +166,68 @@ class ResultStore:
 class _File:
     """One result file being looked up: its footer, and the row groups whose keys were read."""
 
-    def __init__(self, parquet: pq.ParquetFile) -> None:
+    def __init__(
+        self, parquet: pq.ParquetFile, read_span: _Reader, spans: list[tuple[int, int]] | None
+    ) -> None:
         self.parquet = parquet
         self.metadata = parquet.metadata
         self.read: set[int] = set()
+        self.read_span = read_span
+        self.spans = spans  # each row group's key filter section, None without a filter
 
     @classmethod
     def open(cls, store: Store, f: FileInfo) -> _File:
         """A small file read whole; a large one's footer read exactly (two ranged GETs)."""
         if f.size <= WHOLE_FILE_BYTES:
-            return cls(pq.ParquetFile(io.BytesIO(store.get(f.path))))
+            data = store.get(f.path)
+            whole = pq.ParquetFile(io.BytesIO(data))
+            (length,) = struct.unpack("<I", data[-8:-4])
+            spans = key_filter.spans(whole.metadata, len(data), length)
+            return cls(whole, lambda start, end: data[start:end], spans)
         tail = store.get_range(f.path, f.size - 8, f.size)
         (length,) = struct.unpack("<I", tail[:4])
         footer = store.get_range(f.path, f.size - 8 - length, f.size - 8)
         metadata = pq.read_metadata(io.BytesIO(b"PAR1" + footer + tail))
         source = ranged_file(store, f.path, f.size)
-        return cls(pq.ParquetFile(source, metadata=metadata, pre_buffer=True))
+        spans = key_filter.spans(metadata, f.size, length)
+        return cls(
+            pq.ParquetFile(source, metadata=metadata, pre_buffer=True),
+            lambda start, end: store.get_range(f.path, start, end),
+            spans,
+        )
+
+    def filtered(self, groups: Sequence[int], wanted: pl.DataFrame) -> list[int]:
+        """The row groups of ``groups`` (ascending) whose key filter may hold a key of
+        ``wanted``: the sections of each run of consecutive groups read in one ranged GET. All
+        of them for a file without a filter."""
+        if self.spans is None or not groups:
+            return list(groups)
+        spans = self.spans
+        asked = key_filter.fingerprints(wanted.get_column(KEY_HI).to_numpy())
+        kept = []
+        for run in np.split(np.asarray(groups), np.flatnonzero(np.diff(groups) != 1) + 1):
+            start = spans[run[0]][0]
+            data = self.read_span(start, spans[run[-1]][1])
+            for g in run.tolist():
+                rows = self.metadata.row_group(g).num_rows
+                held = key_filter.read_section(
+                    data[spans[g][0] - start : spans[g][1] - start], rows
+                )
+                if key_filter.may_hold(held, asked).any():
+                    kept.append(g)
+        return kept
 
     def select(self, wanted: pl.DataFrame, *, near: bool) -> pl.DataFrame:
         """The rows whose key is among ``wanted`` (sorted by key), from the row groups not read
-        yet whose ``ID_KEY`` (``near``) or ``KEY_HI`` range holds a wanted one."""
+        yet whose ``ID_KEY`` (``near``) or ``KEY_HI`` range holds a wanted one and whose key
+        filter may hold one."""
         column = ID_KEY if near else KEY_HI
         values = np.sort(wanted.get_column(column).drop_nulls().to_numpy())
         groups = [g for g in _holding(self.metadata, column, values) if g not in self.read]
+        self.read.update(groups)  # a group left out by the filter holds none of these keys
+        groups = self.filtered(groups, wanted)
         if not groups:
             return wanted.clear()
-        self.read.update(groups)
         keys = _frame(self.parquet.read_row_groups(groups, columns=list(KEYS)))
         hits = keys.with_row_index("__row").join(wanted.select(KEYS), on=list(KEYS), how="semi")
         if not hits.height:
@@ -182,6 +240,10 @@ class _File:
         held = pl.concat([keys.slice(int(ends[i] - sizes[i]), sizes[i]) for i in holding])
         rows = held.hstack(_frame(values_read).get_columns())
         return rows.join(wanted.select(KEYS), on=list(KEYS), how="semi")
+
+
+class _Reader(Protocol):
+    def __call__(self, start: int, end: int, /) -> bytes: ...
 
 
 def _frame(table: pa.Table) -> pl.DataFrame:
