@@ -7,7 +7,8 @@ in chunks of a million rows as shards add them, then merged as ``checkpoint-asse
 
 - ``lookup``: ``ResultStore.lookup`` of the shard's keys (every one of them stored, under the
   same ids), as a run does before its first call: bytes its GETs fetched, wall and CPU time;
-- ``miss``: the same for as many new rows of shard 0, none of them stored;
+- ``miss``: the same for as many new rows of shard 0, none of them stored (``filter_bytes``: the
+  key filters of the whole store, which such a lookup reads);
 - ``baseline``: a polars scan of the same rows' checkpoint (their merged file, written by the
   engine): the file's bytes, wall and CPU time.
 
@@ -26,11 +27,12 @@ import time
 from typing import Any
 
 import polars as pl
+import pyarrow.parquet as pq
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 from checkpoint_assets.engine.plan.inputs import CONTENT_LO, Prepared
 from checkpoint_assets.engine.plan.resume import DEDUPE_KEY
-from checkpoint_assets.engine.reuse import layout, upkeep
+from checkpoint_assets.engine.reuse import key_filter, layout, upkeep
 from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.sharding import hashing
 
@@ -114,11 +116,14 @@ def main(total: int, shards: int, folder: str) -> dict[str, Any]:
     merged = checkpoint.files.merged
     scanned, base_seconds, base_cpu = timed(lambda: pl.scan_parquet(merged).collect())
     assert found.height == mine.height == scanned.height
-    stored_bytes = sum(f.size for f in result_store.files(SCOPE))
+    files = result_store.files(SCOPE)
+    stored_bytes = sum(f.size for f in files)
+    filters = [pq.read_metadata(f.path).metadata[key_filter.FILTER_KEY.encode()] for f in files]
     return {
         "stored_results": total,
         "store_bytes": stored_bytes,
-        "store_files": len(result_store.files(SCOPE)),
+        "store_files": len(files),
+        "filter_bytes": sum(sum(json.loads(lengths)) for lengths in filters),
         "fill_seconds": round(fill_seconds, 1),
         "shard_rows": mine.height,
         "lookup": {
