@@ -5,6 +5,7 @@ results) and the row's *content key* (its input columns, the id left out: ``hash
 asset, tag, shard scheme or id asking the same takes it instead of calling again.
 
 - ``layout.py``: where results live (scope, bucket, file names) and the key columns.
+- ``key_filter.py``: which row groups of a file may hold a key, read before any key column.
 - ``store.py``: ``ResultStore``, adding results and looking keys up.
 - ``contribution.py``: what one shard adds, once its parts are durable.
 - ``upkeep.py``: cleaning by age and size, merging small files.

@@ -10,8 +10,8 @@ Under the store's root (by default ``result-store`` beside the checkpoints)::
 - a file: immutable, written once under a unique name, never rewritten. It holds ``KEY_HI``,
   ``KEY_LO``, ``ID_KEY`` (the shard key of the id whose run computed the row: ``hashing.py``'s
   ``shard_key``) and the output columns, sorted by ``ID_KEY``, in row groups of
-  ``ROW_GROUP_ROWS`` with statistics. Its name starts with when it was written (milliseconds
-  since the epoch).
+  ``ROW_GROUP_ROWS`` with statistics, and the key filter of each row group
+  (``key_filter.py``). Its name starts with when it was written (milliseconds since the epoch).
 
 Keys are stored as signed 64-bit integers: the unsigned half with its top bit flipped, ordered
 as the unsigned value, within the integers every Parquet reader compares.
