@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import struct
 import threading
 from typing import Any
 
@@ -199,6 +200,27 @@ def test_a_file_without_a_filter_is_still_read(tmp_path: Any) -> None:
     found = results.lookup(SCOPE, asked.select(layout.KEYS))
 
     assert found.sort(layout.KEYS).equals(stored.slice(7_000, 50).sort(layout.KEYS))
+
+
+def test_a_damaged_filter_still_finds_every_result(tmp_path: Any) -> None:
+    results = ResultStore(open_store(str(tmp_path / "results")))
+    stored = keys_in_bucket(20_000, 0, seed=1)
+    path = layout.new_file(results.root, SCOPE, 0)
+    results.write(path, stored)
+    data = bytearray(results.store.get(path))
+    meta = pq.read_metadata(io.BytesIO(bytes(data)))
+    (footer,) = struct.unpack("<I", data[-8:-4])
+    spans = key_filter.spans(meta, len(data), footer)
+    assert spans is not None
+    for start, end in spans:  # every section's bytes flipped, the lengths intact
+        data[start:end] = bytes(b ^ 0xFF for b in data[start:end])
+    results.store.put(path, bytes(data))
+    absent = keys_in_bucket(100, 0, seed=2)
+
+    found = results.lookup(SCOPE, pl.concat([stored.slice(9_000, 40), absent]).select(layout.KEYS))
+
+    assert found.sort(layout.KEYS).equals(stored.slice(9_000, 40).sort(layout.KEYS))
+    assert results.unreadable == []
 
 
 def test_a_key_of_another_scope_is_not_found(tmp_path: Any) -> None:

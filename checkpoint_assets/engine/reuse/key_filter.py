@@ -79,13 +79,15 @@ def metadata(sections: list[bytes]) -> dict[str, str]:
 
 def spans(meta: pq.FileMetaData, size: int, footer: int) -> list[tuple[int, int]] | None:
     """Each row group's section as (start, end) in a file of ``size`` bytes whose footer is
-    ``footer`` bytes long; None for a file without a filter."""
+    ``footer`` bytes long; None for a file without a filter, or one whose lengths do not fit."""
     found = (meta.metadata or {}).get(FILTER_KEY.encode())
     if found is None:
         return None
-    lengths = json.loads(found)
-    if len(lengths) != meta.num_row_groups:
+    try:
+        lengths = [int(n) for n in json.loads(found)]
+    except (ValueError, TypeError):
         return None
     start = size - 8 - footer - sum(lengths)
-    ends = np.cumsum([start, *lengths]).tolist()
-    return list(itertools.pairwise(ends))
+    if len(lengths) != meta.num_row_groups or min(lengths, default=0) < 0 or start < 4:
+        return None
+    return list(itertools.pairwise(np.cumsum([start, *lengths]).tolist()))

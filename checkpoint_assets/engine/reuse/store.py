@@ -209,13 +209,19 @@ class _File:
             start = spans[run[0]][0]
             data = self.read_span(start, spans[run[-1]][1])
             for g in run.tolist():
-                rows = self.metadata.row_group(g).num_rows
-                held = key_filter.read_section(
-                    data[spans[g][0] - start : spans[g][1] - start], rows
-                )
-                if key_filter.may_hold(held, asked).any():
+                section = data[spans[g][0] - start : spans[g][1] - start]
+                if self._may_hold(g, section, asked):
                     kept.append(g)
         return kept
+
+    def _may_hold(self, group: int, section: bytes, asked: np.ndarray) -> bool:
+        """Whether ``group``'s filter ``section`` may hold one of the fingerprints ``asked``;
+        True when the section is damaged: the key columns decide."""
+        try:
+            held = key_filter.read_section(section, self.metadata.row_group(group).num_rows)
+        except (pa.ArrowException, OSError, ValueError):  # zstd's errors are OSErrors
+            return True
+        return bool(key_filter.may_hold(held, asked).any())
 
     def select(self, wanted: pl.DataFrame, *, near: bool) -> pl.DataFrame:
         """The rows whose key is among ``wanted`` (sorted by key), from the row groups not read
