@@ -6,14 +6,15 @@ zstd. The key is already a uniform hash, so these bits are its fingerprint: no h
 whose fingerprint is not in a section is not in that row group. One that is may be (a false
 positive, about ``keys in its bucket / 2**32`` a key): its row group's key columns decide.
 
-A Bloom filter of 10 bits a key says "maybe" for 1 % of the keys it is asked about, in every
-row group it is asked of: a shard of 625,000 new keys asking a bucket of 19 row groups would read
-every row group. A fingerprint says "maybe" in one row group only.
+Why not a Bloom filter of 10 bits a key: it says "maybe" for 1 % of the keys asked, in each row
+group asked. 625,000 new keys asking a bucket of 19 row groups would read every row group. Over a
+bucket of 39,000 keys, 32-bit fingerprints say "maybe" for about one key in 100,000.
 
-The sections sit between the file's last column chunk and its footer, where no Parquet reader
-looks; the footer's key-value metadata ``FILTER_KEY`` holds their lengths (JSON). So the file
-and its filter are written at once, and a lookup reads the sections of the row groups it asks
-about in one ranged GET. A file without ``FILTER_KEY`` is read without a filter.
+The sections sit between the file's last column chunk and its footer. Nothing in the footer
+points there, so Parquet readers never look; the footer's key-value metadata ``FILTER_KEY``
+holds their lengths (JSON). The file and its filter are written at once. A lookup reads the
+sections of a run of row groups in one ranged GET. A file without ``FILTER_KEY`` has every row
+group's key columns read.
 """
 
 from __future__ import annotations
