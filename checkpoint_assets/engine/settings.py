@@ -300,8 +300,9 @@ class RunStats:
     rows_changed: int = 0
     rows_imported: int = 0
     calls: int = 0
-    # A request/parse job (engine/providers/): rows asked online in this run, and batch results
-    # dropped because their row was stored already.
+    # A request/parse job (engine/providers/): how it ran (online, batch, hybrid), rows asked
+    # online in this run, and batch results dropped because their row was stored already.
+    mode: str | None = None
     rows_online: int = 0
     batch_results_dropped: int = 0
     failed_calls: int = 0

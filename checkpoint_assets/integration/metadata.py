@@ -59,6 +59,10 @@ INPUT_FINGERPRINT = "input_fingerprint"
 TOP_ERRORS = "top_errors"
 FUNCTION_CHANGED = "function_changed"
 FUNCTION_CHANGES = "function_changes"
+# A request/parse asset (provider_batch_asset): how the run asked its rows.
+MODE = "mode"
+ROWS_ONLINE = "rows_online"
+BATCH_RESULTS_DROPPED = "batch_results_dropped"
 # The failure of a run that submitted and ended: when the provider ends the last of its batches
 # at the latest (their 24 h window), and which sensor collects them.
 RESULTS_DUE_BY = "results_due_by"
@@ -135,6 +139,11 @@ MATERIALIZATION: dict[str, str] = {
     FUNCTION_CHANGED: "`true` when stored results were reused although the function changed and "
     "`code_version` did not. Absent with `checkpointing: false`.",
     FUNCTION_CHANGES: "When `function_changed`: what changed, such as `the function's code`.",
+    MODE: "A request/parse asset: how the run asked its rows, `online`, `batch` or `hybrid`.",
+    ROWS_ONLINE: "A request/parse asset: rows this run asked online, one request each. They "
+    "count in `rows_computed` too.",
+    BATCH_RESULTS_DROPPED: "A request/parse asset: provider batch results dropped because their "
+    "row was stored already. Such a row is stored once.",
     ROW_COUNT: "Rows of the partition's result, failed ones included (Dagster's standard key).",
     COLUMN_SCHEMA: "The result's columns and types: the id, the outputs and `_error` "
     "(Dagster's standard key).",
@@ -223,9 +232,21 @@ def materialization(
             out[TOP_ERRORS] = top_errors(result, id_column)
     out.update(_throttling(runs))
     out.update(_usage(runs))
+    out.update(_modes(runs))
     if checkpointing:  # without a checkpoint there is no earlier function to compare with
         out.update(_function(runs))
     return declared(out, MATERIALIZATION)
+
+
+def _modes(runs: Sequence[RunStats]) -> dict[str, Any]:
+    modes = list(dict.fromkeys(r.mode for r in runs if r.mode is not None))
+    if not modes:
+        return {}
+    return {
+        MODE: ",".join(modes),
+        ROWS_ONLINE: sum(r.rows_online for r in runs),
+        BATCH_RESULTS_DROPPED: sum(r.batch_results_dropped for r in runs),
+    }
 
 
 def _function(runs: Sequence[RunStats]) -> dict[str, Any]:

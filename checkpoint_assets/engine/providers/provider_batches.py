@@ -182,6 +182,7 @@ class ProviderRun(ShardRun):
                 "Run with checkpointing on.",
             )
         self.job = self.fn
+        self.stats.mode = self.job.mode.value
         self.provider = self.job.provider
         self.records = Records(self.sink.checkpoint.store, self.sink.checkpoint.files)
         self.check = Check(self.id)

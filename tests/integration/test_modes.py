@@ -1,0 +1,254 @@
+"""One request/parse definition, three ways to run it: ``online``, ``batch`` and ``hybrid``,
+chosen per run in run config, through real Dagster materializations.
+
+The batches go to the local batch provider (``examples/llm_batch/provider.py``), the online
+requests to the local chat server (``examples/llm_openai/server.py``); both are served on one
+base URL, as a provider serves both, so one resource reaches either. Each counts what it answered:
+the requests paid for are the provider's ``processed`` plus the chat server's ``ok``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import dagster as dg
+import polars as pl
+import pytest
+from helpers.jobs import ASSET, stats, step_error
+from starlette.types import Receive, Scope, Send
+
+from checkpoint_assets import (
+    AnthropicResource,
+    CheckpointIOManager,
+    OpenAIResource,
+    provider_batch_asset,
+    shard_partitions,
+)
+from checkpoint_assets.engine import Checkpoint, open_store
+from checkpoint_assets.engine.providers.online import ANSWER
+from examples import serving
+from examples.llm_batch.jobs import Settings
+from examples.llm_batch.provider import Provider
+from examples.llm_openai.server import ChatServer
+from examples.llm_openai.server import Settings as ChatSettings
+
+ID = "ticket_id"
+SHARD = "0-of-1"
+TEXTS = ("I was charged twice, please refund me", "The app crashes with an error", "hello")
+ONLINE_PATHS = ("/v1/chat/completions", "/v1/messages")
+
+
+class Both:
+    """The batch provider and the chat server on one base URL: the online paths go to the chat
+    server, every other path to the provider."""
+
+    def __init__(self, provider: Provider, chat: ChatServer) -> None:
+        self.provider, self.chat = provider, chat
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> Any:
+        app = self.chat if scope.get("path") in ONLINE_PATHS else self.provider
+        return await app(scope, receive, send)
+
+    def paid(self) -> int:
+        """Requests answered: by the provider's batches and online."""
+        return self.provider.snapshot()["processed"] + self.chat.snapshot()["ok"]
+
+
+def openai_parse(body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "answer": body["choices"][0]["message"]["content"],
+        "input_tokens": body["usage"]["prompt_tokens"],
+    }
+
+
+def anthropic_parse(message: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "answer": message["content"][0]["text"],
+        "input_tokens": message["usage"]["input_tokens"],
+    }
+
+
+APIS = {
+    "openai": (
+        openai_parse,
+        lambda url: OpenAIResource(base_url=url, api_key="local", model="m"),
+    ),
+    "anthropic": (
+        anthropic_parse,
+        lambda url: AnthropicResource(
+            base_url=url.removesuffix("/v1"), api_key="local", model="claude-test", max_tokens=8
+        ),
+    ),
+}
+
+
+class Setup:
+    def __init__(self, base_dir: str, url: str, servers: Both, rows: int, api: str) -> None:
+        self.base_dir, self.url, self.servers, self.api = base_dir, url, servers, api
+        self.df = pl.DataFrame({ID: list(range(rows)), "body": [TEXTS[i % 3] for i in range(rows)]})
+        self.instance = dg.DagsterInstance.ephemeral()
+
+    def asset(self, **kw: Any) -> dg.AssetsDefinition:
+        options: dict[str, Any] = {
+            "source": "tickets",
+            "id_column": ID,
+            "parse": APIS[self.api][0],
+            "provider": self.api,
+            "input_columns": ["body"],
+            "partitions_def": shard_partitions(1),
+            "usage_columns": ["input_tokens"],
+            "poll_seconds": 0.05,
+            "max_poll_seconds": 0.2,
+            "max_concurrency": 8,
+            "checkpoint_interval": 64,
+        }
+
+        @provider_batch_asset(name=ASSET, **(options | kw))
+        def routed(row: dict[str, Any]) -> dict[str, Any]:
+            """The same request, whichever way it is sent."""
+            return {"messages": [{"role": "user", "content": row["body"]}]}
+
+        return routed
+
+    def materialize(self, a: dg.AssetsDefinition, **config: Any) -> dg.ExecuteInProcessResult:
+        @dg.asset(name="tickets", io_manager_key="source_io")
+        def tickets() -> pl.DataFrame:
+            return self.df
+
+        return dg.materialize(
+            [tickets, a],
+            instance=self.instance,
+            resources={
+                "io_manager": CheckpointIOManager(base_dir=self.base_dir),
+                "source_io": dg.InMemoryIOManager(),  # type: ignore[no-untyped-call]
+                self.api: APIS[self.api][1](self.url),
+            },
+            partition_key=SHARD,
+            run_config={"ops": {ASSET: {"config": config}}},
+            raise_on_error=False,
+        )
+
+    def stored(self, tag: str = "default") -> pl.DataFrame:
+        return Checkpoint(open_store(self.base_dir), f"{ASSET}/{tag}/{SHARD}").load(ID).rows
+
+    def stored_once(self, tag: str = "default") -> None:
+        """Every input row stored, in one row of one file: none twice."""
+        checkpoint = Checkpoint(open_store(self.base_dir), f"{ASSET}/{tag}/{SHARD}")
+        files = checkpoint.data_files()
+        parts = pl.concat([pl.read_parquet(f).select(ID, "_error") for f in files])
+        assert parts.height == parts.get_column(ID).n_unique() == self.df.height
+        assert parts.get_column("_error").null_count() == self.df.height
+
+
+@contextmanager
+def servers(settings: Settings) -> Iterator[tuple[str, Both]]:
+    both = Both(Provider(settings), ChatServer(ChatSettings()))
+    with serving.in_thread(both, "provider and chat server") as url:
+        yield url, both
+
+
+@pytest.fixture
+def setup(tmp_path: Any, request: pytest.FixtureRequest) -> Iterator[Setup]:
+    marker = request.node.get_closest_marker("provider")
+    options = dict(marker.kwargs) if marker else {}
+    rows = options.pop("rows", 300)
+    api = options.pop("api", "openai")
+    with servers(Settings(**options)) as (url, both):
+        yield Setup(str(tmp_path / "checkpoints"), url, both, rows, api)
+
+
+def outputs(frame: pl.DataFrame) -> pl.DataFrame:
+    return frame.sort(ID).select(ID, "answer", "input_tokens", "_error")
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+def test_one_definition_gives_the_same_outputs_online_and_as_batches(
+    tmp_path: Any, api: str
+) -> None:
+    with servers(Settings()) as (url, both):
+        setup = Setup(str(tmp_path / "checkpoints"), url, both, 120, api)
+        asset = setup.asset()  # the asset's default mode: batch
+        batched = setup.materialize(asset, checkpoint_tag="batched")
+        online = setup.materialize(asset, checkpoint_tag="online", mode="online")
+        assert batched.success and online.success
+        assert both.provider.snapshot()["processed"] == 120  # the batch run's requests
+        assert both.chat.snapshot()["ok"] == 120  # the online run's, one each
+    by_batch, by_request = setup.stored("batched"), setup.stored("online")
+    assert outputs(by_request).equals(outputs(by_batch))
+    assert outputs(by_request).get_column("answer").head(3).to_list() == [
+        "billing",
+        "technical",
+        "other",
+    ]
+    # Each row keeps the provider's response body it was parsed from, whichever way it came.
+    for frame in (by_batch, by_request):
+        first = json.loads(frame.sort(ID).get_column(ANSWER)[0])
+        assert APIS[api][0](first)["answer"] == "billing"
+    meta = stats(online)
+    assert (meta["mode"], meta["rows_online"], meta["rows_computed"]) == ("online", 120, 120)
+    assert stats(batched)["mode"] == "batch" and stats(batched)["rows_online"] == 0
+
+
+@pytest.mark.provider(rows=400, processing_delay=6.0)
+def test_a_hybrid_run_past_its_deadline_stores_every_row_once_and_pays_each_once(
+    setup: Setup,
+) -> None:
+    # The batch would take 6 s; at 0.5 s it is cancelled and its rows without a result go online.
+    result = setup.materialize(setup.asset(), mode="hybrid", deadline="0.5s")
+    assert result.success, step_error(result)
+    provider, chat = setup.servers.provider.snapshot(), setup.servers.chat.snapshot()
+    assert provider["cancels"] == 1
+    assert provider["processed"] > 0 and provider["cancelled"] > 0  # some by batch, the rest not
+    assert provider["processed"] + provider["cancelled"] == 400
+    assert setup.servers.paid() == 400  # no row paid twice
+    setup.stored_once()
+    meta = stats(result)
+    assert meta["mode"] == "hybrid"
+    assert meta["rows_online"] == chat["ok"] == provider["cancelled"]
+    assert meta["batch_results_dropped"] == 0
+    assert meta["rows_computed"] == 400
+
+
+@pytest.mark.provider(rows=200, expire_rate=1.0, expire_after=0.0)
+def test_a_hybrid_run_finishes_an_expired_batch_online_without_a_deadline(setup: Setup) -> None:
+    result = setup.materialize(setup.asset(mode="hybrid"))  # the asset's default this time
+    assert result.success, step_error(result)
+    provider = setup.servers.provider.snapshot()
+    assert provider["creates"] == 1 and provider["expired"] == 200  # nothing sent again as batch
+    assert setup.servers.paid() == 200
+    setup.stored_once()
+    assert stats(result)["rows_online"] == 200
+
+
+@pytest.mark.provider(rows=200, processing_delay=3600.0)
+def test_an_online_run_cancels_the_pending_batches_of_an_earlier_run_first(setup: Setup) -> None:
+    asset = setup.asset()
+    submitted = setup.materialize(asset, wait=False)  # submits and ends: the batch waits
+    assert not submitted.success
+    assert setup.servers.provider.snapshot()["submitted"] == 200
+    result = setup.materialize(asset, mode="online")
+    assert result.success, step_error(result)
+    provider = setup.servers.provider.snapshot()
+    assert provider["cancels"] == 1 and provider["processed"] == 0
+    assert setup.servers.paid() == 200  # nothing paid twice: the batch ran nothing
+    setup.stored_once()
+    assert stats(result)["rows_online"] == 200
+
+
+@pytest.mark.provider(rows=10)
+def test_a_bad_mode_or_deadline_is_a_clear_error(setup: Setup) -> None:
+    asset = setup.asset()
+    for config, said in (
+        ({"mode": "fast"}, "mode must be one of online, batch, hybrid, got 'fast'"),
+        ({"mode": "hybrid", "deadline": "soon"}, "deadline must be seconds or a duration"),
+        ({"mode": "hybrid", "wait": False}, "mode hybrid finishes rows online in the run"),
+    ):
+        result = setup.materialize(asset, **config)
+        assert not result.success
+        assert said in step_error(result)
+    assert setup.servers.provider.snapshot()["submitted"] == 0  # nothing was sent
+    with pytest.raises(ValueError, match="mode must be one of online, batch, hybrid"):
+        setup.asset(mode="fast")
