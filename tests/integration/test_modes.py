@@ -252,3 +252,22 @@ def test_a_bad_mode_or_deadline_is_a_clear_error(setup: Setup) -> None:
     assert setup.servers.provider.snapshot()["submitted"] == 0  # nothing was sent
     with pytest.raises(ValueError, match="mode must be one of online, batch, hybrid"):
         setup.asset(mode="fast")
+
+
+@pytest.mark.provider(rows=200, error_rate=0.2)
+def test_a_hybrid_run_sends_requests_that_failed_in_a_transient_way_online(setup: Setup) -> None:
+    result = setup.materialize(setup.asset(), mode="hybrid")
+    assert result.success, step_error(result)
+    provider, chat = setup.servers.provider.snapshot(), setup.servers.chat.snapshot()
+    assert provider["creates"] == 1  # none sent again as a batch
+    assert provider["errored"] > 0 and chat["ok"] == provider["errored"]
+    setup.stored_once()
+    assert stats(result)["rows_online"] == provider["errored"]
+
+
+@pytest.mark.provider(rows=10)
+def test_an_endpoint_the_resource_cannot_send_online_is_a_clear_error(setup: Setup) -> None:
+    result = setup.materialize(setup.asset(endpoint="chat/completions"), mode="online")
+    assert not result.success
+    assert "OpenAI's endpoints are API paths that start with /v1/" in step_error(result)
+    assert setup.servers.chat.snapshot()["requests"] == 0
