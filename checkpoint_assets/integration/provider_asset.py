@@ -81,6 +81,11 @@ class ProviderBatchRunConfig(CheckpointRunConfig):
         "submit and end, leaving the partition to provider_batches_sensor (false); default: "
         "the asset's.",
     )
+    recompute_unanswered: bool = Field(
+        default=False,
+        description="When parse changed: request again (paid) the finished rows that have no "
+        "stored answer (keep_answers off, or stored without one). false: they keep their outputs.",
+    )
     mode: str | None = Field(
         default=None,
         description=f"How rows are asked: {_MODES}. online: each row's request sent at once "
@@ -145,6 +150,11 @@ class ProviderArguments(CommonArguments, AssetSettings):
         "hybrid: seconds, or a duration such as '15m', from the run's start, after which "
         "queued batches are cancelled and their rows finished online. None: only rows of "
         "expired or failed batches go online. Run config deadline overrides it.",
+    )
+    keep_answers: bool = setting(
+        ProviderJob.keep_answers,
+        "Store each row's response body (`_answer`), so a changed parse re-derives the outputs "
+        "with no request. False stores none.",
     )
 
     def __post_init__(self) -> None:
@@ -236,11 +246,12 @@ def provider_batch_asset(
                 mode=mode,
                 deadline_seconds=deadline,
                 send=send,
+                keep_answers=a.keep_answers,
+                recompute_unanswered=config.recompute_unanswered,
             )
 
-        code = function_fingerprint.of_function(request)
-        parsed = sorted(function_fingerprint.of_function(a.parse).items())  # "the constant parse"
-        code[function_fingerprint.CONSTANT + "parse"] = ",".join(f"{k}={v}" for k, v in parsed)
+        # The request part, then the parse part (the resources add theirs to the request's).
+        code = function_fingerprint.of_function(request) | function_fingerprint.of_parse(a.parse)
         calls = Calls((provider,), code, bind, ProviderRun, ProviderBatchRunConfig)
         return define(request, calls, declared, kinds={"polars", "parquet", provider})
 

@@ -28,7 +28,7 @@ from checkpoint_assets import (
     shard_partitions,
 )
 from checkpoint_assets.engine import Checkpoint, open_store
-from checkpoint_assets.engine.providers.online import ANSWER
+from checkpoint_assets.engine.providers.answers import ANSWER
 from examples import serving
 from examples.llm_batch.jobs import Settings
 from examples.llm_batch.provider import Provider

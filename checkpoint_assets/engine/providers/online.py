@@ -2,17 +2,16 @@
 
 A request/parse job (``provider_batch_asset``) is ``request(row) -> body`` and ``parse(answer)
 -> outputs``. ``provider_batches.ProviderRun`` sends it as provider batches; here it runs per
-row through the endpoint resource's ``send``:
+row through the endpoint resource's ``send``, on the engine's ``Run`` loop (``PerRow``:
+concurrency, rate limits, retries, flushes):
 
-- :func:`answering` makes the per-row ``async`` function: build the row's body, send it, parse
-  the answer, and return the outputs with ``_answer`` beside them (:func:`with_answer`).
-- :func:`finish` runs that function over some rows of a ``ProviderRun`` on the engine's
-  ``Run`` loop (``PerRow``: concurrency, rate limits, retries, flushes), on the shard's own sink,
-  counts, throttle and spend. Those rows are every row of an online run, and the rows a hybrid
-  run's batches left without a result.
-
-Every stored row of a request/parse job carries ``_answer``: the provider's response body as
-compact JSON text (a String column, compressed by Parquet's zstd), whichever way it was asked.
+- :class:`Online` holds the per-row ``async`` function (``one_row``): build the row's body,
+  send it, parse the answer. It keeps each answer (``answers.dumps``) until the loop takes the
+  row's result.
+- :func:`finish` runs it over some rows of a ``ProviderRun`` on the shard's own sink, counts,
+  throttle and spend: every row of an online run, and the rows a hybrid run's batches left
+  without a result. Its loop adds each answer to its row as ``_answer`` (``keep_answers``), the
+  failed rows whose ``parse`` raised included, as in a batch.
 
 A call retried after its answer came (``parse`` raised) parses the same answer again: it is not
 asked again. The row fails with ``parse``'s error after ``max_attempts``, as in a batch.
@@ -21,77 +20,89 @@ asked again. The row fails with ``parse``'s error after ``max_attempts``, as in 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Final
+from dataclasses import dataclass, field
+from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine.calls.batches import PerRow
+from checkpoint_assets.engine.calls.batches import PerRow, Record, RowResult
+from checkpoint_assets.engine.calls.caller import Outcome
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.loop.runner import Run
 from checkpoint_assets.engine.loop.shard_run import RunContext, ShardRun
-
-#: The column of a request/parse job's stored rows that holds each row's response body.
-ANSWER: Final = "_answer"
+from checkpoint_assets.engine.providers.answers import ANSWER, dumps, parse_error
 
 Send = Callable[[Mapping[str, Any]], Awaitable[Any]]
 
 
 class ParseError(Exception):
-    """``parse`` raised on an answer: the row fails with its text (the answer is kept)."""
+    """``parse`` raised on an answer: the row fails with its text (its answer is kept)."""
 
 
-def answer_text(body: Any) -> str:
-    """A response body as it is stored in ``_answer``: compact JSON.
+@dataclass
+class Online:
+    """The per-row function of the online way, and the answers it got (see the module
+    docstring). ``keep_answers`` False keeps none."""
 
-    >>> answer_text({"choices": [{"message": {"content": "billing"}}]})
-    '{"choices":[{"message":{"content":"billing"}}]}'
-    """
-    return json.dumps(body, separators=(",", ":"))
+    request: Callable[[dict[str, Any]], dict[str, Any]]
+    parse: Callable[[dict[str, Any]], Mapping[str, Any]]
+    send: Send
+    id_column: str
+    keep_answers: bool = True
+    answers: dict[Any, str] = field(default_factory=dict)  # by row id, until the loop takes them
+    _unparsed: dict[Any, Any] = field(default_factory=dict)  # bodies whose parse raised
 
-
-def with_answer(outputs: Any, body: Any) -> Any:
-    """``parse``'s outputs with ``_answer`` added (anything but a dict is left for the row
-    check to refuse)."""
-    if not isinstance(outputs, Mapping):
-        return outputs
-    return {**outputs, ANSWER: answer_text(body)}
-
-
-def answering(
-    request: Callable[[dict[str, Any]], dict[str, Any]],
-    parse: Callable[[dict[str, Any]], Mapping[str, Any]],
-    send: Send,
-    id_column: str,
-) -> Callable[[dict[str, Any]], Awaitable[Any]]:
-    """The per-row function of the online way (see the module docstring)."""
-    kept: dict[Any, Any] = {}  # answers whose parse raised, by row id: parsed again, not asked
-
-    async def one_row(row: dict[str, Any]) -> Any:
-        row_id = row[id_column]
-        body = kept.pop(row_id, None)
+    async def one_row(self, row: dict[str, Any]) -> Any:
+        row_id = row[self.id_column]
+        body = self._unparsed.pop(row_id, None)
         if body is None:
-            body = await send(request(row))
+            body = await self.send(self.request(row))
+        if self.keep_answers:
+            self.answers[row_id] = dumps(body)
         try:
-            outputs = parse(body)
+            return self.parse(body)
         except Exception as e:
-            kept[row_id] = body
-            raise ParseError(f"parse() raised {type(e).__name__}: {e}") from e
-        return with_answer(outputs, body)
-
-    return one_row
+            self._unparsed[row_id] = body
+            raise ParseError(parse_error(e)) from e
 
 
-def finish(
-    shard: ShardRun, fn: Callable[[dict[str, Any]], Awaitable[Any]], keys: pl.DataFrame
-) -> CheckpointError | None:
-    """Run ``fn`` (from :func:`answering`) over the rows of ``keys`` (rows of the shard's keys,
-    in order, with ``_attempts``) on the ``Run`` loop, storing through ``shard``'s sink; returns
-    why it stopped early, or None. The rows done count as ``shard``'s."""
+class _OnlineRun(Run):
+    """``Run`` whose rows get their answers (``Online.answers``) as the loop takes them."""
+
+    online: Online
+
+    def _absorb(self, outcomes: list[Outcome], *, outage: bool) -> None:
+        if self.online.keep_answers:
+            for outcome in outcomes:
+                outcome.ok = [self._answered(r) for r in outcome.ok]
+                outcome.failed = [self._failed_answered(f) for f in outcome.failed]
+        super()._absorb(outcomes, outage=outage)
+
+    def _answered(self, record: Record) -> Record:
+        answer = self.online.answers.pop(getattr(record, "id", None), None)
+        if not isinstance(record, RowResult) or answer is None:
+            return record
+        return RowResult(
+            {**record.out, ANSWER: answer}, record.id, record.input_hash, record.attempts
+        )
+
+    def _failed_answered(self, failed: pl.DataFrame) -> pl.DataFrame:
+        """A parse that raised leaves the answer it raised for; a failed request leaves none."""
+        ids = failed.get_column(self.id).to_list()
+        answers = [self.online.answers.pop(i, None) for i in ids]
+        return failed.with_columns(pl.Series(ANSWER, answers, dtype=pl.String))
+
+
+def finish(shard: ShardRun, online: Online, keys: pl.DataFrame) -> CheckpointError | None:
+    """Run ``online.one_row`` over the rows of ``keys`` (rows of the shard's keys, in order,
+    with ``_attempts``) on the ``Run`` loop, storing through ``shard``'s sink; returns why it
+    stopped early, or None. The rows done count as ``shard``'s."""
     settings = dataclasses.replace(shard.s, batch_size=1)  # one request per call
     context = RunContext(logger=shard.log, label=shard.label, spend=shard.spend)
-    run = Run(PerRow(fn), shard.prepared, settings, shard.opened, shard.sink, shard.stats, context)
+    fn = PerRow(online.one_row)
+    run = _OnlineRun(fn, shard.prepared, settings, shard.opened, shard.sink, shard.stats, context)
+    run.online = online
     run.throttle = shard.throttle  # one shard: its rate limits and their metadata are shared
     computed = shard.stats.rows_computed
     try:
