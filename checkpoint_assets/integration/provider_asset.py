@@ -228,6 +228,11 @@ def provider_batch_asset(
             waits = a.wait if config.wait is None else config.wait
             mode = mode_of(a.mode if config.mode is None else config.mode)
             deadline = seconds_of(a.deadline if config.deadline is None else config.deadline)
+            if config.deadline is not None and mode is not Mode.hybrid:
+                raise ValueError(
+                    f"Run config sets a deadline, which only mode hybrid follows, but this run's "
+                    f"mode is {mode.value}: add mode: hybrid, or drop the deadline."
+                )
             send = None
             if mode is not Mode.batch:
                 if not hasattr(resource, "sender"):

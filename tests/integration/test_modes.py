@@ -245,6 +245,7 @@ def test_a_bad_mode_or_deadline_is_a_clear_error(setup: Setup) -> None:
         ({"mode": "fast"}, "mode must be one of online, batch, hybrid, got 'fast'"),
         ({"mode": "hybrid", "deadline": "soon"}, "deadline must be seconds or a duration"),
         ({"mode": "hybrid", "wait": False}, "mode hybrid finishes rows online in the run"),
+        ({"deadline": 60}, "only mode hybrid follows, but this run's mode is batch"),
     ):
         result = setup.materialize(asset, **config)
         assert not result.success
@@ -271,3 +272,40 @@ def test_an_endpoint_the_resource_cannot_send_online_is_a_clear_error(setup: Set
     assert not result.success
     assert "OpenAI's endpoints are API paths that start with /v1/" in step_error(result)
     assert setup.servers.chat.snapshot()["requests"] == 0
+
+
+def department(body: dict[str, Any]) -> dict[str, Any]:
+    """``openai_parse``, refusing the answer ``other``."""
+    out = openai_parse(body)
+    if out["answer"] == "other":
+        raise ValueError("no department")
+    return out
+
+
+def shouted(body: dict[str, Any]) -> dict[str, Any]:
+    """A changed parse: the department in capitals."""
+    out = openai_parse(body)
+    return {**out, "answer": out["answer"].upper()}
+
+
+@pytest.mark.provider(rows=30)
+def test_online_answers_are_kept_so_a_failed_or_changed_parse_asks_nothing_again(
+    setup: Setup,
+) -> None:
+    first = setup.materialize(
+        setup.asset(parse=department, retry_delay_seconds=0.0, max_failed_fraction=1.0),
+        mode="online",
+    )
+    assert first.success, step_error(first)
+    assert setup.servers.chat.snapshot()["ok"] == 30  # a parse that raised asked once, not 3 times
+    stored = setup.stored().sort(ID)
+    failed = stored.filter(pl.col("_error").is_not_null())
+    assert failed.height == 10  # every third text answers "other"
+    assert failed.get_column("_error")[0] == "parse() raised ValueError: no department"
+    assert stored.get_column(ANSWER).null_count() == 0  # the failed rows keep their answer
+    changed = setup.materialize(setup.asset(parse=shouted), mode="online")
+    assert changed.success, step_error(changed)
+    assert setup.servers.chat.snapshot()["ok"] == 30  # parsed again from the answers
+    stored = setup.stored().sort(ID)
+    assert stored.get_column("answer").head(3).to_list() == ["BILLING", "TECHNICAL", "OTHER"]
+    assert stored.get_column("_error").null_count() == 30

@@ -13,8 +13,8 @@ concurrency, rate limits, retries, flushes):
   without a result. Its loop adds each answer to its row as ``_answer`` (``keep_answers``), the
   failed rows whose ``parse`` raised included, as in a batch.
 
-A call retried after its answer came (``parse`` raised) parses the same answer again: it is not
-asked again. The row fails with ``parse``'s error after ``max_attempts``, as in a batch.
+A row whose ``parse`` raised fails at once with its text (``RowFailed``), as in a batch: its
+request was answered, so it is neither asked again nor counted towards an outage.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine.calls.batches import PerRow, Record, RowResult
+from checkpoint_assets.engine.calls.batches import PerRow, Record, RowFailed, RowResult
 from checkpoint_assets.engine.calls.caller import Outcome
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.loop.runner import Run
@@ -34,10 +34,6 @@ from checkpoint_assets.engine.loop.shard_run import RunContext, ShardRun
 from checkpoint_assets.engine.providers.answers import ANSWER, dumps, parse_error
 
 Send = Callable[[Mapping[str, Any]], Awaitable[Any]]
-
-
-class ParseError(Exception):
-    """``parse`` raised on an answer: the row fails with its text (its answer is kept)."""
 
 
 @dataclass
@@ -51,20 +47,15 @@ class Online:
     id_column: str
     keep_answers: bool = True
     answers: dict[Any, str] = field(default_factory=dict)  # by row id, until the loop takes them
-    _unparsed: dict[Any, Any] = field(default_factory=dict)  # bodies whose parse raised
 
     async def one_row(self, row: dict[str, Any]) -> Any:
-        row_id = row[self.id_column]
-        body = self._unparsed.pop(row_id, None)
-        if body is None:
-            body = await self.send(self.request(row))
+        body = await self.send(self.request(row))
         if self.keep_answers:
-            self.answers[row_id] = dumps(body)
+            self.answers[row[self.id_column]] = dumps(body)
         try:
             return self.parse(body)
         except Exception as e:
-            self._unparsed[row_id] = body
-            raise ParseError(parse_error(e)) from e
+            raise RowFailed(parse_error(e)) from e
 
 
 class _OnlineRun(Run):
