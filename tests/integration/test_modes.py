@@ -1,24 +1,22 @@
 """One request/parse definition, three ways to run it: ``online``, ``batch`` and ``hybrid``,
 chosen per run in run config, through real Dagster materializations.
 
-The batches go to the local batch provider (``examples/llm_batch/provider.py``), the online
-requests to the local chat server (``examples/llm_openai/server.py``); both are served on one
-base URL, as a provider serves both, so one resource reaches either. Each counts what it answered:
-the requests paid for are the provider's ``processed`` plus the chat server's ``ok``.
+The batches go to the local batch provider, the online requests to the local chat server, both
+on one base URL (``examples/llm_batch/online.py``), so one resource reaches either. Each counts
+what it answered: the requests paid for are the provider's ``processed`` plus the chat server's
+``ok``.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import dagster as dg
 import polars as pl
 import pytest
 from helpers.jobs import ASSET, stats, step_error
-from starlette.types import Receive, Scope, Send
 
 from checkpoint_assets import (
     AnthropicResource,
@@ -29,32 +27,12 @@ from checkpoint_assets import (
 )
 from checkpoint_assets.engine import Checkpoint, open_store
 from checkpoint_assets.engine.providers.answers import ANSWER
-from examples import serving
 from examples.llm_batch.jobs import Settings
-from examples.llm_batch.provider import Provider
-from examples.llm_openai.server import ChatServer
-from examples.llm_openai.server import Settings as ChatSettings
+from examples.llm_batch.online import Both, serve
 
 ID = "ticket_id"
 SHARD = "0-of-1"
 TEXTS = ("I was charged twice, please refund me", "The app crashes with an error", "hello")
-ONLINE_PATHS = ("/v1/chat/completions", "/v1/messages")
-
-
-class Both:
-    """The batch provider and the chat server on one base URL: the online paths go to the chat
-    server, every other path to the provider."""
-
-    def __init__(self, provider: Provider, chat: ChatServer) -> None:
-        self.provider, self.chat = provider, chat
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> Any:
-        app = self.chat if scope.get("path") in ONLINE_PATHS else self.provider
-        return await app(scope, receive, send)
-
-    def paid(self) -> int:
-        """Requests answered: by the provider's batches and online."""
-        return self.provider.snapshot()["processed"] + self.chat.snapshot()["ok"]
 
 
 def openai_parse(body: dict[str, Any]) -> dict[str, Any]:
@@ -143,20 +121,13 @@ class Setup:
         assert parts.get_column("_error").null_count() == self.df.height
 
 
-@contextmanager
-def servers(settings: Settings) -> Iterator[tuple[str, Both]]:
-    both = Both(Provider(settings), ChatServer(ChatSettings()))
-    with serving.in_thread(both, "provider and chat server") as url:
-        yield url, both
-
-
 @pytest.fixture
 def setup(tmp_path: Any, request: pytest.FixtureRequest) -> Iterator[Setup]:
     marker = request.node.get_closest_marker("provider")
     options = dict(marker.kwargs) if marker else {}
     rows = options.pop("rows", 300)
     api = options.pop("api", "openai")
-    with servers(Settings(**options)) as (url, both):
+    with serve(Settings(**options)) as (url, both):
         yield Setup(str(tmp_path / "checkpoints"), url, both, rows, api)
 
 
@@ -168,7 +139,7 @@ def outputs(frame: pl.DataFrame) -> pl.DataFrame:
 def test_one_definition_gives_the_same_outputs_online_and_as_batches(
     tmp_path: Any, api: str
 ) -> None:
-    with servers(Settings()) as (url, both):
+    with serve(Settings()) as (url, both):
         setup = Setup(str(tmp_path / "checkpoints"), url, both, 120, api)
         asset = setup.asset()  # the asset's default mode: batch
         batched = setup.materialize(asset, checkpoint_tag="batched")
