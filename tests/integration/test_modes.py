@@ -280,3 +280,22 @@ def test_online_answers_are_kept_so_a_failed_or_changed_parse_asks_nothing_again
     stored = setup.stored().sort(ID)
     assert stored.get_column("answer").head(3).to_list() == ["BILLING", "TECHNICAL", "OTHER"]
     assert stored.get_column("_error").null_count() == 30
+
+
+@pytest.mark.provider(rows=10)
+def test_a_request_that_raises_online_stops_the_shard_as_in_a_batch(setup: Setup) -> None:
+    def broken(row: dict[str, Any]) -> dict[str, Any]:
+        raise KeyError("subject")
+
+    asset = provider_batch_asset(
+        name=ASSET,
+        source="tickets",
+        id_column=ID,
+        parse=openai_parse,
+        provider="openai",
+        partitions_def=shard_partitions(1),
+    )(broken)
+    result = setup.materialize(asset, mode="online")
+    assert not result.success
+    assert "request() raised KeyError: 'subject' for the row 0" in step_error(result)
+    assert setup.servers.chat.snapshot()["requests"] == 0

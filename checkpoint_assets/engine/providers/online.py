@@ -14,7 +14,8 @@ concurrency, rate limits, retries, flushes):
   failed rows whose ``parse`` raised included, as in a batch.
 
 A row whose ``parse`` raised fails at once with its text (``RowFailed``), as in a batch: its
-request was answered, so it is neither asked again nor counted towards an outage.
+request was answered, so it is neither asked again nor counted towards an outage. A ``request``
+that raises stops the shard (``Broken``), as in a batch.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine.calls.batches import PerRow, Record, RowFailed, RowResult
+from checkpoint_assets.engine.calls.batches import Broken, PerRow, Record, RowFailed, RowResult
 from checkpoint_assets.engine.calls.caller import Outcome
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.loop.runner import Run
@@ -49,13 +50,25 @@ class Online:
     answers: dict[Any, str] = field(default_factory=dict)  # by row id, until the loop takes them
 
     async def one_row(self, row: dict[str, Any]) -> Any:
-        body = await self.send(self.request(row))
+        body = await self.send(self._body(row))
         if self.keep_answers:
             self.answers[row[self.id_column]] = dumps(body)
         try:
             return self.parse(body)
         except Exception as e:
             raise RowFailed(parse_error(e)) from e
+
+    def _body(self, row: dict[str, Any]) -> dict[str, Any]:
+        """The row's request body; a ``request`` that raises or returns no dict is a broken
+        function, which stops the shard, as in a batch."""
+        try:
+            body = self.request(row)
+        except Exception as e:
+            row_id = row[self.id_column]
+            raise Broken(f"request() raised {type(e).__name__}: {e} for the row {row_id!r}") from e
+        if not isinstance(body, dict):
+            raise Broken(f"request() returned {type(body).__name__}; it must return a dict")
+        return body
 
 
 class _OnlineRun(Run):
