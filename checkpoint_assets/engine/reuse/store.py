@@ -164,7 +164,8 @@ class ResultStore:
 
 
 class _File:
-    """One result file being looked up: its footer, and the row groups whose keys were read."""
+    """One result file being looked up: its footer, its key filter's sections, and the row groups
+    already asked (their filter or their keys read)."""
 
     def __init__(
         self, parquet: pq.ParquetFile, read_span: _Reader, spans: list[tuple[int, int]] | None
