@@ -1,8 +1,8 @@
 """One writer per checkpoint: a lease in ``<name>.parquet.lock``.
 
 The lock file is created with a conditional create (``O_EXCL``-like link locally, ``If-None-Match``
-on S3), never check-then-write. It names its holder (run id, host, pid, the pid of the process
-that launched it, since) and carries a lease that a heartbeat thread renews every third of
+on S3), never check-then-write. It names its holder: run id, host, pid, the pid of the process
+that launched it, since. It carries a lease that a heartbeat thread renews every third of
 ``lease_seconds``.
 
 A second writer fails at once with ``LockHeldError`` naming the holder, unless the holder is
@@ -16,9 +16,9 @@ and write. A dead holder's lock is taken over with a warning. The taker checks h
 later that no other taker replaced its lock. The caller's ``RunWatch`` hears of the dead holder
 (the Dagster layer reports its run failed).
 
-A holder trusts its lease only until a tenth of it before it expires, by its own clock (the
-tenth covers clocks that disagree and the request in flight). Past that, or once its heartbeat
-finds the lock taken over, it has lost the lock: it starts no more calls at once, and writes,
+A holder trusts its lease only until a tenth of it before it expires, by its own clock. The
+tenth covers clocks that disagree and the request in flight. Past that, or once its heartbeat
+finds the lock taken over, it has lost the lock. It starts no more calls at once, and writes,
 compacts or deletes nothing more. It leaves the lock file alone, even its own expired one. Every
 write of a writer checks this first (``check``). A pause that lands between that check and the
 request itself is the one window left: storage offers no fencing token.

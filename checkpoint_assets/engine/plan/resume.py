@@ -1,7 +1,7 @@
 """Resume: compare the input with what a checkpoint holds and decide what is left to do.
 
-Everything is by id, never by position, and vectorised: the stored ids are a polars column, joined
-against the input's, so 10**8 finished ids need no Python objects per row.
+Everything is by id, never by position, and vectorised. The stored ids are a polars column,
+joined against the input's, so 10**8 finished ids need no Python objects per row.
 """
 
 from __future__ import annotations
