@@ -104,7 +104,9 @@ class Calls:
     """How an asset's rows are computed: the resources it needs (their fingerprints join its
     code's), what it calls each run (``bind``: the function with its resources, or a
     ``ProviderJob``), the engine's work loop for it (None: ``runner.Run``), and a row's request
-    body (``request``, of a request/parse asset: what a dry run counts the tokens of)."""
+    body (``request``, of a request/parse asset: what a dry run counts the tokens of). ``parse``:
+    a request/parse asset that keeps its answers has it: it reads the answers of rows taken
+    from the result store."""
 
     resources: tuple[str, ...]
     code: dict[str, str]
@@ -112,6 +114,7 @@ class Calls:
     loop: type[ShardRun] | None = None
     config: type[CheckpointRunConfig] = CheckpointRunConfig
     request: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
+    parse: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
 
 
 def define(
@@ -205,6 +208,7 @@ class _AssetRun:
     imported: pl.DataFrame | None  # global resume: read once for every shard of a ranged run
     spend: AssetSpend | None
     results: ResultStore | None  # the result store, when the run reuses results by content
+    parse: Callable[[dict[str, Any]], Mapping[str, Any]] | None  # Calls.parse
     requests: Requests  # how a dry run counts tokens
 
     @classmethod
@@ -253,6 +257,7 @@ class _AssetRun:
             imported=imported,
             spend=_spend(context, settings, keys),
             results=_results(io_manager, a, config),
+            parse=calls.parse,
             requests=dry_run.requests(calls.request, resources.values()),
         )
 
@@ -293,15 +298,19 @@ class _AssetRun:
             asset_key, tag = self.context.asset_key, config.checkpoint_tag
             checkpoint = self.io_manager.checkpoint(asset_key, tag, partition, self.store)
         limit = config.limit
+        content = self.results is not None
         return estimate(
-            runner.prepare(rows if limit is None else Limited(rows, limit), settings),
+            runner.prepare(
+                rows if limit is None else Limited(rows, limit), settings, content=content
+            ),
             settings,
             checkpoint,
-            job=Job(dict(self.job), self.printed or None),
+            job=Job(dict(self.job), self.printed or None, self.parse),
             scheme=Scheme.of(partition),
             imported=self.imported,
             requests=self.requests,
             submitted=dry_run.submitted(checkpoint, settings.id_column, self.requests),
+            results=self.results,
         )
 
     def _run_all(self) -> tuple[list[pl.DataFrame], list[RunStats]]:
@@ -369,6 +378,7 @@ class _AssetRun:
             spend=None if spend is None else spend.spend,
             loop=self.loop,
             results=self.results,
+            parse=self.parse,
         )
         try:
             return runner.run(
