@@ -420,9 +420,8 @@ def _from_store(
         )
         return todo, None
     id_column = settings.id_column
-    budget = settings.budget
     taken = from_store.take(
-        todo, results, job.scope, id_column, budget, parse=job.parse, label=label
+        todo, results, job.scope, id_column, settings.budget, parse=job.parse, label=label
     )
     for path in results.unreadable:
         log.warning(
@@ -450,13 +449,19 @@ def _from_store(
         checkpoint.meta_file.write(start.meta)
     _write_found(start, taken.rows, id_column, checkpoint)
     start.from_store, start.cost_saved = taken.rows.height, taken.cost_saved
+    _log_taken(taken.rows, results.url, log, label)
+    ids = taken.rows.get_column(id_column)
+    return todo.filter(~pl.col(id_column).is_in(ids.implode())), ids
+
+
+def _log_taken(taken: pl.DataFrame, url: str, log: Logger, label: str) -> None:
     log.info(
         "%s: took %d result(s) from the result store %s instead of computing them.",
         label,
-        taken.rows.height,
-        results.url,
+        taken.height,
+        url,
     )
-    failed = int(taken.rows.get_column(ERROR).is_not_null().sum())
+    failed = int(taken.get_column(ERROR).is_not_null().sum())
     if failed:
         log.warning(
             "%s: parse() raised for %d stored answer(s) taken from the result store: they are "
@@ -464,8 +469,6 @@ def _from_store(
             label,
             failed,
         )
-    ids = taken.rows.get_column(id_column)
-    return todo.filter(~pl.col(id_column).is_in(ids.implode())), ids
 
 
 def importable(
