@@ -3,8 +3,9 @@
 The estimate counts the rows the store would give, so its figures meet the real run's. A
 request/parse job that keeps its answers is keyed by its request alone: a second asset with
 another ``parse`` takes the stored answers and parses them, with no request. Real Dagster
-materializations on real files; requests are counted on the local batch provider's side
-(``examples/llm_batch/provider.py``).
+materializations on real files; requests are counted on the servers' side: the local batch
+provider (``examples/llm_batch/provider.py``), and beside it the chat server for online runs
+(``examples/llm_batch/online.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from checkpoint_assets.engine.plan.estimate import Estimate
 from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.storage import open_store
 from checkpoint_assets.integration import metadata as md
+from examples.llm_batch.online import serve as serve_both
 from examples.llm_batch.provider import Settings, serve
 from examples.llm_batch.provider import stats as provider_stats
 
@@ -237,3 +239,20 @@ def test_without_kept_answers_the_key_covers_parse_and_another_parse_asks_again(
     assert requested(provider) == 60 and asked["rows_from_store"] == 0  # no stale outputs
     routes = [ROUTES[i % 3].upper() for i in range(30)]
     assert asked["result"].get_column("route").to_list() == routes
+
+
+def test_answers_stored_online_serve_a_batch_run_with_another_parse(tmp_path: Path) -> None:
+    table = tickets(range(40))
+    with serve_both() as (url, both):
+        assets = Assets(tmp_path, url)
+        online = assets.materialized(
+            batch_asset("first", "tickets"), table, "tickets", mode="online"
+        )
+        assert online["rows_computed"] == both.paid() == 40
+        upper = batch_asset("second", "tickets", parse=parse_upper)
+
+        done = assets.materialized(upper, table, "tickets", mode="batch")
+
+        assert both.paid() == 40 and done["rows_from_store"] == 40  # counted on the servers
+    routes = [ROUTES[i % 3].upper() for i in range(40)]
+    assert done["result"].get_column("route").to_list() == routes
