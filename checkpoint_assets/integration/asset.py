@@ -106,7 +106,9 @@ class Calls:
     - ``resources``: the resources it needs (their fingerprints join its code's);
     - ``bind``: what it calls each run (the function with its resources, or a ``ProviderJob``);
     - ``loop``: the engine's work loop for it (None: ``runner.Run``);
-    - ``request``: a row's request body, of a request/parse asset (a dry run counts its tokens).
+    - ``request``: a row's request body, of a request/parse asset (a dry run counts its tokens);
+    - ``parse``: a request/parse asset's that keeps its answers; it reads the answers of rows
+      taken from the result store.
     """
 
     resources: tuple[str, ...]
@@ -115,6 +117,7 @@ class Calls:
     loop: type[ShardRun] | None = None
     config: type[CheckpointRunConfig] = CheckpointRunConfig
     request: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
+    parse: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
 
 
 def define(
@@ -208,6 +211,7 @@ class _AssetRun:
     imported: pl.DataFrame | None  # global resume: read once for every shard of a ranged run
     spend: AssetSpend | None
     results: ResultStore | None  # the result store, when the run reuses results by content
+    parse: Callable[[dict[str, Any]], Mapping[str, Any]] | None  # Calls.parse
     requests: Requests  # how a dry run counts tokens
 
     @classmethod
@@ -256,6 +260,7 @@ class _AssetRun:
             imported=imported,
             spend=_spend(context, settings, keys),
             results=_results(io_manager, a, config),
+            parse=calls.parse,
             requests=dry_run.requests(calls.request, resources.values()),
         )
 
@@ -296,15 +301,19 @@ class _AssetRun:
             asset_key, tag = self.context.asset_key, config.checkpoint_tag
             checkpoint = self.io_manager.checkpoint(asset_key, tag, partition, self.store)
         limit = config.limit
+        content = self.results is not None
         return estimate(
-            runner.prepare(rows if limit is None else Limited(rows, limit), settings),
+            runner.prepare(
+                rows if limit is None else Limited(rows, limit), settings, content=content
+            ),
             settings,
             checkpoint,
-            job=Job(dict(self.job), self.printed or None),
+            job=Job(dict(self.job), self.printed or None, self.parse),
             scheme=Scheme.of(partition),
             imported=self.imported,
             requests=self.requests,
             submitted=dry_run.submitted(checkpoint, settings.id_column, self.requests),
+            results=self.results,
         )
 
     def _run_all(self) -> tuple[list[pl.DataFrame], list[RunStats]]:
@@ -372,6 +381,7 @@ class _AssetRun:
             spend=None if spend is None else spend.spend,
             loop=self.loop,
             results=self.results,
+            parse=self.parse,
         )
         try:
             return runner.run(

@@ -264,7 +264,8 @@ def provider_batch_asset(
 
         # The request part, then the parse part (the resources add theirs to the request's).
         code = function_fingerprint.of_function(request) | function_fingerprint.of_parse(a.parse)
-        calls = Calls((provider,), code, bind, ProviderRun, ProviderBatchRunConfig, request=request)
+        parse = a.parse if a.keep_answers else None  # reads the answers of rows reused
+        calls = Calls((provider,), code, bind, ProviderRun, ProviderBatchRunConfig, request, parse)
         return define(request, calls, declared, kinds={"polars", "parquet", provider})
 
     return decorator

@@ -157,7 +157,7 @@ class _Shard:
             self.inputs,
             self.settings,
             checkpoint,
-            job=Job(dict(self.job), dict(printed) if printed else None),
+            job=Job(dict(self.job), dict(printed) if printed else None, context.parse),
             scheme=context.scheme,
             imported=context.imported if checkpoint is not None else None,
             log=context.log,
@@ -172,7 +172,7 @@ class _Shard:
             return None
         return Contribution(
             results,
-            Job(dict(self.job), dict(printed)).scope,
+            Job(dict(self.job), dict(printed), self.context.parse).scope,
             self.inputs.keys,
             id_column=self.settings.id_column,
             hi=DEDUPE_KEY,
