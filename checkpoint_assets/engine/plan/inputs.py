@@ -148,16 +148,6 @@ class Prepared:
         if taken < wanted.height:
             raise self._changed(f"it ended after {start:,} rows")
 
-    def whole(self, todo: pl.DataFrame) -> pl.DataFrame:
-        """Every input row of ``todo`` in one frame (a provider batch sends them all at once)."""
-        frames = list(self._todo(todo))
-        if frames:
-            return pl.concat(frames)
-        empty = _canonical(
-            pl.DataFrame(schema=self.rows.schema).select(self.columns), self.id_column
-        )
-        return empty.hstack(todo.clear().select(INPUT_HASH, ATTEMPTS).get_columns())
-
     def earlier_hashes(self, rows: pl.DataFrame) -> np.ndarray:
         """The input hashes of ``rows`` (rows of ``keys``, in order) in hash format 1, from
         their input read again."""

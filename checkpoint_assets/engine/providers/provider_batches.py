@@ -148,8 +148,7 @@ class ProviderRun(ShardRun):
         self.provider = self.job.provider
         self.records = Records(self.sink.checkpoint.store, self.sink.checkpoint.files)
         self.check = Check(self.id)
-        todo = self.prepared.whole(todo)  # a submission sends its rows at once
-        self.todo = todo
+        self.todo = todo  # keys (id, input hash, position): rows are read as splits take them
         # The rows to do that no collected result covers yet, with their calls so far.
         self.attempts: dict[Any, int] = dict(
             zip(
@@ -252,12 +251,15 @@ class ProviderRun(ShardRun):
             pending=rows,
         )
 
-    def _requests_of(self, rows: pl.DataFrame) -> Iterator[tuple[dict[str, Any], int]]:
-        visible = rows.select([c for c in rows.columns if c not in BOOKKEEPING])
-        for start in range(0, rows.height, _ROWS_PER_CHUNK):
-            dicts = visible.slice(start, _ROWS_PER_CHUNK).to_dicts()
-            hashes = rows.get_column(INPUT_HASH).slice(start, _ROWS_PER_CHUNK).to_list()
-            yield from zip(dicts, hashes, strict=True)
+    def _requests_of(self, keys: pl.DataFrame) -> Iterator[tuple[dict[str, Any], int]]:
+        """The input rows of ``keys`` (rows of the shard's keys, in order) as dicts, with their
+        input hashes, read a slice at a time as the splits take them."""
+        for frame in self.prepared.todo(keys, _ROWS_PER_CHUNK):
+            visible = frame.select([c for c in frame.columns if c not in BOOKKEEPING])
+            for start in range(0, frame.height, _ROWS_PER_CHUNK):
+                dicts = visible.slice(start, _ROWS_PER_CHUNK).to_dicts()
+                hashes = frame.get_column(INPUT_HASH).slice(start, _ROWS_PER_CHUNK).to_list()
+                yield from zip(dicts, hashes, strict=True)
 
     def _body(self, row: dict[str, Any]) -> dict[str, Any]:
         try:
