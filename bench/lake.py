@@ -20,6 +20,9 @@
    - ``empty``: the same checkpointed run over a stored source of no rows: the fixed cost of a
      Dagster run (imports, instance, events), paid whatever the size.
 
+Then ``reads`` (local store only): the CPU of the shard's two input reads alone, without
+Dagster (``engine/plan/inputs.py``), against the scan's: what bounds the shard's CPU.
+
 Targets: peak RSS at most 1.5x the scan's, and under 1 GiB; wall at most 2x the scan's plus the
 empty run's, i.e. ``(checkpointed - empty) / scan <= 2`` (reported for CPU time too, which a
 busy machine disturbs less). Everything is under a temporary folder, removed at the end.
@@ -46,9 +49,13 @@ import pyarrow.parquet as pq
 from bench.lake_scan import peak_mib
 from bench.remote import moto_process
 from checkpoint_assets import CheckpointIOManager, checkpointed_asset, shard_partitions
+from checkpoint_assets.engine.plan.inputs import prepare
+from checkpoint_assets.engine.rows import ATTEMPTS
+from checkpoint_assets.engine.settings import Settings
 from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.sharding.scheme import shard_key_column
 from checkpoint_assets.engine.storage import open_store
+from checkpoint_assets.integration.source import ShardRows
 
 ID = "id"
 TEXT = "text"
@@ -166,6 +173,29 @@ def child(kind: str, folder: str, shards: int, options: dict[str, Any]) -> dict[
     return {"kind": kind, "seconds": seconds, "cpu": cpu, "rows": rows, "peak_mib": peak_mib()}
 
 
+def reads(folder: str, shards: int) -> dict[str, Any]:
+    """The CPU seconds of the shard's input reads alone (local store): one read of its id and
+    text a slice at a time, ``prepare`` (that read and every row's hash), and the read of every
+    row again as the calls take them (``Prepared.todo``)."""
+    path = os.path.join(folder, "store", "lake_source.parquet")
+    key = shard_partitions(shards).get_partition_keys()[measured(shards)]
+    settings = Settings(id_column=ID, input_columns=(TEXT,))
+    figures: dict[str, Any] = {"kind": "reads"}
+    with ShardRows(pl.scan_parquet(path), ID, [key]) as shard:
+        inputs = shard.of(key)
+        cpu = time.process_time()
+        figures["rows"] = sum(f.height for f in inputs.slices([ID, TEXT]))
+        figures["read"] = time.process_time() - cpu
+        cpu = time.process_time()
+        prepared = prepare(inputs, settings)
+        figures["prepare"] = time.process_time() - cpu
+        todo = prepared.keys.with_columns(pl.lit(0, pl.Int32).alias(ATTEMPTS))
+        cpu = time.process_time()
+        assert sum(f.height for f in prepared.todo(todo, BATCH_ROWS)) == figures["rows"]
+        figures["todo"] = time.process_time() - cpu
+    return figures
+
+
 def main(rows: int, text_bytes: int, shards: int, options: dict[str, Any]) -> dict[str, Any]:
     """Build, then measure the scan, the run over no rows and the shard, each in its own
     process (``options``: where the store is, see ``definitions``)."""
@@ -182,6 +212,9 @@ def main(rows: int, text_bytes: int, shards: int, options: dict[str, Any]) -> di
         for kind in ("empty", "checkpointed"):
             args = ["--child", kind, folder, str(shards), said]
             figures[kind] = run_child("bench.lake", args)
+        if not options:
+            args = ["--child", "reads", folder, str(shards), said]
+            figures["reads"] = run_child("bench.lake", args)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     scan, empty, ran = figures["scan"], figures["empty"], figures["checkpointed"]
@@ -226,6 +259,12 @@ def report(figures: dict[str, Any]) -> str:
         f"(checkpointed - empty run) / scan: wall {figures['seconds_ratio']:.2f} (target <= 2), "
         f"CPU {figures['cpu_ratio']:.2f}; targets met: {figures['targets_met']}"
     )
+    if "reads" in figures:
+        f, scan = figures["reads"], figures["scan"]["cpu"]
+        lines.append(
+            f"input reads alone, CPU / scan's: one read {f['read'] / scan:.2f}, prepare (read "
+            f"and hash) {f['prepare'] / scan:.2f}, read again for the calls {f['todo'] / scan:.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -240,6 +279,9 @@ def cli() -> None:
     args = parser.parse_args()
     if args.child:
         kind, folder, shards, options = args.child
+        if kind == "reads":
+            print(json.dumps(reads(folder, int(shards))))
+            return
         print(json.dumps(child(kind, folder, int(shards), json.loads(options))))
         return
     size = (

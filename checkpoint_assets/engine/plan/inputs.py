@@ -140,8 +140,7 @@ class Prepared:
             stop = int(positions.search_sorted(end, side="left"))
             if stop > taken:
                 these = wanted.slice(taken, stop - taken)
-                found = _canonical(rows, self.id_column)
-                found = found.gather(these.get_column(POSITION) - start)
+                found = _take(_canonical(rows, self.id_column), these.get_column(POSITION) - start)
                 self._check(found, these)
                 yield found, these
             taken, start = stop, end
@@ -218,6 +217,15 @@ def _validate(ids: pl.DataFrame, rows: Inputs, id_column: str) -> None:
     if column.null_count() or distinct_count(column) != column.len():
         ids = rows.numbered(ids)
     validate_ids(ids, id_column)
+
+
+def _take(frame: pl.DataFrame, rows: pl.Series) -> pl.DataFrame:
+    """The ``rows`` of ``frame`` (ascending positions): a slice when they follow each other,
+    which copies nothing (a fresh run takes every row)."""
+    first, last = rows.first(), rows.last()
+    if isinstance(first, int) and isinstance(last, int) and last - first + 1 == rows.len():
+        return frame.slice(first, rows.len())
+    return frame.gather(rows)
 
 
 def _canonical(frame: pl.DataFrame, id_column: str) -> pl.DataFrame:
