@@ -201,6 +201,8 @@ class ShardRows:
                 return
             for inside in ranges:
                 rows = source.filter(inside).select(columns).collect()
+                # Arrow's allocator keeps what the scan freed; polars holds the rows now.
+                pa.default_memory_pool().release_unused()
                 if not kept:
                     spool.add(rows)
                 yield rows
