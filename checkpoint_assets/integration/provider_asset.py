@@ -145,7 +145,7 @@ def provider_batch_asset(
 
         # The request part, then the parse part (the resources add theirs to the request's).
         code = function_fingerprint.of_function(request) | function_fingerprint.of_parse(a.parse)
-        calls = Calls((provider,), code, bind, ProviderRun, ProviderBatchRunConfig)
+        calls = Calls((provider,), code, bind, ProviderRun, ProviderBatchRunConfig, request=request)
         return define(request, calls, declared, kinds={"polars", "parquet", provider})
 
     return decorator
