@@ -301,6 +301,11 @@ class RunStats:
     rows_imported: int = 0
     rows_from_store: int = 0
     calls: int = 0
+    # A request/parse job (engine/providers/): how it ran (online, batch, hybrid), rows asked
+    # online in this run, and batch results dropped because their row was stored already.
+    mode: str | None = None
+    rows_online: int = 0
+    batch_results_dropped: int = 0
     failed_calls: int = 0
     throttled_calls: int = 0
     throttle_events: int = 0

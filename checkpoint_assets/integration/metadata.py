@@ -62,6 +62,10 @@ INPUT_FINGERPRINT = "input_fingerprint"
 TOP_ERRORS = "top_errors"
 FUNCTION_CHANGED = "function_changed"
 FUNCTION_CHANGES = "function_changes"
+# A request/parse asset (provider_batch_asset): how the run asked its rows.
+MODE = "mode"
+ROWS_ONLINE = "rows_online"
+BATCH_RESULTS_DROPPED = "batch_results_dropped"
 COST_SAVED_USD = "cost_saved_usd"
 ROWS_REPARSED = "rows_reparsed"
 ROWS_WITHOUT_ANSWER = "rows_without_answer"
@@ -146,6 +150,11 @@ MATERIALIZATION: dict[str, str] = {
     FUNCTION_CHANGED: "`true` when stored results were reused although the function changed and "
     "`code_version` did not. Absent with `checkpointing: false`.",
     FUNCTION_CHANGES: "When `function_changed`: what changed, such as `the function's code`.",
+    MODE: "A request/parse asset: how the run asked its rows, `online`, `batch` or `hybrid`.",
+    ROWS_ONLINE: "A request/parse asset: rows this run asked online, one request each. They "
+    "count in `rows_computed` too.",
+    BATCH_RESULTS_DROPPED: "A request/parse asset: provider batch results dropped because their "
+    "row was stored already. Such a row is stored once.",
     ROWS_REPARSED: "Provider batches, when `parse` changed: stored answers parsed again, with "
     "no request.",
     ROWS_WITHOUT_ANSWER: "Provider batches, when `parse` changed: finished rows with no stored "
@@ -238,12 +247,24 @@ def materialization(
             out[TOP_ERRORS] = top_errors(result, id_column)
     out.update(_throttling(runs))
     out.update(_usage(runs))
+    out.update(_modes(runs))
     saved = [r.cost_saved_usd for r in runs if r.cost_saved_usd is not None]
     if saved:
         out[COST_SAVED_USD] = round(sum(saved), 6)
     if checkpointing:  # without a checkpoint there is no earlier function to compare with
         out.update(_function(runs))
     return declared(out, MATERIALIZATION)
+
+
+def _modes(runs: Sequence[RunStats]) -> dict[str, Any]:
+    modes = list(dict.fromkeys(r.mode for r in runs if r.mode is not None))
+    if not modes:
+        return {}
+    return {
+        MODE: ",".join(modes),
+        ROWS_ONLINE: sum(r.rows_online for r in runs),
+        BATCH_RESULTS_DROPPED: sum(r.batch_results_dropped for r in runs),
+    }
 
 
 def _function(runs: Sequence[RunStats]) -> dict[str, Any]:
