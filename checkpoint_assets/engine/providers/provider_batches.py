@@ -203,9 +203,7 @@ class ProviderRun(ShardRun):
         if self.opened.rederive is not None:
             again = self.job.recompute_unanswered
             todo = rederive(self, self.opened.rederive, self.job.parse, self.check, todo, again)
-        self.keys_todo = todo  # online calls read their rows a slice at a time
-        if self.job.mode is not Mode.online:
-            todo = self.prepared.whole(todo)  # a submission sends its rows at once
+        # Keys (id, input hash, position): rows are read as submissions or online calls take them.
         self.todo = todo
         # The rows to do that no collected result covers yet, with their calls so far.
         self.attempts: dict[Any, int] = dict(
@@ -314,12 +312,15 @@ class ProviderRun(ShardRun):
             pending=rows,
         )
 
-    def _requests_of(self, rows: pl.DataFrame) -> Iterator[tuple[dict[str, Any], int]]:
-        visible = rows.select([c for c in rows.columns if c not in BOOKKEEPING])
-        for start in range(0, rows.height, _ROWS_PER_CHUNK):
-            dicts = visible.slice(start, _ROWS_PER_CHUNK).to_dicts()
-            hashes = rows.get_column(INPUT_HASH).slice(start, _ROWS_PER_CHUNK).to_list()
-            yield from zip(dicts, hashes, strict=True)
+    def _requests_of(self, keys: pl.DataFrame) -> Iterator[tuple[dict[str, Any], int]]:
+        """The input rows of ``keys`` (rows of the shard's keys, in order) as dicts, with their
+        input hashes, read a slice at a time as the splits take them."""
+        for frame in self.prepared.todo(keys, _ROWS_PER_CHUNK):
+            visible = frame.select([c for c in frame.columns if c not in BOOKKEEPING])
+            for start in range(0, frame.height, _ROWS_PER_CHUNK):
+                dicts = visible.slice(start, _ROWS_PER_CHUNK).to_dicts()
+                hashes = frame.get_column(INPUT_HASH).slice(start, _ROWS_PER_CHUNK).to_list()
+                yield from zip(dicts, hashes, strict=True)
 
     def _body(self, row: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -462,9 +463,9 @@ class ProviderRun(ShardRun):
         rows, self.online = self.online, {}
         calls = pl.DataFrame(
             {self.id: list(rows), ATTEMPTS: list(rows.values())},
-            schema={self.id: self.keys_todo.schema[self.id], ATTEMPTS: pl.Int32},
+            schema={self.id: self.todo.schema[self.id], ATTEMPTS: pl.Int32},
         )
-        keys = self.keys_todo.drop(ATTEMPTS).join(calls, on=self.id, maintain_order="left")
+        keys = self.todo.drop(ATTEMPTS).join(calls, on=self.id, maintain_order="left")
         job = self.job
         assert job.send is not None
         asking = online.Online(job.request, job.parse, job.send, self.id, job.keep_answers)
