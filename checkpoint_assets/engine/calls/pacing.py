@@ -10,7 +10,9 @@ The rules of a :class:`Pacer` (one per key and process):
 
 - **A request waits until its cost fits.** Its cost is one request and its estimated tokens
   (input and output). It starts when every known budget holds it, in the order requests came.
-  A request larger than a whole budget waits until that budget is full.
+  A request larger than a whole budget waits until that budget is full. A waiter sleeps until
+  its request starts or its wait changes (``Ticket.wake``): a request started on behalf of a
+  sleeping one is sent at once, not when that one's own estimate ends.
 - **What is left, as stated.** An answer sets a budget's level to the remaining it states, less
   what this process started after the answered request (the endpoint had not counted those yet).
   From then on, until the next answer, the level refills at the stated rate (what is missing,
@@ -46,7 +48,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 #: The budgets a key may have: requests, tokens (input and output together), and input and
@@ -96,9 +98,14 @@ def cost(input_tokens: float, output_tokens: float) -> dict[str, float]:
 
 
 class Ticket:
-    """One request, from when it asks to start until its answer is reported."""
+    """One request, from when it asks to start until its answer is reported.
 
-    __slots__ = ("admitted", "at", "cost", "drawn", "record", "seq")
+    ``wake``, set by whoever waits for the ticket, is called (outside the pacer's lock) when
+    the ticket starts while its waiter sleeps, or when its wait changed: it reached the head
+    of the queue, or an answer restated the budgets.
+    """
+
+    __slots__ = ("admitted", "at", "cost", "drawn", "record", "seq", "wake")
 
     def __init__(self, cost: Cost, record: Record | None) -> None:
         self.cost = cost
@@ -107,6 +114,7 @@ class Ticket:
         self.seq = 0  # the order requests started in (1, 2, ...)
         self.at = 0.0  # when it started (the pacer's clock)
         self.drawn: dict[str, float] = {}  # the pacer's own draw by budget, this request's too
+        self.wake: Callable[[], None] | None = None
 
 
 class _Bucket:
@@ -254,31 +262,65 @@ class Pacer:
         return ticket
 
     def wait(self, ticket: Ticket) -> float:
-        """Seconds ``ticket`` has yet to wait; 0 once it may start (it then counts as drawn)."""
+        """Seconds ``ticket`` has yet to wait; 0 once it may start (it then counts as drawn).
+
+        The requests ahead of it that fit start on their behalf: their waiters are woken."""
         now = self.clock()
         with self._lock:
-            for bucket in self._buckets.values():
-                bucket.refill(now)
-            while self._queue and self._fits(self._queue[0].cost, now) == 0:
-                if (held := self._ramp.wait(now)) > 0:
-                    return held if ticket in self._queue else 0.0
-                self._start(self._queue.popleft(), now)
+            woken, held = self._drain(now)
             if ticket.admitted or ticket not in self._queue:
-                return 0.0
-            need: dict[str, float] = {}
-            for queued in self._queue:  # it waits for those ahead of it too
-                for kind, value in queued.cost.items():
-                    need[kind] = need.get(kind, 0.0) + value
-                if queued is ticket:
-                    break
-            return self._fits(need, now)
+                wait = 0.0
+            elif held > 0:
+                wait = held
+            else:
+                need: dict[str, float] = {}
+                for queued in self._queue:  # it waits for those ahead of it too
+                    for kind, value in queued.cost.items():
+                        need[kind] = need.get(kind, 0.0) + value
+                    if queued is ticket:
+                        break
+                wait = self._fits(need, now)
+        _wake(t for t in woken if t is not ticket)
+        return wait
 
     def force(self, ticket: Ticket) -> None:
         """Start ``ticket`` now, whatever the budgets say (it waited ``PATIENCE_SECONDS``)."""
+        self._leave(ticket, start=True)
+
+    def cancel(self, ticket: Ticket) -> None:
+        """``ticket`` will not be sent (its request was cancelled while it waited)."""
+        self._leave(ticket, start=False)
+
+    def _leave(self, ticket: Ticket, start: bool) -> None:
+        woken: list[Ticket] = []
         with self._lock:
-            if not ticket.admitted:
+            if not ticket.admitted and ticket in self._queue:
+                head = self._queue[0] is ticket
                 self._queue.remove(ticket)
-                self._start(ticket, self.clock())
+                if start:
+                    self._start(ticket, self.clock())
+                if head and self._queue:
+                    woken.append(self._queue[0])  # the next one's wait is its own now
+        _wake(woken)
+
+    def _drain(self, now: float) -> tuple[list[Ticket], float]:
+        """Start the requests at the head of the queue that fit now. Returns those to wake (the
+        ones started, and the new head, whose wait is its own now) and how long the slow start
+        holds the next one (0: it does not)."""
+        for bucket in self._buckets.values():
+            bucket.refill(now)
+        head = self._queue[0] if self._queue else None
+        woken: list[Ticket] = []
+        held = 0.0
+        while self._queue and self._fits(self._queue[0].cost, now) == 0:
+            if (held := self._ramp.wait(now)) > 0:
+                break
+            ticket = self._queue.popleft()
+            self._start(ticket, now)
+            woken.append(ticket)
+        if self._queue and self._queue[0] is not head:
+            woken.append(self._queue[0])
+        return woken, held
 
     def report(self, ticket: Ticket, stated: Mapping[str, Limit], refused: bool) -> None:
         """The answer to ``ticket`` stated these budgets (by kind); ``refused``: with a 429."""
@@ -300,6 +342,11 @@ class Pacer:
             budgets = {k: (b.key_rate, b.cap) for k, b in self._buckets.items()}
             measured = any(b.pairs >= _SHARE_PAIRS for b in self._buckets.values())
             self._ramp.answered(ticket, refused, over=measured or not self._buckets)
+            # The budgets changed: what fits now starts, and the head's wait is new.
+            woken, _ = self._drain(now)
+            if self._queue and self._queue[0] not in woken:
+                woken.append(self._queue[0])
+        _wake(woken)
         if ticket.record is not None:
             ticket.record.answered(now, budgets)
 
@@ -407,6 +454,12 @@ class Record:
                 self.drawn.get(k, 0.0) / (rate * seconds + full)
                 for k, (rate, full) in self._budgets.items()
             )
+
+
+def _wake(tickets: Iterable[Ticket]) -> None:
+    for ticket in tickets:
+        if ticket.wake is not None:
+            ticket.wake()
 
 
 _RECORD: contextvars.ContextVar[Record | None] = contextvars.ContextVar(
