@@ -119,6 +119,57 @@ def test_requests_start_in_the_order_they_asked() -> None:
     assert first.admitted and not second.admitted
 
 
+def test_a_request_started_on_behalf_of_a_sleeping_one_wakes_it() -> None:
+    # The second request's waiter sleeps for both requests' wait; the first one's waiter, back
+    # when its own shorter wait ends, starts both. The second must go then, not later: counted
+    # as drawn and never sent, it held every shard's budget while the key stayed full.
+    clock = Clock()
+    pacer = Pacer(clock)
+    share = spent(pacer)
+    first, second = pacer.ask(pacing.cost(60, 0)), pacer.ask(pacing.cost(60, 0))
+    woken: list[pacing.Ticket] = []
+    second.wake = lambda: woken.append(second)
+    assert pacer.wait(second) == pytest.approx(0.2 / share)
+
+    clock.now = 0.2 / share
+    assert pacer.wait(first) == 0
+
+    assert second.admitted and woken == [second]
+
+
+def test_an_answer_that_restates_the_budget_starts_the_requests_that_fit_and_wakes_them() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    share = spent(pacer)
+    answered = pacer.ask(pacing.cost(0, 0))
+    held = [pacer.ask(pacing.cost(60, 0)) for _ in range(3)]
+    woken: list[pacing.Ticket] = []
+    for ticket in held:
+        ticket.wake = lambda ticket=ticket: woken.append(ticket)  # type: ignore[misc]
+    assert pacer.wait(held[-1]) == pytest.approx(0.3 / share)
+    assert answered.admitted  # it cost nothing: it went first, and the next one's wait is its own
+    woken.clear()
+
+    pacer.report(answered, tokens(remaining=600), refused=False)  # the key is full again
+
+    assert all(t.admitted for t in held) and woken == held
+
+
+def test_the_next_request_is_woken_when_the_one_ahead_leaves_the_queue() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    share = spent(pacer)
+    first, second = pacer.ask(pacing.cost(60, 0)), pacer.ask(pacing.cost(60, 0))
+    woken: list[pacing.Ticket] = []
+    second.wake = lambda: woken.append(second)
+    assert pacer.wait(second) == pytest.approx(0.2 / share)
+
+    pacer.cancel(first)  # its request was cancelled while it waited
+
+    assert woken == [second] and not first.admitted
+    assert pacer.wait(second) == pytest.approx(0.1 / share)
+
+
 def test_a_request_larger_than_the_budget_starts_when_the_budget_is_full() -> None:
     clock = Clock()
     pacer = Pacer(clock)
