@@ -96,15 +96,30 @@ def test_requests_started_after_the_answered_one_count_against_what_is_left() ->
     pacer.report(started(pacer, 0), {}, refused=False)  # the first answer lifts the hold
     answered = started(pacer, 200)
     later = [started(pacer, 100) for _ in range(3)]  # in flight, not counted by the endpoint yet
-    pacer.report(answered, tokens(remaining=400), refused=False)
+    pacer.report(answered, tokens(remaining=1_200, limit=1_500), refused=False)
     share = pacer.share("tokens")
     assert share is not None
 
-    left = share * 400 - 300
+    left = share * 1_200 * (1_200 / 1_500) - 300
     assert pacer.wait(pacer.ask(pacing.cost(left, 0))) == 0
     held = pacer.ask(pacing.cost(100, 0))
-    assert pacer.wait(held) == pytest.approx(100 / (600 * share))
+    assert pacer.wait(held) == pytest.approx(100 / (1_500 * share))
     assert len(later) == 3
+
+
+def test_the_emptier_the_key_the_less_of_what_is_left_is_taken_at_once() -> None:
+    # Shards that start apart measure shares adding up past 1 for a while: each taking its
+    # share of all that is left, together they would take more than is left, and be refused.
+    clock = Clock()
+    pacer = Pacer(clock)
+    pacer.report(started(pacer, 0), {}, refused=False)
+    answered = started(pacer, 300)
+    pacer.report(answered, tokens(remaining=300), refused=False)  # half the key is left
+    share = pacer.share("tokens")
+    assert share is not None and share > 0.5
+
+    assert pacer.wait(pacer.ask(pacing.cost(share * 300 / 2 - 1, 0))) == 0
+    assert pacer.wait(pacer.ask(pacing.cost(2, 0))) > 0
 
 
 def test_requests_start_in_the_order_they_asked() -> None:

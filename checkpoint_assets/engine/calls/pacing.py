@@ -22,7 +22,9 @@ The rules of a :class:`Pacer` (one per key and process):
   drew: the remaining falls faster than its own draw. A pacer measures its share of the key's
   draw over the last seconds (at first: since it began, the key taken as full then) and takes
   that share of what is left and of the refill, less a margin, so shards that run at once take
-  about the stated rate between them, with no coordination service. Alone, the share is about
+  about the stated rate between them, with no coordination service. Of what is left it takes
+  less the emptier the key is (times the part of the budget left): shares measured while shards
+  start apart add up past 1 for a while, and the key then keeps some of what it holds. Alone, the share is about
   1; a token estimate that falls short of the endpoint's count lowers it to match.
 - **A slow start** (:class:`Ramp`). Until answers say what the key has left and what other
   shards draw, a pacer keeps ``FIRST_CALLS`` requests in flight, one more per answer. One answer
@@ -184,7 +186,10 @@ class _Bucket:
         # It refills from now on: what came back while the answer travelled is left as a margin
         # for the clocks of the two sides (the endpoint counted from a later moment).
         pending = own - ticket.drawn.get(kind, 0.0)
-        self.level = min(self.share * stated.remaining, self.cap) - pending
+        left = min(stated.remaining, self.cap)
+        if self.steady:
+            left *= left / self.cap  # the emptier the key, the less of it is taken at once
+        self.level = self.share * left - pending
         self.at = now
 
     def _measure(self, stated: Limit, ticket: Ticket, kind: str, refused: float) -> None:
