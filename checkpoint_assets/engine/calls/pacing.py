@@ -24,8 +24,9 @@ The rules of a :class:`Pacer` (one per key and process):
   that share of what is left and of the refill, less a margin, so shards that run at once take
   about the stated rate between them, with no coordination service. Of what is left it takes
   less the emptier the key is (times the part of the budget left): shares measured while shards
-  start apart add up past 1 for a while, and the key then keeps some of what it holds. Alone, the share is about
-  1; a token estimate that falls short of the endpoint's count lowers it to match.
+  start apart add up past 1 for a while, and the key then keeps some of what it holds. Alone,
+  the share is about 1; a token estimate that falls short of the endpoint's count lowers it to
+  match.
 - **A slow start** (:class:`Ramp`). Until answers say what the key has left and what other
   shards draw, a pacer keeps ``FIRST_CALLS`` requests in flight, one more per answer. One answer
   is not enough: it states the key as it was when its request arrived, before the requests of
