@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from checkpoint_assets.engine.calls import pacing
+from checkpoint_assets.resources.peers import Peers
 
 #: The paths of model requests, which are paced; every other request passes.
 _PACED: Final = ("/chat/completions", "/completions", "/embeddings", "/responses", "/messages")
@@ -215,10 +216,14 @@ def _wake_future(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]) 
 
 class Hooks:
     """The event hooks of one client's HTTP client: pace model requests by ``pacer``, report
-    what their answers state."""
+    what their answers state. ``peers``: the processes sharing the pacer's assumed limits,
+    counted again as requests go (``peers.py``)."""
 
-    def __init__(self, pacer: pacing.Pacer, asynchronous: bool) -> None:
+    def __init__(
+        self, pacer: pacing.Pacer, peers: Peers | None = None, *, asynchronous: bool
+    ) -> None:
         self.pacer = pacer
+        self.peers = peers
         if asynchronous:
             self.event_hooks: dict[str, list[Any]] = {
                 "request": [self._before_async],
@@ -230,6 +235,8 @@ class Hooks:
     def _ticket(self, request: Any) -> pacing.Ticket | None:
         if request.method != "POST" or not request.url.path.endswith(_PACED):
             return None
+        if self.peers is not None and (count := self.peers.poll()) is not None:
+            self.pacer.reshare(1 / count)
         ticket = self.pacer.ask(pacing.cost(*estimate(request.content)), pacing.current())
         request.extensions[_TICKET] = ticket
         return ticket

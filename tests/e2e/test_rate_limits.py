@@ -29,6 +29,7 @@ import httpx
 
 from checkpoint_assets import AnthropicResource, OpenAIResource
 from checkpoint_assets.engine.calls.pacing import Limit, Pacer
+from checkpoint_assets.resources import peers
 from checkpoint_assets.resources.rate_limits import Hooks, duration_seconds, estimate, stated
 from examples.llm_openai.server import Settings, serve, serve_process, stats
 
@@ -160,6 +161,68 @@ def test_requests_started_while_their_waiters_sleep_are_sent_at_once() -> None:
         return done
 
     assert asyncio.run(run()) == [True, True, True]
+
+
+# -- processes that share assumed limits count each other ----------------------------------
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_processes_calling_a_key_count_each_other_as_they_start_and_finish(
+    tmp_path: Path,
+) -> None:
+    clock = _Clock()
+    directory = peers.directory_of("http://endpoint.test/v1\nkey", tmp_path)
+    first = peers.Peers(directory, "first", clock)
+    second = peers.Peers(directory, "second", clock)
+    assert first.poll() == 1
+    assert second.poll() == 2
+    assert first.poll() is None  # not due yet
+    clock.now += peers.FIRST_INTERVAL_SECONDS
+    assert first.poll() == 2
+
+    second.leave()  # it finished
+    clock.now += peers.FIRST_INTERVAL_SECONDS
+    assert first.poll() == 1
+    assert directory.parent == tmp_path and "key" not in directory.name  # a digest
+
+
+def test_a_killed_process_stops_counting_and_its_file_goes_later(tmp_path: Path) -> None:
+    clock = _Clock()
+    directory = tmp_path / "key"
+    alive, killed = peers.Peers(directory, "alive", clock), peers.Peers(directory, "killed", clock)
+    killed.poll()
+    assert alive.poll() == 2
+
+    clock.now += peers.LIVE_SECONDS + peers.FIRST_SECONDS  # the killed one touches it no more
+    assert alive.poll() == 1
+    assert (directory / "killed").exists()
+    clock.now += peers.FORGET_SECONDS
+    alive.poll()
+    assert not (directory / "killed").exists()
+
+
+def test_a_shard_takes_a_larger_share_of_assumed_limits_when_others_finish(
+    tmp_path: Path,
+) -> None:
+    clock = _Clock()
+    directory = tmp_path / "key"
+    other = peers.Peers(directory, "other", clock)
+    other.poll()
+    pacer = Pacer(clock)
+    pacer.assume({"tokens": 6_000})
+    hooks = Hooks(pacer, peers.Peers(directory, "this", clock), asynchronous=False)
+    hooks._ticket(_chat_request(1))
+    assert pacer.share("tokens") == 0.5
+
+    other.leave()
+    clock.now += peers.FIRST_INTERVAL_SECONDS
+    hooks._ticket(_chat_request(1))
+    assert pacer.share("tokens") == 1.0
 
 
 # -- through the real clients ---------------------------------------------------------------

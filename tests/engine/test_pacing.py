@@ -209,7 +209,8 @@ def test_a_pacer_that_drew_a_quarter_of_what_the_key_lost_takes_a_quarter() -> N
 def test_a_refused_request_gives_back_what_no_answer_counted() -> None:
     clock = Clock()
     pacer = Pacer(clock)
-    pacer.assume({"requests": 120})  # two per second, 1.8 at first
+    pacer.assume({"requests": 120})  # two per second, from none
+    clock.now = 0.5
     ticket = started(pacer, 0)
     held = pacer.ask(pacing.cost(0, 0))
     assert pacer.wait(held) > 0
@@ -222,16 +223,34 @@ def test_assumed_limits_are_shared_by_the_shards_at_once() -> None:
     clock = Clock()
     pacer = Pacer(clock)
     pacer.assume({"tokens": 6_000}, share=1 / 4)  # 100 a second for the key, 25 for this one
-    started(pacer, 22.5)  # the quarter of the 0.9 s worth it starts with
+    first = pacer.ask(pacing.cost(22.5, 0))  # a quarter of 0.9 s worth: the most it holds
+    assert pacer.wait(first) == pytest.approx(0.9)  # from none
+    clock.now = 10.0
+    assert pacer.wait(first) == 0
 
-    held = pacer.ask(pacing.cost(50, 0))
-    assert pacer.wait(held) == pytest.approx(2.0)
+    held = pacer.ask(pacing.cost(20, 0))
+    assert pacer.wait(held) == pytest.approx(0.8)
+
+
+def test_an_assumed_share_follows_the_shards_at_once() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    pacer.assume({"tokens": 6_000}, share=1 / 4)
+    clock.now = 10.0  # it holds 22.5 (a quarter of 0.9 s worth)
+    pacer.reshare(1 / 2)  # two of the four shards finished
+    held = pacer.ask(pacing.cost(40, 0))
+    assert pacer.wait(held) == pytest.approx(0.35)  # 50 a second for the 17.5 it lacks
+
+    pacer.reshare(1 / 8)  # six more started: it holds an eighth of what it held
+    # More than an eighth of 0.9 s worth (11.25): it goes when that much is held.
+    assert pacer.wait(held) == pytest.approx((11.25 - 22.5 / 4) / 12.5)
 
 
 def test_a_stated_budget_replaces_an_assumed_one() -> None:
     clock = Clock()
     pacer = Pacer(clock)
     pacer.assume({"tokens": 60})
+    clock.now = 1.0
     pacer.report(started(pacer, 1), tokens(remaining=6_000, limit=6_000), refused=False)
 
     started(pacer, 5_000)

@@ -152,11 +152,16 @@ class _Bucket:
             self.reset_at = now + stated.reset_seconds
             self.key_rate = stated.limit / max(stated.reset_seconds, 1.0)
 
+    @property
+    def top(self) -> float:
+        """The most this process holds: the budget when full, or its share of an assumed one."""
+        return self.cap if self.stated else self.share * self.cap
+
     def refill(self, now: float) -> None:
         if now <= self.at:
             return
         if self.steady:
-            self.level = min(self.cap, self.level + self.share * self.rate * (now - self.at))
+            self.level = min(self.top, self.level + self.share * self.rate * (now - self.at))
         elif now >= self.reset_at:
             self.level = max(self.level, self.share * self.cap)
             self.reset_at = math.inf  # the next one comes with the next answer
@@ -164,7 +169,7 @@ class _Bucket:
 
     def wait(self, need: float, now: float) -> float:
         """Seconds until ``need`` fits (with :meth:`refill` done to ``now``)."""
-        need = min(need, self.cap)
+        need = min(need, self.top)
         if self.level >= need:
             return 0.0
         if self.steady and self.rate > 0:
@@ -244,9 +249,10 @@ class Pacer:
 
     def assume(self, per_minute: Mapping[str, float], share: float = 1.0) -> None:
         """Budgets the user knows (per minute, by kind) for an endpoint that states none, of
-        which this process takes ``share``. At most 0.9 of a second's worth goes at once (how
-        much more an unknown server holds, nothing says; the rest covers the time a request
-        takes to reach it). An answer that states a budget replaces it."""
+        which this process takes ``share`` (:meth:`reshare` changes it). They start empty and
+        fill at the share of the rate; at most 0.9 of a second's worth of the share goes at
+        once (how much more an unknown server holds, nothing says; the rest covers the time a
+        request takes to reach it). An answer that states a budget replaces them."""
         now = self.clock()
         with self._lock:
             if per_minute:
@@ -254,11 +260,27 @@ class Pacer:
             for kind, limit in per_minute.items():
                 if kind not in self._buckets:
                     per_second = limit / 60
-                    bucket = _Bucket(Limit(per_second, per_second, 1.0), now)
+                    bucket = _Bucket(Limit(per_second, 0.0, 1.0), now)
                     bucket.rate = bucket.key_rate = per_second
                     bucket.cap = _ASSUMED_BURST * per_second
-                    bucket.level, bucket.share = bucket.cap * share, share
+                    bucket.share = share
                     self._buckets[kind] = bucket
+
+    def reshare(self, share: float) -> None:
+        """This process now takes ``share`` of the assumed budgets (more or fewer processes
+        call the key); what it holds shrinks with a smaller share."""
+        now = self.clock()
+        with self._lock:
+            for bucket in self._buckets.values():
+                if not bucket.stated and share != bucket.share:
+                    bucket.refill(now)
+                    if bucket.level > 0 and share < bucket.share:
+                        bucket.level *= share / bucket.share
+                    bucket.share = share
+            woken, _ = self._drain(now)
+            if self._queue and self._queue[0] not in woken:
+                woken.append(self._queue[0])
+        _wake(woken)
 
     def ask(self, cost: Cost, record: Record | None = None) -> Ticket:
         """A request with this ``cost`` asks to start: it queues behind the others."""
