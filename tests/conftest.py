@@ -65,7 +65,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`--dist loadgroup` by XDIST_GROUPS: each group goes to one worker as one unit of work, the
     other tests one by one, in the order of ``pytest_collection_modifyitems``. pytest-xdist's own
-    loadgroup reads ``xdist_group`` marks, which pytest 9.2's node ids no longer carry to its
+    loadgroup reads ``xdist_group`` marks, which pytest 9.2's node ids do not carry to its
     scheduler."""
     if config.getvalue("dist") != "loadgroup":
         return None

@@ -273,10 +273,11 @@ class LockHeldError(CheckpointError):
 
     The message names its run id, host, pid and since when. It says when the holder's run is
     over while its process still runs: such a step stops by itself within seconds. It is also
-    raised when this run lost its lock (its lease ran out while it was paused, or another writer
-    took it over): it started no more calls and wrote nothing more. And when a file vanished
-    while this run read it: a second writer changed the checkpoint. A dead holder's lock (its
-    process gone on its host, or its lease expired) is taken over with a warning.
+    raised when this run lost its lock: its lease ran out while it was paused, or another writer
+    took it over. The run then started no more calls and wrote nothing more. It is raised too
+    when a file vanished while this run read it: a second writer changed the checkpoint. A dead
+    holder's lock (its process gone on its host, or its lease expired) is taken over with a
+    warning.
     """
 
     def __init__(self, what: str, remedy: str | None = None) -> None:
@@ -287,10 +288,10 @@ class LockHeldError(CheckpointError):
 class RunStoppedError(CheckpointError):
     """The step stopped by itself while it held the lock.
 
-    Its run is over (failed, canceled or succeeded in the instance, as run monitoring marks a
-    run whose worker died), or the process that launched it (a run worker, `dagster asset
-    materialize`) is gone. It stored the rows it computed and released the lock: a rerun
-    resumes.
+    It stops when its run is over in the instance: failed, canceled or succeeded. Run monitoring
+    marks a run so when its worker died. It also stops when the process that launched it is gone
+    (a run worker, or ``dagster asset materialize``). It stored the rows it computed and released
+    the lock: a rerun resumes.
     """
 
     def __init__(self, label: str, reason: str, done: int) -> None:
@@ -319,9 +320,9 @@ class StorageError(CheckpointError):
 class TooManyFailuresError(CheckpointError):
     """More rows failed than the asset tolerates; everything else is checkpointed.
 
-    ``no_result`` counts the failed rows the function returned no row for (``no_result_ids``, a
-    few of them): when they are most of the failures, the function has a bug to fix, and the
-    message says so instead of suggesting to tolerate them.
+    ``no_result`` counts the failed rows the function returned no row for; ``no_result_ids``
+    holds a few of them. When they are most of the failures, the function has a bug to fix. The
+    message then says so, instead of suggesting to tolerate them.
     """
 
     def __init__(
@@ -392,8 +393,10 @@ class TooManyFailuresError(CheckpointError):
 
 
 def _ran(done: int) -> str:
-    """What a run that stopped early did: its own rows, told apart from what the checkpoint
-    holds in all (earlier runs' rows too, which the Dagster layer reports beside it)."""
+    """What a run that stopped early did: its own rows.
+
+    The Dagster layer reports them beside what the checkpoint holds in all, earlier runs' rows
+    too."""
     return f"this run had finished {done:,} rows of its own (checkpointed)"
 
 
@@ -476,13 +479,15 @@ class FunctionError(CheckpointError):
 
 
 class BudgetExceededError(CheckpointError):
-    """A spend limit (``max_run_cost`` or ``max_asset_cost``) was reached: no new call started
-    (or, through a provider's batch API, no new submission was sent), what was done is
-    checkpointed.
+    """A spend limit (``max_run_cost`` or ``max_asset_cost``) was reached.
 
-    For provider batches, ``estimate`` is what the submission that did not fit was estimated to
-    cost, ``reserved`` the estimates of submissions sent and not collected yet, whose ``pending``
-    rows the next run collects."""
+    No new call started; through a provider's batch API, no new submission was sent. What was
+    done is checkpointed. For provider batches:
+
+    - ``estimate`` is the estimated cost of the submission that did not fit.
+    - ``reserved`` is the estimates of the submissions sent and not collected yet.
+    - ``pending`` counts their rows, which the next run collects.
+    """
 
     def __init__(
         self,
@@ -544,8 +549,9 @@ def _submissions_stop(estimate: float, reserved: float, pending: int) -> str:
 
 
 class BatchesPendingError(CheckpointError):
-    """A run that submits and ends (``wait`` off) left rows in provider batches that have not
-    ended yet: they are recorded in the checkpoint, and the shard is not finished."""
+    """A run that submits and ends (``wait`` off) left rows in provider batches not ended yet.
+
+    They are recorded in the checkpoint, and the shard is not finished."""
 
     def __init__(
         self, label: str, rows: int, batches: Sequence[str], done: int, due: float | None = None

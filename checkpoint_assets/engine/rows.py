@@ -7,7 +7,10 @@ Every stored row carries the id, the output columns and these columns:
 - ``_input_hash``: the 64-bit hash of the row's id and input columns (see ``hashing.py``);
 - ``_seq``: the flush that wrote it;
 - ``_current`` (merged file only): false for rows absent from the input at the last finalize;
-  they are kept, never lost, but are not part of the result.
+  they are kept, never lost, but are not part of the result;
+- ``_answer`` (request/parse jobs only): the provider's response body of the row, as compact
+  JSON text, so a changed ``parse`` re-derives the outputs with no call
+  (``providers/answers.py``). Null where none was kept.
 
 The winner among several stored rows of one id: the input hash of the id's newest row is the id's
 current input; among the rows with that hash a success beats a failure, then the newest wins. When
@@ -27,7 +30,8 @@ ATTEMPTS = "_attempts"
 INPUT_HASH = "_input_hash"
 SEQ = "_seq"
 CURRENT = "_current"
-BOOKKEEPING = (ERROR, ATTEMPTS, INPUT_HASH, SEQ, CURRENT)
+ANSWER = "_answer"
+BOOKKEEPING = (ERROR, ATTEMPTS, INPUT_HASH, SEQ, CURRENT, ANSWER)
 # The ``_error`` of an input row the function returned no row for: told apart at the end of a
 # run, since it is a bug in the function, not a failure of the row.
 NO_RESULT = "the function returned no result for this row"

@@ -326,6 +326,10 @@ class RunStats:
     cost_by_model: dict[str, float] = field(default_factory=dict)
     # What differs from the function that computed the stored results it reused (same job).
     function_changed: list[str] = field(default_factory=list)
+    # A request/parse job whose parse changed: stored answers parsed again (no request), and
+    # finished rows without a stored answer.
+    rows_reparsed: int = 0
+    rows_without_answer: int = 0
 
     @property
     def rows_per_second(self) -> float:

@@ -2,9 +2,11 @@
 
 ``build_defs`` calls the public API (``checkpointed_asset``, ``shard_partitions``,
 ``checkpoint_checks``, ``failed_partitions_sensor``, ``global_resume_asset``), so an asset
-declared in YAML behaves exactly like one declared in Python. The attributes named like an
-argument of ``checkpointed_asset`` are made from ``AssetArguments``' fields (type, default,
-meaning), and the sensor's defaults are read from its signature: each is declared once.
+declared in YAML behaves exactly like one declared in Python. Each attribute is declared once:
+
+- the attributes named like an argument of ``checkpointed_asset`` are made from
+  ``AssetArguments``' fields (type, default, meaning);
+- the sensor's defaults are read from its signature.
 
 No ``from __future__ import annotations`` here: Dagster derives the YAML schema from the
 annotations at runtime.

@@ -59,6 +59,8 @@ INPUT_FINGERPRINT = "input_fingerprint"
 TOP_ERRORS = "top_errors"
 FUNCTION_CHANGED = "function_changed"
 FUNCTION_CHANGES = "function_changes"
+ROWS_REPARSED = "rows_reparsed"
+ROWS_WITHOUT_ANSWER = "rows_without_answer"
 # The failure of a run that submitted and ended: when the provider ends the last of its batches
 # at the latest (their 24 h window), and which sensor collects them.
 RESULTS_DUE_BY = "results_due_by"
@@ -135,6 +137,10 @@ MATERIALIZATION: dict[str, str] = {
     FUNCTION_CHANGED: "`true` when stored results were reused although the function changed and "
     "`code_version` did not. Absent with `checkpointing: false`.",
     FUNCTION_CHANGES: "When `function_changed`: what changed, such as `the function's code`.",
+    ROWS_REPARSED: "Provider batches, when `parse` changed: stored answers parsed again, with "
+    "no request.",
+    ROWS_WITHOUT_ANSWER: "Provider batches, when `parse` changed: finished rows with no stored "
+    "answer. They keep their outputs unless the run sets `recompute_unanswered: true`.",
     ROW_COUNT: "Rows of the partition's result, failed ones included (Dagster's standard key).",
     COLUMN_SCHEMA: "The result's columns and types: the id, the outputs and `_error` "
     "(Dagster's standard key).",
@@ -232,7 +238,12 @@ def _function(runs: Sequence[RunStats]) -> dict[str, Any]:
     changed = list(dict.fromkeys(c for r in runs for c in r.function_changed))
     if not changed:
         return {FUNCTION_CHANGED: False}
-    return {FUNCTION_CHANGED: True, FUNCTION_CHANGES: ", ".join(changed)}
+    out: dict[str, Any] = {FUNCTION_CHANGED: True, FUNCTION_CHANGES: ", ".join(changed)}
+    reparsed = sum(r.rows_reparsed for r in runs)
+    unanswered = sum(r.rows_without_answer for r in runs)
+    if reparsed or unanswered:
+        out |= {ROWS_REPARSED: reparsed, ROWS_WITHOUT_ANSWER: unanswered}
+    return out
 
 
 def _throttling(runs: Sequence[RunStats]) -> dict[str, Any]:

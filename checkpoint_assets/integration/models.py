@@ -1,7 +1,7 @@
 """Pydantic models made from the engine's dataclasses, for the Component's YAML and run config.
 
 A field's type, default and meaning (``DOC``) are declared once, in the dataclass (``Budget``,
-``Price``, ``AssetSettings``); a model made here takes them over, so the Dagster UI, ``dg`` and
+``Price``, ``AssetSettings``). A model made here takes them over. So the Dagster UI, ``dg`` and
 the docs' reference tables say what the engine says.
 """
 

@@ -32,6 +32,11 @@ class ProviderBatchRunConfig(CheckpointRunConfig):
         "submit and end, leaving the partition to provider_batches_sensor (false); default: "
         "the asset's.",
     )
+    recompute_unanswered: bool = Field(
+        default=False,
+        description="When parse changed: request again (paid) the finished rows that have no "
+        "stored answer (keep_answers off, or stored without one). false: they keep their outputs.",
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,6 +69,11 @@ class ProviderArguments(CommonArguments):
     )
     max_poll_seconds: float = setting(
         ProviderJob.max_poll_seconds, "The longest wait between polls."
+    )
+    keep_answers: bool = setting(
+        ProviderJob.keep_answers,
+        "Store each row's response body (`_answer`), so a changed parse re-derives the outputs "
+        "with no request. False stores none.",
     )
 
     def __post_init__(self) -> None:
@@ -122,11 +132,19 @@ def provider_batch_asset(
             if not isinstance(api, BatchProvider):
                 raise TypeError(f"resource {provider!r}: batch_provider() is no BatchProvider")
             waits = a.wait if config.wait is None else config.wait
-            return ProviderJob(api, request, a.parse, waits, a.poll_seconds, a.max_poll_seconds)
+            return ProviderJob(
+                api,
+                request,
+                a.parse,
+                waits,
+                a.poll_seconds,
+                a.max_poll_seconds,
+                keep_answers=a.keep_answers,
+                recompute_unanswered=config.recompute_unanswered,
+            )
 
-        code = function_fingerprint.of_function(request)
-        parsed = sorted(function_fingerprint.of_function(a.parse).items())  # "the constant parse"
-        code[function_fingerprint.CONSTANT + "parse"] = ",".join(f"{k}={v}" for k, v in parsed)
+        # The request part, then the parse part (the resources add theirs to the request's).
+        code = function_fingerprint.of_function(request) | function_fingerprint.of_parse(a.parse)
         calls = Calls((provider,), code, bind, ProviderRun, ProviderBatchRunConfig)
         return define(request, calls, declared, kinds={"polars", "parquet", provider})
 

@@ -1,18 +1,18 @@
-"""``provider_batches_sensor``: request the run that collects a shard's provider batches once
-they have ended, so no run holds a slot while the provider works.
+"""``provider_batches_sensor``: request the run that collects a shard's provider batches.
 
-Each tick, in order::
+It requests that run once the batches have ended, so no run holds a slot while the provider
+works. Each tick takes these steps, in order:
 
-    _follow()     new observations of the asset that name pending batches (``batches_pending``,
-                  recorded by a run that submitted and ended, see ``pending.py``): the latest per
-                  partition is remembered in the cursor, with the run that submitted them
-    _settled()    partitions materialized since their observation are forgotten
-    _ready()      for each remembered partition not requested yet and not in progress: poll its
-                  batches (one request each, stopping at the first still running); when none
-                  is running any more, request the partition's run, once per submitting run
+1. ``_follow()`` reads new observations of the asset that name pending batches
+   (``batches_pending``). A run that submitted and ended records them (see ``pending.py``). The
+   cursor remembers the latest per partition, with the run that submitted them.
+2. ``_settled()`` forgets partitions materialized since their observation.
+3. ``_ready()`` takes each remembered partition not requested yet and not in progress. It polls
+   its batches: one request each, stopping at the first still running. When none is running
+   any more, it requests the partition's run, once per submitting run.
 
-The collecting run re-attaches to the batches through the checkpoint's submission records,
-downloads their results and finishes in seconds; it submits nothing that was submitted.
+The collecting run re-attaches to the batches through the checkpoint's submission records. It
+downloads their results and finishes in seconds. It submits nothing that was submitted.
 """
 
 from __future__ import annotations
@@ -86,10 +86,10 @@ def provider_batches_sensor(
     """A sensor that requests a partition's run of ``asset`` (a :func:`provider_batch_asset`
     that submits and ends) once the provider batches it waits for have ended.
 
-    Each tick polls only the batches of partitions that wait (one request per batch, stopping
-    at a partition's first batch still running): a few requests a minute, however many rows.
-    It polls through the resource and endpoint the asset declares (its ``provider`` and
-    ``endpoint``), so they are not given here.
+    Each tick polls only the batches of partitions that wait. It sends one request per batch,
+    stopping at a partition's first batch still running. That is a few requests a minute,
+    however many rows. It polls through the resource and endpoint the asset declares (its
+    ``provider`` and ``endpoint``), so they are not given here.
 
     Example::
 

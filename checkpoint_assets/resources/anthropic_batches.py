@@ -1,25 +1,32 @@
-"""Anthropic's Message Batches as a ``BatchProvider`` (``engine/providers/submissions.py``), on the
-``anthropic`` client.
+"""Anthropic's Message Batches as a ``BatchProvider`` (``engine/providers/submissions.py``).
 
-One submission is one message batch, created with its requests in the call itself (there is no
-file: ``upload`` returns None). Every request's ``custom_id`` is ``<tag>-<i>``; that prefix is the
+It runs on the ``anthropic`` client.
+
+One submission is one message batch, created with its requests in the call itself. There is no
+file: ``upload`` returns None. Every request's ``custom_id`` is ``<tag>-<i>``. That prefix is the
 only tag a message batch can carry, since Anthropic batches take no metadata.
 
-Finding a batch again after a crash (``find``): a run that died between sending the create and
-recording the batch id left a batch that only its requests name, and Anthropic shows a batch's
-requests only in its results, once it has ended. So ``find`` lists the batches created since the
-submission's intent, newest first, and for each that has ended reads the first line of its
-results: a ``custom_id`` starting with the tag is this submission's batch. A batch still
-processing cannot be told apart yet: ``find`` polls it (with backoff) until it ends, for at most
-``find_wait_seconds``, then stops with :class:`SubmissionUndecidedError`, having sent nothing: a
-later run decides once those batches have ended. ``find`` answers None (the submission never
-reached Anthropic) only when every batch of that window has ended and none is tagged.
+Finding a batch again after a crash (``find``). A run may die between sending the create and
+recording the batch id. It leaves a batch that only its requests name. Anthropic shows a batch's
+requests only in its results, once it has ended. So ``find`` works this way:
 
-Results stream from the batch's results URL line by line: ``succeeded`` lines give the message
-(as the API sent it) as the body, ``errored`` lines an error; ``canceled`` and ``expired`` lines
-are not results, so the engine submits those rows again. An error of a server, an overload, a
-rate limit or a timeout is transient (``Result.retry``); Anthropic asks that an
-``invalid_request_error`` be fixed before it is sent again, so it is not.
+- It lists the batches created since the submission's intent, newest first.
+- For each that has ended, it reads the first line of its results. A ``custom_id`` starting with
+  the tag marks this submission's batch.
+- A batch still processing cannot be told apart yet. ``find`` polls it (with backoff) until it
+  ends, for at most ``find_wait_seconds``. Then it stops with :class:`SubmissionUndecidedError`,
+  having sent nothing. A later run decides once those batches have ended.
+- ``find`` answers None (the submission never reached Anthropic) only when every batch of that
+  window has ended and none is tagged.
+
+Results stream from the batch's results URL line by line:
+
+- ``succeeded`` lines give the message (as the API sent it) as the body;
+- ``errored`` lines give an error;
+- ``canceled`` and ``expired`` lines are not results, so the engine submits those rows again.
+
+An error of a server, an overload, a rate limit or a timeout is transient (``Result.retry``).
+Anthropic asks that an ``invalid_request_error`` be fixed before it is sent again, so it is not.
 """
 
 from __future__ import annotations
@@ -58,8 +65,9 @@ _log = logging.getLogger("checkpoint_assets")
 
 
 class SubmissionUndecidedError(RuntimeError):
-    """A submission's batch may exist on Anthropic, among batches still processing that cannot
-    be told apart from others until they end; nothing was sent again."""
+    """A submission's batch may exist on Anthropic, among batches still processing.
+
+    Those batches cannot be told apart from others until they end. Nothing was sent again."""
 
 
 class AnthropicBatches:

@@ -2,16 +2,18 @@
 
 It runs on the ``openai`` client.
 
-One submission is one JSONL file uploaded with ``files.create(purpose="batch")`` (named
-``<tag>.jsonl``) and one batch created from it with ``batches.create`` (a 24 h window, the tag in
-its ``metadata``). A batch found again after a crash is found by that metadata in
-``batches.list``, newest first, read back only to the time its submission was recorded. Results
-come from the batch's output file (successes, and requests the endpoint answered with an error
-status) and its error file, streamed line by line; the error file's lines of requests an expiry
-or a cancel left unrun (``batch_expired``, ``batch_cancelled``) are no results: those rows are
-submitted again. A request answered with a status the ``openai`` client itself retries (408,
-409, 429, 5xx) is a transient error (``Result.retry``); any other error status (400 for an
-invalid request) is not.
+One submission is one JSONL file uploaded with ``files.create(purpose="batch")``, named
+``<tag>.jsonl``. One batch is created from it with ``batches.create``: a 24 h window, the tag in
+its ``metadata``. After a crash, the batch is found again by that metadata in ``batches.list``.
+That list is read newest first, back only to the time the submission was recorded.
+
+Results come from the batch's output file and its error file, streamed line by line. The output
+file holds successes, and requests the endpoint answered with an error status. The error file
+also holds requests an expiry or a cancel left unrun (``batch_expired``, ``batch_cancelled``).
+Those lines are no results: their rows are submitted again.
+
+An error status the ``openai`` client itself retries (408, 409, 429, 5xx) is a transient error
+(``Result.retry``). Any other error status (400 for an invalid request) is not.
 """
 
 from __future__ import annotations
@@ -52,9 +54,11 @@ _STATES: Final = {
 
 
 class OpenAIBatches:
-    """OpenAI's Batch API for one ``endpoint`` (``/v1/chat/completions``, ``/v1/embeddings``,
-    ``/v1/responses``...), each body completed with ``defaults`` (the resource's model and request
-    settings) where it leaves them out."""
+    """OpenAI's Batch API for one ``endpoint``.
+
+    The endpoint is ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/responses``... Each body
+    is completed with ``defaults`` (the resource's model and request settings) where it leaves
+    them out."""
 
     name = "openai"
 

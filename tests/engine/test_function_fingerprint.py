@@ -23,7 +23,14 @@ from checkpoint_assets.engine import (
     prepare,
     run,
 )
-from checkpoint_assets.engine.plan.function_fingerprint import changes, of_function, of_resources
+from checkpoint_assets.engine.plan.function_fingerprint import (
+    changes,
+    of_function,
+    of_parse,
+    of_resources,
+    parse_changed,
+    request_changed,
+)
 
 LABEL = "Route this ticket."
 
@@ -174,3 +181,47 @@ def test_a_run_that_reuses_nothing_is_quiet(
 
     assert stats.function_changed == []
     assert caplog.text == ""
+
+
+def _request(row: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": row["body"]}]}
+
+
+def _request_with_a_prompt(row: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": LABEL + row["body"]}]}
+
+
+def _parse(body: dict[str, Any]) -> dict[str, Any]:
+    return {"answer": body["text"]}
+
+
+def _parse_upper(body: dict[str, Any]) -> dict[str, Any]:
+    return {"answer": body["text"].upper()}
+
+
+def _request_parse(request: Any, parse: Any) -> dict[str, str]:
+    return of_function(request) | of_parse(parse)
+
+
+def test_a_changed_parse_is_told_from_a_changed_request() -> None:
+    recorded = _request_parse(_request, _parse)
+    parse_only = _request_parse(_request, _parse_upper)
+    assert changes(recorded, parse_only) == ["parse()'s code (no call needed)"]
+    assert parse_changed(recorded, parse_only) and not request_changed(recorded, parse_only)
+    request_only = _request_parse(_request_with_a_prompt, _parse)
+    assert changes(recorded, request_only) == [
+        "request()'s code (calls needed)",
+        "request()'s constant LABEL (calls needed)",
+    ]
+    assert request_changed(recorded, request_only) and not parse_changed(recorded, request_only)
+    assert changes(recorded, recorded) == []
+
+
+def test_a_fingerprint_that_records_parse_as_one_constant_reads_as_its_parse_part() -> None:
+    # How a checkpoint of 0.1.0 recorded a request/parse job: parse's parts joined, one constant.
+    joined = ",".join(f"{k}={v}" for k, v in sorted(of_function(_parse).items()))
+    recorded = of_function(_request) | {"constant:parse": joined}
+    assert changes(recorded, _request_parse(_request, _parse)) == []
+    changed = _request_parse(_request, _parse_upper)
+    assert parse_changed(recorded, changed) and not request_changed(recorded, changed)
+    assert changes(recorded, changed) == ["parse()'s code (no call needed)"]

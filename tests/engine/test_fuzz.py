@@ -651,7 +651,7 @@ def test_dedupe_never_shares_a_result_between_nan_infinities_and_null_inside_a_l
 
 # -- checkpoints of input hash format 1 --------------------------------------------------------
 def _as_written_by_hash_format_1(box: Sandbox, df: pl.DataFrame, s: runner.Settings) -> None:
-    """Make the box's checkpoint one that versions before input hash format 2 wrote: its meta
+    """Make the box's checkpoint one of input hash format 1, as older releases write it: its meta
     records no format, and its rows carry format-1 input hashes (where NaN, infinities and null
     inside nested values were all JSON's null). The rows are stored as one more part, written by
     the engine's own writer; the checkpoint stays valid (``verify`` passes)."""

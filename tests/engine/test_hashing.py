@@ -194,8 +194,8 @@ def test_a_changed_value_a_swap_of_columns_and_null_against_text_change_the_row_
 # -- nested values: NaN, infinities and null -------------------------------------------------
 NAN, INF = float("nan"), float("inf")
 # Nested values without a NaN, an infinity or a null float: format 2 keeps their format-1 text
-# and hash (computed by the format-1 code before format 2 existed), so checkpoints whose nested
-# inputs hold none of them resume as before.
+# and hash. The expected values are what the format-1 code computes. So checkpoints whose nested
+# inputs hold none of these values resume unchanged.
 UNCHANGED_BY_FORMAT_2 = [
     (
         pl.List(pl.Float64),

@@ -106,7 +106,7 @@ def test_calls_do_not_wait_for_a_slow_store_and_rows_join_the_next_flush(
 
     assert result.get_column("_error").null_count() == 120
     # 120 rows in 10 ms calls, 4 at a time, take ~0.3 s: one part write. Rows done meanwhile
-    # went into a few large flushes instead of 30 parts of 4 waited for one by one.
+    # go into a few large flushes, not 30 parts of 4 waited for one by one.
     assert store.part_rows, "rows were flushed as parts"
     assert len(store.part_rows) < 120 // 4 // 2
     assert max(store.part_rows) <= s.max_unflushed_rows  # memory stays bounded

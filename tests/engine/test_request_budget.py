@@ -1,5 +1,5 @@
 """What a shard costs in object-store requests: counted by the moto server on 127.0.0.1, held to
-``Settings.request_budget`` (the formula of ``engine/storage/base.py`` and the README).
+``Settings.request_budget`` (the formula of ``engine/storage/base.py`` and docs/object-storage.md).
 
 A fast shard pays for time, not rows: on S3 it flushes at most once per ``min_flush_seconds``
 (5 s), so a fast shard of any size costs about the 13 requests of starting and finishing.

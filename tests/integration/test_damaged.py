@@ -538,7 +538,7 @@ def test_every_change_inside_a_merged_files_pages_stops_the_next_run(tmp_path: A
 
 
 def test_a_merged_file_written_without_page_checksums_still_resumes(tmp_path: Any) -> None:
-    """A merged file as older versions wrote it (polars, no page checksums) is read as before."""
+    """A merged file as older releases write it (polars, no page checksums) is read and resumes."""
     checkpoint = Checkpoint(open_store(str(tmp_path)), "routed/default/all")
     first = engine_run(checkpoint, tickets(24), [])
     path = checkpoint.files.merged

@@ -311,7 +311,7 @@ def test_an_old_checkpoint_without_a_function_fingerprint_resumes_quietly(
 ) -> None:
     runner(billing([]), n=12)
     meta = runner.meta()
-    del meta["function_fingerprint"]  # as an earlier version wrote it
+    del meta["function_fingerprint"]  # as older releases write it
     runner.write_meta(meta)
     calls: Calls = []
 

@@ -387,10 +387,11 @@ def items_of(ids: list[int]) -> dg.AssetsDefinition:
 
 
 def write_mod_rule_checkpoints(env: dict[str, Any], count: int, done: set[int]) -> None:
-    """Checkpoints as versions before range sharding wrote them: shard ``i`` of ``count`` held the
-    ids whose hash is ``i`` modulo ``count``, and its meta recorded no rule. Each is written by
-    a real run (of the unpartitioned job over that shard's finished rows ``done``), then moved to
-    the shard's name."""
+    """Checkpoints in the modulo layout of releases without range sharding.
+
+    Shard ``i`` of ``count`` holds the ids whose hash is ``i`` modulo ``count``, and its meta
+    records no rule. Each is written by a real run (of the unpartitioned job over that shard's
+    finished rows ``done``), then moved to the shard's name."""
     manager = env["resources"]["io_manager"]
     store = open_store(manager.base_dir, manager.storage_options)
     ids = pl.Series("item_id", range(ROWS))

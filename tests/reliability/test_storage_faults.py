@@ -546,7 +546,7 @@ def test_a_listing_that_misses_the_newest_part_costs_its_rows_twice_but_loses_no
     newest, again = parts[-1]
     # A listing that misses the newest part leaves no gap: nothing tells the run it exists. It
     # computes its rows again and writes its first part under the same flush number, holding
-    # other rows (8 per flush now).
+    # other rows (this run flushes every 8).
     hidden = StoreFault("list", r"\.parquet\.parts$", hide=_part(newest))
     store = faulty(open_store(*storage), hidden)
     calls: list[int] = []

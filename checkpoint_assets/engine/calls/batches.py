@@ -1,12 +1,15 @@
 """What one call takes and gives back, and the stored rows of many calls built at once.
 
 A call takes a *batch*: input rows as a frame (``FrameBatch``), or one row as a dict for a
-per-row function (``RowBatch``, see :class:`PerRow`). What the function returns is checked on
-the worker that called it (a table with the batch's ids, or a dict with the same keys for every
-row; no reserved names) and kept as a cheap *record*: the frame or the dict it returned. The run
-loop builds the stored rows of every record a flush takes at once (:func:`build`): polars work
-on a one-row frame costs more than a remote call's own Python work, so it is paid once per flush,
-not once per call.
+per-row function (``RowBatch``, see :class:`PerRow`).
+
+What the function returns is checked on the worker that called it. It must be a table with the
+batch's ids, or a dict with the same keys for every row, and use no reserved names. It is kept
+as a cheap *record*: the frame or the dict it returned.
+
+The run loop builds the stored rows of every record a flush takes at once (:func:`build`).
+Polars work on a one-row frame costs more than a remote call's own Python work. So it is paid
+once per flush, not once per call.
 """
 
 from __future__ import annotations
@@ -230,8 +233,9 @@ Batch = FrameBatch | RowBatch
 
 
 def batches(todo: pl.DataFrame, id_column: str, size: int, per_row: bool) -> Iterator[Batch]:
-    """The batches of ``todo`` (prepared rows with ``_attempts``) in order, made as they are
-    taken: slices of ``size`` rows, or one dict per row (made a chunk of rows at a time)."""
+    """The batches of ``todo`` (prepared rows with ``_attempts``) in order, made as they are taken.
+
+    They are slices of ``size`` rows, or one dict per row (made a chunk of rows at a time)."""
     visible = todo.select([c for c in todo.columns if c not in BOOKKEEPING])
     if per_row:
         for start in range(0, todo.height, _ROWS_PER_CHUNK):
@@ -249,10 +253,11 @@ def batches(todo: pl.DataFrame, id_column: str, size: int, per_row: bool) -> Ite
 
 # -- building stored rows --------------------------------------------------------------------
 def build(records: Sequence[Record], id_column: str, id_dtype: pl.DataType) -> list[pl.DataFrame]:
-    """The stored rows of ``records``, in as few frames as their types allow: one frame (or
-    two, when both kinds are there) when every result has the same types, else one frame per
-    record, in order, so the caller can check them one by one and keep those before a result
-    whose types changed."""
+    """The stored rows of ``records``, in as few frames as their types allow.
+
+    When every result has the same types, that is one frame (two when both kinds are there).
+    Else it is one frame per record, in order. The caller then checks them one by one, and
+    keeps those before a result whose types changed."""
     frames = [r for r in records if isinstance(r, FrameResult)]
     rows = [r for r in records if isinstance(r, RowResult)]
     try:
@@ -287,8 +292,10 @@ def _build_rows(
 
 
 def _each_row(records: Sequence[FrameResult]) -> int | pl.Series:
-    """The attempts each record's call used, for each of its rows: one number when every call
-    used the same (the usual case; no list of a value per row, which costs 0.1 s per 1M rows)."""
+    """The attempts each record's call used, for each of its rows.
+
+    It is one number when every call used the same, the usual case. That saves a list of a value
+    per row, which costs 0.1 s per 1M rows."""
     used = {r.used for r in records}
     if len(used) == 1:
         return used.pop()

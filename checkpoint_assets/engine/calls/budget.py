@@ -1,9 +1,14 @@
 """Spend budgets: what calls cost, and the limit that stops new ones.
 
-A :class:`Budget` names a price per model (USD per million input and output tokens, and the
-discount of the provider's batch API), the two ``usage_columns`` that count a row's tokens, and
-the limits: ``max_run_cost`` (one run, all its shards) and ``max_asset_cost`` (the asset, every
-shard and run; the Dagster layer reads what was spent before from the instance). A row's cost::
+A :class:`Budget` names:
+
+- a price per model: USD per million input and output tokens, and the discount of the
+  provider's batch API;
+- the two ``usage_columns`` that count a row's tokens;
+- the limits: ``max_run_cost`` (one run, all its shards) and ``max_asset_cost`` (the asset,
+  every shard and run). The Dagster layer reads what was spent before from the instance.
+
+A row's cost::
 
     (input_tokens * price.input + output_tokens * price.output) / 1e6   (x (1 - batch_discount)
                                                                          through a batch API)
@@ -11,14 +16,15 @@ shard and run; the Dagster layer reads what was spent before from the instance).
 at the price of its model: the value of ``model_column`` in the row, or the table's one model.
 
 :class:`Spend` is what a run has spent, shared by its workers. The limit is checked where calls
-are admitted (``caller.Caller``): a call starts only while the spend is under every limit, and its
+are admitted (``caller.Caller``). A call starts only while the spend is under every limit, and its
 cost is added when it returns. Calls admitted before the limit was reached still finish and are
-stored, so the spend passes the limit by at most the cost of the calls in flight when it was
+stored. So the spend passes the limit by at most the cost of the calls in flight when it was
 reached: ``max_concurrency`` calls, the one that reached it included.
 
-Provider batches (a submission costs what its results will say, known before it is created only
-as an estimate) reserve the estimate before creating the submission and, when the results are
-in, replace it by what they cost at the batch price (``provider_batches.py``)::
+A provider batch submission costs what its results will say. Before it is created, that cost is
+known only as an estimate. So the estimate is reserved before the submission is created. When
+the results are in, the reservation is replaced by what they cost at the batch price
+(``provider_batches.py``)::
 
     cost = budget.cost(model, input_tokens=n_in, output_tokens=n_out_max, batch=True)
     spend.reserve(cost, model)   # BudgetExceededError if it does not fit: submit nothing

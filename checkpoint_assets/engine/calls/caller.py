@@ -2,26 +2,28 @@
 
 Three kinds of trouble, each handled its own way:
 
-- **Rate limits** (``RetryAfter``, HTTP 429/503/529; see throttle.py) delay the refused call,
-  then call the same batch again: not an attempt, not a failure, not part of an outage streak;
-  the shard's concurrency follows what the endpoint sustains.
-- **A broken function** (called with a signature it does not have; a result that is not a table,
-  lacks the id column, repeats ids or returns ids that were not asked for; an ``AttributeError``
-  on a real object, a ``NameError``, an ``ImportError``) cannot be fixed by retrying: the first
-  occurrence stops the shard, after what is done is checkpointed.
+- **Rate limits** (``RetryAfter``, HTTP 429/503/529; see throttle.py) delay the refused call.
+  Then the same batch is called again. That is not an attempt, not a failure and not part of an
+  outage streak. The shard's concurrency follows what the endpoint sustains.
+- **A broken function** cannot be fixed by retrying. It is called with a signature it does not
+  have. Or its result is not a table, lacks the id column, repeats ids or returns ids not asked
+  for. Or it raises an ``AttributeError`` on a real object, a ``NameError`` or an
+  ``ImportError``. The first occurrence stops the shard, after what is done is checkpointed.
 - **Anything else** may be transient. A batch whose call raises is retried ``max_attempts`` times
-  with a doubling delay. If it keeps failing it is split in halves, each tried once, recursively,
-  until the rows that fail alone are found; those are stored as failures (``_error``,
+  with a doubling delay. If it keeps failing, it is split in halves, each tried once,
+  recursively. That finds the rows that fail alone. They are stored as failures (``_error``,
   ``_attempts``) while their neighbours succeed.
 
-An outage (endpoint down) makes every call fail. Splitting would then call once per row, so the
-caller counts consecutive failed calls of rows not tried before (stored failures retried on a
-later run are expected to fail again and do not count): at ``outage_threshold`` (more than a
-single poison row can cause) it declares an outage, every batch in flight stops, and the run
-stops with ``OutageError``; the failures seen during that streak are not stored, since they say
-nothing about the rows. With several calls in flight, only a success of a call that started
-after the streak began ends it: a slow call that started before the endpoint went down proves
-nothing.
+An outage (endpoint down) makes every call fail, and splitting would then call once per row. So
+the caller counts consecutive failed calls of rows not tried before. Stored failures retried on
+a later run are expected to fail again, and do not count. At ``outage_threshold`` (more than a
+single poison row can cause) the caller declares an outage:
+
+- every batch in flight stops, and the run stops with ``OutageError``;
+- the failures seen during that streak are not stored, since they say nothing about the rows.
+
+With several calls in flight, only a success of a call that started after the streak began ends
+it. A slow call that started before the endpoint went down proves nothing.
 """
 
 from __future__ import annotations
@@ -197,7 +199,7 @@ class Caller:
         """Count a finished call (``number`` from ``_start``); False once there is an outage.
 
         A failed call of rows that all failed before (a retry of stored failures) does not
-        ``count`` towards an outage: poison rows are expected to fail again.
+        ``count`` towards an outage. Poison rows are expected to fail again.
         """
         with self._lock:
             if not ok and not counts:
@@ -263,8 +265,9 @@ class Caller:
             return got
 
     def _pay(self, record: Record) -> None:
-        """Count a result's cost; once the budget is spent, wake the calls waiting to start:
-        each sees ``stopping`` and starts nothing (the ones in flight finish and are kept)."""
+        """Count a result's cost; once the budget is spent, wake the calls waiting to start.
+
+        Each sees ``stopping`` and starts nothing. The calls in flight finish and are kept."""
         if self.spend is None:
             return
         self.spend.add_record(record)

@@ -1,10 +1,14 @@
 """What counts as a refusal (the endpoint saying "not now") and how long it asked to wait.
 
-A refusal is the endpoint saying "not now": the function raises :class:`RetryAfter`, or an HTTP
-error with status 429, 503 or 529 (Anthropic's ``overloaded_error``), or any other 5xx that
-carries ``Retry-After`` (``httpx.HTTPStatusError``, the ``openai`` and ``anthropic`` clients'
-errors, or anything with ``.response.status_code``). It is not a failure of the rows: the call
-does not count as an attempt, marks no row failed and is not part of an outage streak. A 5xx
+A refusal is one of these:
+
+- the function raises :class:`RetryAfter`;
+- an HTTP error with status 429, 503 or 529 (Anthropic's ``overloaded_error``);
+- any other 5xx that carries ``Retry-After``.
+
+HTTP errors are ``httpx.HTTPStatusError``, the ``openai`` and ``anthropic`` clients' errors, or
+anything with ``.response.status_code``. A refusal is not a failure of the rows. The call does
+not count as an attempt, marks no row failed and is not part of an outage streak. A 5xx
 without ``Retry-After`` is an ordinary failed call, retried as any other.
 
 How the shard answers refusals (waits, concurrency, pauses) is ``throttle.py``'s.

@@ -1,15 +1,20 @@
-"""Workers: threads, or tasks on the event loop of an ``async def`` function, that take batches,
-process them through the ``Caller`` and hand their outcomes to the run loop.
+"""Workers take batches, process them through the ``Caller`` and hand the outcomes to the run loop.
+
+A worker is a thread, or a task on the event loop of an ``async def`` function.
 
 A worker goes on to its next batch as soon as a call returns, without a round trip through the
 run loop. A batch holds a slot from when a worker takes it until the run loop has absorbed its
-outcome, so calls in flight and outcomes waiting for the run loop are ``held`` batches at most
-(the loss bound in sink.py): while the run loop waits for storage, workers stop taking batches.
+outcome. So calls in flight and outcomes waiting for the run loop are ``held`` batches at most
+(the loss bound in sink.py). While the run loop waits for storage, workers stop taking batches.
 
-The run loop is woken for several outcomes at once, not for each: when ``wake_at`` of them wait
-(half the slots beyond one per worker), when a worker waits for a slot, ends or fails, and in
-any case after ``LINGER_SECONDS``. One-row calls to a remote model return hundreds of times a
-second, and waking a thread costs CPU that the calls need.
+The run loop is woken for several outcomes at once, not for each. It is woken:
+
+- when ``wake_at`` outcomes wait (half the slots beyond one per worker);
+- when a worker waits for a slot, ends or fails;
+- in any case after ``LINGER_SECONDS``.
+
+One-row calls to a remote model return hundreds of times a second. Waking a thread costs CPU
+that the calls need.
 """
 
 from __future__ import annotations

@@ -1,18 +1,19 @@
 """What every work loop of one shard's run shares: its state, how it ends and what it hands over.
 
-A work loop (``runner.Run``, which calls the user's function; ``provider_batches.ProviderRun``,
-which goes through a provider's batch API) subclasses :class:`ShardRun` and writes ``work``; the
-rest is here, called in this order::
+A work loop subclasses :class:`ShardRun` and writes ``work``. There are two:
+``runner.Run`` calls the user's function, and ``provider_batches.ProviderRun`` goes through a
+provider's batch API. The rest is here. ``execute()`` runs these steps in order:
 
-    execute()        work() inside SIGTERM-as-Ctrl-C; on any exception, SIGTERM or SIGINT,
-                     _keep_what_is_done() hands the rows done to the sink and flushes them
-      work(todo)     the loop: its rows done go to ``pending`` / ``pending_failed``, then
-                     _commit() builds them into one frame, checks their output columns (and
-                     ``usage_columns``) and hands them to the sink (_hand_over: counted once);
-                     _maybe_progress() logs a progress_line() every ``progress_seconds``
-      close()        finalize through the sink, count the result, apply the stop rules (why
-                     work() stopped early, too many failed rows)
-      (finally)      close the sink; the sink's, the throttle's (pacing too), usage and cost stats
+1. ``work(todo)``, inside SIGTERM-as-Ctrl-C. This is the loop. Its rows done go to ``pending``
+   and ``pending_failed``. Then ``_commit()`` builds them into one frame and checks their output
+   columns (and ``usage_columns``). It hands them to the sink (``_hand_over``: counted once).
+   ``_maybe_progress()`` logs a ``progress_line()`` every ``progress_seconds``.
+2. On any exception, SIGTERM or SIGINT, ``_keep_what_is_done()`` hands the rows done to the sink
+   and flushes them.
+3. When ``work()`` returns, ``close()`` finalizes through the sink and counts the result. It
+   applies the stop rules: why ``work()`` stopped early, and too many failed rows.
+4. In any case (``finally``), it closes the sink. It then records the stats: the sink's, the
+   throttle's (pacing too), usage and cost.
 """
 
 from __future__ import annotations
@@ -76,8 +77,10 @@ class RunContext:
 
 
 class ShardRun(abc.ABC):
-    """One run of one shard, whatever its work loop: the counts, the hand-over of rows done to
-    the sink, progress lines and the end (finalize, the result, stop rules, cost)."""
+    """One run of one shard, whatever its work loop.
+
+    It owns the counts, the hand-over of rows done to the sink, progress lines and the end
+    (finalize, the result, stop rules, cost)."""
 
     def __init__(
         self,

@@ -1,37 +1,38 @@
 """Where a run's results go: ``PartWriter`` (parts on storage) or ``MemorySink`` (no checkpoint).
 
-Both take computed rows with ``add`` and flush every ``checkpoint_interval`` rows or
-``flush_seconds``, never more often than ``min_flush_seconds``; ``finish`` returns every stored
+Both take computed rows with ``add``. They flush every ``checkpoint_interval`` rows or
+``flush_seconds``, never more often than ``min_flush_seconds``. ``finish`` returns every stored
 row of the run's result. The run loop does not know which one it has. It keeps the rows done as
-the calls returned them until ``due`` says a flush of them should start, then builds them into
-one frame and hands it over with ``add`` (see batches.py): they are the buffer below as much as
-the rows handed over.
+the calls returned them, until ``due`` says a flush of them should start. Then it builds them
+into one frame and hands it over with ``add`` (see batches.py). These rows belong to the buffer
+below as much as the rows handed over.
 
-``PartWriter`` hands each flush to a background thread that writes the part and compacts while
-the function works on. At most one flush is in flight, and dispatching never waits for it
-(group commit): rows that complete while a part is being written stay in the buffer and go
-together into the next flush, as soon as the writer is free. Only when the buffer outgrows
-``max_unflushed`` rows (two intervals plus the rows of the calls in flight) does the run wait for
-storage, encoding its own part during the wait, which bounds memory and loss when storage is
-slower than the function. ``finish`` waits for the last write, then merges everything into the
-merged file: a run never succeeds before its rows are durable.
+``PartWriter`` hands each flush to a background thread. That thread writes the part and compacts
+while the function works on. At most one flush is in flight, and dispatching never waits for it
+(group commit). Rows that complete while a part is being written stay in the buffer. They go
+together into the next flush, as soon as the writer is free.
 
-Loss bound. A hard kill (SIGKILL, a lost node) loses the rows that are not durable yet;
+The run waits for storage only when the buffer outgrows ``max_unflushed`` rows: two intervals
+plus the rows of the calls in flight. It encodes its own part during the wait. This bounds memory
+and loss when storage is slower than the function. ``finish`` waits for the last write, then
+merges everything into the merged file. A run never succeeds before its rows are durable.
+
+Loss bound. A hard kill (SIGKILL, a lost node) loses the rows that are not durable yet.
 ``Settings.loss_bound()`` computes the most, term by term:
 
-- the buffer: the rows done since the last flush, about one ``checkpoint_interval`` while
-  storage keeps up, up to ``max_unflushed`` rows when it lags (group commit), or the rows done
-  in ``min_flush_seconds`` when those are more; the last batch added may cross that by all its
-  rows but one;
+- the buffer: the rows done since the last flush. That is about one ``checkpoint_interval``
+  while storage keeps up, and up to ``max_unflushed`` rows when it lags (group commit). It is
+  the rows done in ``min_flush_seconds`` when those are more. The last batch added may cross
+  that by all its rows but one;
 - the flush being written (one at most, no larger than the buffer was);
 - the calls in flight and the results the run loop has not taken yet: ``batches_held`` batches
   of ``batch_size`` rows (``max_concurrency`` and a quarter more).
 
-With one-row calls, ``checkpoint_interval=64`` and 32 calls in flight on local disk that is
+Take one-row calls, ``checkpoint_interval=64`` and 32 calls in flight on local disk. That is
 160 + 160 + 40 = 360 rows at most, and about 64 + 64 + 40 while storage keeps up. On S3
-(``min_flush_seconds`` 5) with a function doing 100 rows per second the buffer holds about 500
+(``min_flush_seconds`` 5) with a function doing 100 rows per second, the buffer holds about 500
 rows, 5 s of work: 500 + 500 + 40 at most. SIGTERM, SIGINT and exceptions flush before leaving
-and lose nothing. A writer that lost its lock (see lock.py) writes nothing more, so it loses
+and lose nothing. A writer that lost its lock (see lock.py) writes nothing more. So it loses
 what a hard kill would; the new holder computes those rows again.
 """
 
@@ -99,8 +100,8 @@ class Sink:
         """Record the output columns and types on the first result; refuse a change later.
 
         A type that changes between results would be coerced when rows are merged (1 becoming
-        "1", or 1.0), rewriting results already stored: it is refused, except for a column that
-        was null in every row so far.
+        "1", or 1.0). That would rewrite results already stored. So it is refused, except for a
+        column that was null in every row so far.
         """
         schema = sample.schema
         if schema == self._checked:
@@ -110,7 +111,7 @@ class Sink:
             self.outputs = list(outputs)
             self.types = dict(outputs)
             self.record_outputs(sample, outputs)
-        elif sorted(outputs) != sorted(self.outputs):  # metas of old versions kept them sorted
+        elif sorted(outputs) != sorted(self.outputs):  # metas of older releases list them sorted
             raise JobMismatchError(
                 self.where,
                 f"The function now returns the columns {list(outputs)}, but the checkpoint "
@@ -145,9 +146,10 @@ class Sink:
         self.buffered_rows += computed.height
 
     def due(self, pending: int = 0) -> bool:
-        """Whether to flush the buffer and ``pending`` more rows done now: a flush is due, and
-        the previous one is written or they outgrew ``max_unflushed`` (else they join the next
-        flush: group commit)."""
+        """Whether to flush the buffer and ``pending`` more rows done now.
+
+        A flush must be due. The previous one must be written, or the rows outgrew
+        ``max_unflushed``. Else they join the next flush (group commit)."""
         rows = self.buffered_rows + pending
         if not rows:
             return False
@@ -332,6 +334,18 @@ class PartWriter(Sink):
             finally:
                 self.wait_seconds += time.perf_counter() - started
 
+    def begin_generation(self, seq: int) -> None:
+        """Make flush ``seq`` the first of the checkpoint's rows: earlier ones stop counting,
+        and finalize drops them. Call it once every row to keep is in a flush from ``seq`` on;
+        it waits for them to be durable before the meta says so."""
+        self.flush()
+        self.wait_for_writes()
+        self.base_seq = seq
+        if self.meta is not None:
+            self.meta.base_seq = seq
+            self.checkpoint.fenced()
+            self.checkpoint.meta_file.write(self.meta)
+
     def flush_before_leaving(self, log: Logger) -> None:
         try:
             self.write_what_is_left()
@@ -346,8 +360,10 @@ class PartWriter(Sink):
             log.error("Could not flush the last results before stopping: %s", e)
 
     def write_what_is_left(self) -> None:
-        """Write every computed row not yet durable: the rows of a write that failed (a storage
-        error that has passed by now), then the buffer."""
+        """Write every computed row not yet durable.
+
+        First the rows of a write that failed (a storage error that has passed by now), then the
+        buffer."""
         with contextlib.suppress(Exception):  # a failed write: its rows are written again here
             self.wait_for_writes()
         if self._unwritten is not None:
@@ -362,10 +378,10 @@ class PartWriter(Sink):
     def finish(self, current_ids: pl.Series) -> pl.DataFrame:
         """Merge everything into the merged file; returns the current stored rows.
 
-        The rows still buffered go straight into the merged file rather than through a part
-        that finalize would read back, merge and delete at once: that would encode them twice.
-        They are no more at risk than while buffered, and the run succeeds only once the
-        merged file holding them is written. If finalize fails, they are flushed as a part.
+        The rows still buffered go straight into the merged file, not through a part. Finalize
+        would read such a part back, merge and delete it at once: that encodes the rows twice.
+        They are no more at risk than while buffered. The run succeeds only once the merged
+        file holding them is written. If finalize fails, they are flushed as a part.
         """
         try:
             self.wait_for_writes()

@@ -16,6 +16,11 @@ named parts, each a 32-hex-digit BLAKE3 digest, so a change can be named:
   them, by ``repr``. Helper functions it calls are not followed.
 - ``resource:KEY.SETTING``: each entry of ``checkpoint_fingerprint()`` of a resource the function
   takes (model, temperature, never secrets), as canonical JSON.
+- ``parse:PART`` (request/parse jobs): the parts of ``parse``'s own fingerprint, ``parse:code``
+  and ``parse:constant:NAME``. The parts above are then the request's: what changes the answers.
+  A change of the parse part alone needs no call (``parse_changed``): the stored answers are
+  parsed again (``providers/answers.py``). A checkpoint written by 0.1.0 records ``parse`` as
+  one part, ``constant:parse``; ``changes`` reads it as the parse part.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from checkpoint_assets.engine.errors import CheckpointError
 CODE = "code"
 CONSTANT = "constant:"
 RESOURCE = "resource:"
+PARSE = "parse:"
+_ONE_PART_PARSE = CONSTANT + "parse"  # how 0.1.0 recorded parse (see the module docstring)
 _PLAIN = (str, bytes, int, float, complex, bool, type(None))
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
@@ -49,6 +56,11 @@ def of_function(fn: Callable[..., Any]) -> dict[str, str]:
     for name, value in sorted(_constants(function).items()):
         parts[CONSTANT + name] = _digest(repr(value))
     return parts
+
+
+def of_parse(parse: Callable[..., Any]) -> dict[str, str]:
+    """The parse part of a request/parse job's fingerprint (see the module docstring)."""
+    return {PARSE + name: value for name, value in of_function(parse).items()}
 
 
 def of_resources(resources: Mapping[str, object]) -> dict[str, str]:
@@ -72,17 +84,60 @@ def of_resources(resources: Mapping[str, object]) -> dict[str, str]:
 
 
 def changes(recorded: Mapping[str, str], current: Mapping[str, str]) -> list[str]:
-    """What differs between two fingerprints, in words (empty: the same function)."""
-    names = [k for k in set(recorded) | set(current) if recorded.get(k) != current.get(k)]
-    return [_describe(k) for k in sorted(names, key=lambda k: (k != CODE, k))]
+    """What differs between two fingerprints, in words (empty: the same function). For a
+    request/parse job each says whether it is the request's (calls needed) or parse's (none)."""
+    names = _changed(recorded, current)
+    split = any(k.startswith(PARSE) for k in current)
+    return [_describe(k, split) for k in sorted(names, key=lambda k: (_is_parse(k), k != CODE, k))]
 
 
-def _describe(part: str) -> str:
-    if part == CODE:
-        return "the function's code"
-    if part.startswith(CONSTANT):
-        return f"the constant {part.removeprefix(CONSTANT)}"
-    return f"the resource setting {part.removeprefix(RESOURCE)}"
+def parse_changed(recorded: Mapping[str, str], current: Mapping[str, str]) -> bool:
+    """Whether the parse part of a request/parse job differs (its request part may too)."""
+    return any(_is_parse(k) for k in _changed(recorded, current))
+
+
+def request_changed(recorded: Mapping[str, str], current: Mapping[str, str]) -> bool:
+    """Whether anything but the parse part differs: the answers may differ."""
+    return any(not _is_parse(k) for k in _changed(recorded, current))
+
+
+def _changed(recorded: Mapping[str, str], current: Mapping[str, str]) -> list[str]:
+    recorded = _as_split(recorded, current)
+    return [k for k in set(recorded) | set(current) if recorded.get(k) != current.get(k)]
+
+
+def _as_split(recorded: Mapping[str, str], current: Mapping[str, str]) -> Mapping[str, str]:
+    """``recorded`` with a one-part parse (0.1.0: its parts' digests joined) as ``current``'s
+    parse parts: equal to them when it joins the same digests, else all changed (which one is
+    unknown)."""
+    one = recorded.get(_ONE_PART_PARSE)
+    parts = {k: v for k, v in current.items() if k.startswith(PARSE)}
+    if one is None or not parts:
+        return recorded
+    rest = {k: v for k, v in recorded.items() if k != _ONE_PART_PARSE}
+    own = sorted((k.removeprefix(PARSE), v) for k, v in parts.items())
+    if one == ",".join(f"{k}={v}" for k, v in own):
+        return rest | parts
+    return rest | dict.fromkeys(parts, "")
+
+
+def _is_parse(part: str) -> bool:
+    return part.startswith(PARSE) or part == _ONE_PART_PARSE
+
+
+def _describe(part: str, split: bool) -> str:
+    if _is_parse(part):
+        inner = part.removeprefix(PARSE)
+        what = "code" if inner == CODE else f"constant {inner.removeprefix(CONSTANT)}"
+        return f"parse()'s {what} (no call needed)"
+    if part.startswith(RESOURCE):
+        said = f"the resource setting {part.removeprefix(RESOURCE)}"
+    elif part == CODE:
+        said = "request()'s code" if split else "the function's code"
+    else:
+        name = part.removeprefix(CONSTANT)
+        said = f"request()'s constant {name}" if split else f"the constant {name}"
+    return f"{said} (calls needed)" if split else said
 
 
 def _digest(value: Any) -> str:

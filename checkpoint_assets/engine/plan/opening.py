@@ -1,6 +1,10 @@
 """Opening a run: check the stored job, load what is stored, start a generation, import finished
 rows of other checkpoints (global resume), and plan what is left to compute.
 
+When only how answers are read changed (a request/parse job's ``parse``, see
+``function_fingerprint.py``), the stored rows with an answer are not computed again: ``Rederive``
+hands them to the work loop, which parses them again (``providers/answers.py``).
+
 ``open_run`` returns an ``Opened`` value; nothing here keeps state between runs.
 """
 
@@ -25,7 +29,7 @@ from checkpoint_assets.engine.plan import function_fingerprint
 from checkpoint_assets.engine.plan.global_resume import FUNCTION
 from checkpoint_assets.engine.plan.inputs import Prepared
 from checkpoint_assets.engine.plan.resume import Copies, Plan, dedupe, plan
-from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH, SEQ
+from checkpoint_assets.engine.rows import ANSWER, ATTEMPTS, CURRENT, ERROR, INPUT_HASH, SEQ
 from checkpoint_assets.engine.settings import OnInputChange, Settings
 from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.sharding.scheme import Scheme, rule_changed
@@ -47,6 +51,18 @@ class Start:
     # differs from the one recorded (reported only when stored results are reused).
     function_fingerprint: dict[str, str] | None = None
     function_changed: list[str] = field(default_factory=list)
+    parse_changed: bool = False  # a request/parse job's parse part differs (no call needed)
+    request_changed: bool = False  # anything else differs
+
+
+@dataclass(frozen=True)
+class Rederive:
+    """The stored rows of a job whose ``parse`` changed, for a new generation that holds them
+    all: those to parse again, those copied as they are, and the finished ones without answer."""
+
+    answered: pl.DataFrame  # id, input hash, attempts, answer: input unchanged, answer kept
+    carried: pl.DataFrame  # every other stored row (bookkeeping but ``_seq`` included)
+    unanswered: pl.DataFrame  # rows of the input's keys, with ``_attempts``: no answer kept
 
 
 @dataclass(kw_only=True)
@@ -56,6 +72,7 @@ class Opened(Start):
     plan: Plan
     todo: pl.DataFrame  # the rows to call the function on (one per distinct input with dedupe)
     copies: Copies | None = None  # rows that take the result of a row in ``todo`` (dedupe)
+    rederive: Rederive | None = None  # the parse changed: stored answers to parse again
 
 
 @dataclass(frozen=True)
@@ -107,14 +124,39 @@ def open_run(
         earlier_hashes=inputs.earlier_hashes if earlier_hashes else None,
     )
     _log_plan(found, log, label)
-    if start.function_changed and found.resumed:
-        _log_function_changed(start.function_changed, found.resumed, log, label)
+    todo, copies, rederive = found.todo, None, None
+    if start.parse_changed and stored.height:
+        rederive = _rederive(stored, keys, settings.id_column)
+        answered = rederive.answered.get_column(settings.id_column)
+        todo = todo.filter(~pl.col(settings.id_column).is_in(answered.implode()))
+    if start.function_changed and (found.resumed or rederive is not None):
+        if start.request_changed:  # a changed parse alone is the work loop's to tell
+            _log_function_changed(start.function_changed, found.resumed, log, label)
     else:
         start.function_changed = []  # no stored result of the earlier function is used
-    todo, copies = found.todo, None
     if settings.dedupe and todo.height:
         todo, copies = dedupe(todo, settings.id_column)
-    return Opened(**vars(start), plan=found, todo=todo, copies=copies)
+    return Opened(**vars(start), plan=found, todo=todo, copies=copies, rederive=rederive)
+
+
+def _rederive(stored: pl.DataFrame, keys: pl.DataFrame, id_column: str) -> Rederive:
+    """Split ``stored`` for a changed ``parse``: rows with an answer whose input is unchanged
+    (or gone from the input), and the rest; and the finished rows of the input without one."""
+    now = keys.select(id_column, pl.col(INPUT_HASH).alias("__now"))
+    answer = pl.col(ANSWER) if ANSWER in stored.columns else pl.lit(None, pl.String)
+    joined = stored.with_columns(answer.alias(ANSWER)).join(
+        now, on=id_column, how="left", maintain_order="left"
+    )
+    unchanged = pl.col("__now").is_null() | (pl.col("__now") == pl.col(INPUT_HASH))
+    again = unchanged & pl.col(ANSWER).is_not_null()
+    unanswered = joined.filter(
+        (pl.col("__now") == pl.col(INPUT_HASH)) & pl.col(ERROR).is_null() & pl.col(ANSWER).is_null()
+    ).select(id_column, ATTEMPTS)
+    return Rederive(
+        answered=joined.filter(again).select(id_column, INPUT_HASH, ATTEMPTS, ANSWER),
+        carried=joined.filter(~again).drop("__now", SEQ, CURRENT, strict=False),
+        unanswered=keys.join(unanswered, on=id_column, how="inner", maintain_order="left"),
+    )
 
 
 def _load(
@@ -164,10 +206,11 @@ def _load(
         next_seq=loaded.next_seq,
         parts=list(loaded.parts),
         function_fingerprint=job.function,
-        function_changed=function_fingerprint.changes(recorded, job.function)
-        if recorded and job.function
-        else [],
     )
+    if recorded and job.function:
+        start.function_changed = function_fingerprint.changes(recorded, job.function)
+        start.parse_changed = function_fingerprint.parse_changed(recorded, job.function)
+        start.request_changed = function_fingerprint.request_changed(recorded, job.function)
     return start, loaded.rows
 
 
@@ -312,8 +355,11 @@ def _note_imported_functions(opened: Start, wanted: pl.DataFrame) -> pl.DataFram
     if opened.function_fingerprint:
         # Distinct first: one text per checkpoint, not one per row.
         for text in wanted.get_column(FUNCTION).unique().cast(pl.String).drop_nulls().sort():
-            found = function_fingerprint.changes(json.loads(text), opened.function_fingerprint)
+            recorded = json.loads(text)
+            found = function_fingerprint.changes(recorded, opened.function_fingerprint)
             opened.function_changed += [c for c in found if c not in opened.function_changed]
+            changed = function_fingerprint.request_changed(recorded, opened.function_fingerprint)
+            opened.request_changed = opened.request_changed or changed
     return wanted.drop(FUNCTION)
 
 

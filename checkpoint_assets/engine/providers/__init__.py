@@ -2,5 +2,6 @@
 
 ``submissions.py``: the protocol a provider's batch API meets (the resources implement it);
 ``submission_records.py``: what was submitted, stored next to the checkpoint;
-``provider_batches.py``: the work loop that submits, polls and collects.
+``provider_batches.py``: the work loop that submits, polls and collects;
+``answers.py``: the response bodies kept with the rows, parsed again when ``parse`` changed.
 """

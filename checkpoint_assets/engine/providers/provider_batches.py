@@ -26,6 +26,11 @@ rules are the same as for computed rows. Its steps::
     end          with ``wait`` off, as soon as every submission is created and what had ended is
                  collected: the run ends with :class:`BatchesPendingError`, the shard unfinished
 
+Answers. Each collected row keeps its response body in ``_answer`` (``keep_answers``). When
+``parse`` changed since the stored rows were computed, the run first parses their answers again,
+with no request (``answers.py``); finished rows without one keep their outputs unless
+``recompute_unanswered``.
+
 Spend budget. Before a submission is recorded or sent, its cost is estimated and reserved in the
 run's spend (``Spend.reserve``, at the batch price): input tokens are the bytes the provider
 counts for each request (``size()``: its JSONL line, or its entry in the create's body) divided
@@ -63,6 +68,7 @@ from checkpoint_assets.engine.errors import (
 )
 from checkpoint_assets.engine.loop.shard_run import ShardRun
 from checkpoint_assets.engine.loop.sink import PartWriter
+from checkpoint_assets.engine.providers.answers import ANSWER, dumps, parse_error, rederive
 from checkpoint_assets.engine.providers.submission_records import Records, Submission, new_tag
 from checkpoint_assets.engine.providers.submissions import (
     WINDOW_SECONDS,
@@ -89,7 +95,9 @@ class ProviderJob:
     ``request(row)`` gets the id and input columns of one row as a dict and returns its request
     body; ``parse(body)`` gets the provider's response body of that row and returns a dict of
     output columns (the same keys for every row). ``wait`` False ends the run once its rows are
-    submitted (see the module docstring).
+    submitted (see the module docstring). ``keep_answers`` stores each response body in
+    ``_answer``; ``recompute_unanswered`` sends the finished rows without one again when
+    ``parse`` changed.
     """
 
     provider: BatchProvider
@@ -98,6 +106,8 @@ class ProviderJob:
     wait: bool = True
     poll_seconds: float = 10.0
     max_poll_seconds: float = 300.0
+    keep_answers: bool = True
+    recompute_unanswered: bool = False
 
 
 @dataclass
@@ -129,6 +139,10 @@ class _Split:
         return sum(budget.cost(m, i, o, batch=True) for m, (i, o) in tokens.items())
 
 
+# A failed row: id, input hash, error, attempts, answer (None: none kept).
+_Failed = tuple[Any, int, str, int, str | None]
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -148,6 +162,9 @@ class ProviderRun(ShardRun):
         self.provider = self.job.provider
         self.records = Records(self.sink.checkpoint.store, self.sink.checkpoint.files)
         self.check = Check(self.id)
+        if self.opened.rederive is not None:
+            again = self.job.recompute_unanswered
+            todo = rederive(self, self.opened.rederive, self.job.parse, self.check, todo, again)
         todo = self.prepared.whole(todo)  # a submission sends its rows at once
         self.todo = todo
         # The rows to do that no collected result covers yet, with their calls so far.
@@ -329,7 +346,7 @@ class ProviderRun(ShardRun):
         the submissions of its rows sent again (see the module docstring)."""
         assert s.batch_id is not None
         seen = [False] * len(s.ids)
-        failed: list[tuple[Any, int, str, int]] = []
+        failed: list[_Failed] = []
         transient: list[int] = []  # indexes of requests that failed in a transient way
         last = s.attempt >= self.s.max_attempts
         if status.state is not State.FAILED:
@@ -384,9 +401,7 @@ class ProviderRun(ShardRun):
             f"request, at attempt {s.attempt} of max_attempts {self.s.max_attempts}"
         )
 
-    def _take(
-        self, result: Result, row_id: Any, input_hash: int, failed: list[tuple[Any, int, str, int]]
-    ) -> None:
+    def _take(self, result: Result, row_id: Any, input_hash: int, failed: list[_Failed]) -> None:
         """One request's result as a stored row (or a failed one); rows already stored (by a
         run that died before marking the submission collected) are skipped."""
         if result.error is not None or result.body is None:
@@ -394,15 +409,18 @@ class ProviderRun(ShardRun):
             return
         if row_id not in self.attempts:
             return
+        answer = dumps(result.body) if self.job.keep_answers else None
         try:
             out = self.job.parse(result.body)
         except Exception as e:
-            self._fail(row_id, input_hash, f"parse() raised {type(e).__name__}: {e}", failed)
+            self._fail(row_id, input_hash, parse_error(e), failed, answer)
             return
         try:
             checked = self.check.row(out, row_id)
         except Broken as e:
             raise FunctionError(self.label, f"parse(): {e}", self.done_rows) from None
+        if answer is not None:
+            checked = {**checked, ANSWER: answer}
         attempts = self.attempts.pop(row_id)
         record = RowResult(checked, row_id, input_hash, attempts + 1)
         self.pending.append(record)
@@ -411,23 +429,29 @@ class ProviderRun(ShardRun):
             self.spend.add_record(record, batch=True)
 
     def _fail(
-        self, row_id: Any, input_hash: int, why: str, failed: list[tuple[Any, int, str, int]]
+        self,
+        row_id: Any,
+        input_hash: int,
+        why: str,
+        failed: list[_Failed],
+        answer: str | None = None,
     ) -> None:
         attempts = self.attempts.pop(row_id, None)
         if attempts is not None:  # else stored already
-            failed.append((row_id, input_hash, why, attempts + 1))
+            failed.append((row_id, input_hash, why, attempts + 1, answer))
             self.last_error = why
 
-    def _failures(self, failed: list[tuple[Any, int, str, int]]) -> pl.DataFrame:
-        ids, hashes, errors, attempts = zip(*failed, strict=True) if failed else ((),) * 4
-        return pl.DataFrame(
-            {
-                self.id: pl.Series(list(ids), dtype=self.inputs.schema[self.id]),
-                INPUT_HASH: pl.Series(list(hashes), dtype=pl.UInt64),
-                ERROR: pl.Series(list(errors), dtype=pl.String),
-                ATTEMPTS: pl.Series(list(attempts), dtype=pl.Int32),
-            }
-        )
+    def _failures(self, failed: list[_Failed]) -> pl.DataFrame:
+        ids, hashes, errors, attempts, answers = zip(*failed, strict=True) if failed else ((),) * 5
+        columns = {
+            self.id: pl.Series(list(ids), dtype=self.inputs.schema[self.id]),
+            INPUT_HASH: pl.Series(list(hashes), dtype=pl.UInt64),
+            ERROR: pl.Series(list(errors), dtype=pl.String),
+            ATTEMPTS: pl.Series(list(attempts), dtype=pl.Int32),
+        }
+        if self.job.keep_answers:  # the body a parse() raised for; none for a refused request
+            columns[ANSWER] = pl.Series(list(answers), dtype=pl.String)
+        return pl.DataFrame(columns)
 
 
 def _returned(transient: int, unrun: int, state: State) -> str:

@@ -1,6 +1,7 @@
-"""The keyed layout: one Parquet file whose rows are ordered by a shard key column, in row groups
-of ``ROW_GROUP_ROWS`` rows with statistics, so that a range shard of any count reads only the row
-groups its key range overlaps (plus at most one at each edge).
+"""The keyed layout: one Parquet file whose rows are ordered by a shard key column.
+
+The file has row groups of ``ROW_GROUP_ROWS`` rows, with statistics. So a range shard of any
+count reads only the row groups its key range overlaps, plus at most one at each edge.
 
 ``write_keyed`` writes it from a stream of batches in memory bounded by a constant, whatever the
 stream's size:
@@ -12,11 +13,12 @@ stream's size:
    of what they wrote (a Parquet writer keeps every row group's metadata until it closes).
 2. Each bucket in key order is read, sorted (and ``resolve``d: one winner per id, for the
    global resume table) and appended to the output. A bucket larger than ``BUFFER_BYTES`` is
-   split again the same way by the following bits of the key, so memory holds at most about
-   ``BUFFER_BYTES`` of rows however large the table.
+   split again the same way, by the following bits of the key. So memory holds at most about
+   ``BUFFER_BYTES`` of rows, however large the table.
 
-A polars sort of the whole stream held about twice the table (4.9 GiB for 8M rows of 500 bytes);
-polars' partitioned sink held more than this buffer with 256 open partitions.
+Polars alone does not bound memory here. A polars sort of the whole stream holds about twice the
+table (4.9 GiB for 8M rows of 500 bytes). Polars' partitioned sink holds more than this buffer
+with 256 open partitions.
 """
 
 from __future__ import annotations
@@ -112,10 +114,11 @@ class _File:
 
 
 class Buckets:
-    """Rows split by ``bucket`` (an Int expression) into local files, written as they pass:
-    held in memory until they pass ``BUFFER_BYTES``, so a stream that ends first is never
-    spilled (``in_memory``). Batches may differ in columns (checkpoints of a function whose
-    outputs changed): a bucket then has a file per set of columns, read back together.
+    """Rows split by ``bucket`` (an Int expression) into local files, written as they pass.
+
+    Rows are held in memory until they pass ``BUFFER_BYTES``. So a stream that ends first is
+    never spilled (``in_memory``). Batches may differ in columns (checkpoints of a function whose
+    outputs changed). A bucket then has a file per set of columns, read back together.
     ``schema``: columns every bucket is read back with (``conformed``) before those spilled."""
 
     def __init__(self, bucket: pl.Expr, schema: pl.Schema | None = None) -> None:
