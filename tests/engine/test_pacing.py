@@ -206,15 +206,31 @@ def test_a_pacer_that_drew_a_quarter_of_what_the_key_lost_takes_a_quarter() -> N
     assert pacer.wait(pacer.ask(pacing.cost(60, 0))) == pytest.approx(0.1 / share)
 
 
-def test_a_refused_request_gives_back_what_no_answer_counted() -> None:
+def test_a_refused_request_stays_drawn_from_assumed_limits() -> None:
+    # Shards that take all of a key's assumed rate between them leave it no slack: a refusal
+    # says the key is spent. Given back, the cost would be sent again at once, and refused
+    # again.
     clock = Clock()
     pacer = Pacer(clock)
     pacer.assume({"requests": 120})  # two per second, from none
     clock.now = 0.5
     ticket = started(pacer, 0)
     held = pacer.ask(pacing.cost(0, 0))
+    assert pacer.wait(held) == pytest.approx(0.5)
+    pacer.report(ticket, {}, refused=True)  # a 429 without headers
+
+    assert pacer.wait(held) == pytest.approx(0.5)
+
+
+def test_a_refusal_without_headers_gives_back_what_a_stated_budget_counted() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    share = spent(pacer)
+    clock.now = 0.1 / share
+    ticket = started(pacer, 60)
+    held = pacer.ask(pacing.cost(60, 0))
     assert pacer.wait(held) > 0
-    pacer.report(ticket, {}, refused=True)  # a 429 without headers: it drew nothing
+    pacer.report(ticket, {}, refused=True)  # a 429 that states nothing: it drew nothing
 
     assert pacer.wait(held) == 0
 

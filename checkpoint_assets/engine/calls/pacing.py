@@ -252,7 +252,8 @@ class Pacer:
         which this process takes ``share`` (:meth:`reshare` changes it). They start empty and
         fill at the share of the rate; at most 0.9 of a second's worth of the share goes at
         once (how much more an unknown server holds, nothing says; the rest covers the time a
-        request takes to reach it). An answer that states a budget replaces them."""
+        request takes to reach it). A refused request's cost stays drawn from them. An answer
+        that states a budget replaces them."""
         now = self.clock()
         with self._lock:
             if per_minute:
@@ -358,7 +359,9 @@ class Pacer:
                 for kind, value in ticket.cost.items():
                     self._refused[kind] = self._refused.get(kind, 0.0) + value
             for kind, bucket in self._buckets.items():
-                if refused and kind not in stated:  # not drawn, and no answer says otherwise
+                # Refused and not stated: nothing was drawn from a stated budget. From an
+                # assumed one it stays drawn: the key is spent, and the shard slows by as much.
+                if refused and kind not in stated and bucket.stated:
                     bucket.level += ticket.cost.get(kind, 0.0)
             for kind, limit in stated.items():
                 if limit.limit <= 0:
