@@ -119,6 +119,7 @@ def run(scenario: str, shards: int, tickets: int, tps: int, rps: int) -> Result:
     result.add("refusals", served["over_budget"])
     result.add("seconds charged", seconds, "s")
     result.add("wall", wall, "s")
+    result.add("load average (1 min)", os.getloadavg()[0])
     result.details = {"served": served, "server": settings.argv()}
     return result
 
