@@ -7,7 +7,9 @@
 - ``checkpoint-assets compact BASE_DIR [NAME]``: merge unmerged parts (takes the lock).
 - ``checkpoint-assets repair BASE_DIR [NAME] [--json]``: rebuild from what is readable, damaged
   files kept aside (takes the lock).
-- ``checkpoint-assets clean BASE_DIR --tag TAG``: delete the checkpoints of a tag.
+- ``checkpoint-assets clean BASE_DIR --tag TAG``: delete the checkpoints of a tag;
+  ``clean BASE_DIR --results --older-than 30d --max-bytes 20GB``: keep the result store bounded.
+- ``checkpoint-assets estimate -m MODULE ASSET``: the rows, tokens and cost a run would take.
 
 ``BASE_DIR`` is the IO manager's ``base_dir`` (a local path or an fsspec URI). ``NAME`` is a
 checkpoint as ``status`` lists it (``ticket_routing/default/3-of-8``). Storage options are given
@@ -36,7 +38,7 @@ from typing import Any
 
 import click
 
-from checkpoint_assets.cli import clean, compact, inspect, repair, status, verify
+from checkpoint_assets.cli import clean, compact, estimate, inspect, repair, status, verify
 from checkpoint_assets.engine.errors import CheckpointError
 
 PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
@@ -74,11 +76,13 @@ class _Failed(click.ClickException):
         compact.compact,
         repair.repair_command,
         clean.clean,
+        estimate.estimate,
     ],
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 def cli() -> None:
-    """Inspect, verify, compact, repair and clean the checkpoints of checkpointed Dagster assets.
+    """Inspect, verify, compact, repair and clean the checkpoints of checkpointed Dagster assets;
+    estimate a run before it starts.
 
     BASE_DIR is the IO manager's base_dir: a local path or an fsspec URI
     (s3://bucket/checkpoints). NAME is a checkpoint as `status` lists it:

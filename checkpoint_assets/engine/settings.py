@@ -299,7 +299,13 @@ class RunStats:
     rows_dropped: int = 0
     rows_changed: int = 0
     rows_imported: int = 0
+    rows_from_store: int = 0
     calls: int = 0
+    # A request/parse job (engine/providers/): how it ran (online, batch, hybrid), rows asked
+    # online in this run, and batch results dropped because their row was stored already.
+    mode: str | None = None
+    rows_online: int = 0
+    batch_results_dropped: int = 0
     failed_calls: int = 0
     throttled_calls: int = 0
     throttle_events: int = 0
@@ -324,6 +330,8 @@ class RunStats:
     # What this run's calls cost (USD, with a budget's prices; see engine/calls/budget.py).
     cost_usd: float | None = None
     cost_by_model: dict[str, float] = field(default_factory=dict)
+    # What the rows taken from the result store cost when computed (USD, with a budget).
+    cost_saved_usd: float | None = None
     # What differs from the function that computed the stored results it reused (same job).
     function_changed: list[str] = field(default_factory=list)
     # A request/parse job whose parse changed: stored answers parsed again (no request), and

@@ -92,7 +92,13 @@ class _ToDagster:
 @dataclass(frozen=True, kw_only=True)
 class CommonArguments(_ToDagster, RowSettings, _Rows):
     """The keyword arguments of every checkpointed asset: the rows, their settings and what goes
-    to Dagster, in this order."""
+    to Dagster, in this order; then whether it reuses results by content."""
+
+    reuse: bool | None = setting(
+        None,
+        "Take results from the result store by content before any call, and add this asset's "
+        "results to it (default: the IO manager's reuse_results). For deterministic functions.",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

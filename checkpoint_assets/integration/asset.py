@@ -5,7 +5,7 @@ No ``from __future__ import annotations`` here: Dagster reads the body's annotat
 
 import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,15 +24,18 @@ from checkpoint_assets.engine.errors import (
 from checkpoint_assets.engine.loop import runner
 from checkpoint_assets.engine.loop.shard_run import ShardRun
 from checkpoint_assets.engine.plan import function_fingerprint
+from checkpoint_assets.engine.plan.estimate import Estimate, Requests, estimate
 from checkpoint_assets.engine.plan.global_resume import JOB, shard_rows
 from checkpoint_assets.engine.plan.inputs import Inputs, Limited
+from checkpoint_assets.engine.plan.opening import Job
+from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.sharding.scheme import Scheme, Shard, rows_in
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.engine.storage.base import Usage
+from checkpoint_assets.integration import dry_run, run_config
 from checkpoint_assets.integration import metadata as md
-from checkpoint_assets.integration import run_config
 from checkpoint_assets.integration.arguments import (
     AssetArguments,
     CommonArguments,
@@ -100,13 +103,15 @@ def checkpointed_asset(
 class Calls:
     """How an asset's rows are computed: the resources it needs (their fingerprints join its
     code's), what it calls each run (``bind``: the function with its resources, or a
-    ``ProviderJob``), and the engine's work loop for it (None: ``runner.Run``)."""
+    ``ProviderJob``), the engine's work loop for it (None: ``runner.Run``), and a row's request
+    body (``request``, of a request/parse asset: what a dry run counts the tokens of)."""
 
     resources: tuple[str, ...]
     code: dict[str, str]
     bind: Callable[[dg.AssetExecutionContext, Any], Any]
     loop: type[ShardRun] | None = None
     config: type[CheckpointRunConfig] = CheckpointRunConfig
+    request: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
 
 
 def define(
@@ -119,14 +124,22 @@ def define(
         id_column=a.id_column, input_columns=tuple(a.input_columns or ()), **a.settings()
     )
 
-    def body(context: dg.AssetExecutionContext, config: Any, source: Any) -> pl.DataFrame:
+    def body(
+        context: dg.AssetExecutionContext, config: Any, source: Any
+    ) -> Iterator[dg.Output[pl.DataFrame]]:
         shards = _AssetRun.of(context, config, as_lazy(source), calls, a, base, source_key)
-        return shards.materialize()
+        if config.dry_run:
+            dry_run.report(context, shards.estimate())
+            return  # no output: nothing materializes (see dry_run.py)
+        yield dg.Output(shards.materialize())
 
     body.__annotations__["config"] = calls.config  # Dagster reads the run config's class here
     body.__doc__ = fn.__doc__
     asset: dg.AssetsDefinition = dg.asset(**_asset_options(fn, calls, a, source_key, kinds))(body)
     return asset
+
+
+_RESULT = dg.PythonObjectDagsterType(pl.DataFrame)
 
 
 def _asset_options(
@@ -161,6 +174,8 @@ def _asset_options(
             md.RETRY_FAILED: a.retry_failed,
         },
         "io_manager_key": a.io_manager_key,
+        "output_required": False,  # a dry run yields no output
+        "dagster_type": _RESULT,  # what a generator's annotation does not say
         "required_resource_keys": set(calls.resources) or None,
         "backfill_policy": a.backfill_policy,
         "kinds": {*(kinds or {"polars", "parquet"}), *(a.kinds or ())},
@@ -189,6 +204,8 @@ class _AssetRun:
     started: Usage  # the store's counts when the step began (its source's first reads)
     imported: pl.DataFrame | None  # global resume: read once for every shard of a ranged run
     spend: AssetSpend | None
+    results: ResultStore | None  # the result store, when the run reuses results by content
+    requests: Requests  # how a dry run counts tokens
 
     @classmethod
     def of(
@@ -235,6 +252,8 @@ class _AssetRun:
             started=started,
             imported=imported,
             spend=_spend(context, settings, keys),
+            results=_results(io_manager, a, config),
+            requests=dry_run.requests(calls.request, resources.values()),
         )
 
     def materialize(self) -> pl.DataFrame:
@@ -256,6 +275,34 @@ class _AssetRun:
             for key in self.keys:
                 self.context.add_asset_metadata(self.spend.metadata(key), partition_key=key)
         return result
+
+    def estimate(self) -> dict[str | None, Estimate]:
+        """What a run of each shard would compute and cost, computing and writing nothing."""
+        remote = not self.store.local
+        shards = ShardRows(self.source, self.settings.id_column, self.keys, remote=remote)
+        with shards as rows:
+            try:
+                return {key: self._estimate_one(key, rows.of(key)) for key in self.keys}
+            except CheckpointError as e:
+                raise e.in_dagster_terms() from None
+
+    def _estimate_one(self, partition: str | None, rows: Inputs) -> Estimate:
+        config, settings = self.config, self.settings
+        checkpoint = None
+        if config.checkpointing:
+            asset_key, tag = self.context.asset_key, config.checkpoint_tag
+            checkpoint = self.io_manager.checkpoint(asset_key, tag, partition, self.store)
+        limit = config.limit
+        return estimate(
+            runner.prepare(rows if limit is None else Limited(rows, limit), settings),
+            settings,
+            checkpoint,
+            job=Job(dict(self.job), self.printed or None),
+            scheme=Scheme.of(partition),
+            imported=self.imported,
+            requests=self.requests,
+            submitted=dry_run.submitted(checkpoint, settings.id_column, self.requests),
+        )
 
     def _run_all(self) -> tuple[list[pl.DataFrame], list[RunStats]]:
         """Each shard's result and stats. A shard with too many failed rows, or with provider
@@ -305,7 +352,8 @@ class _AssetRun:
         """Run one partition's checkpoint over its input rows; returns its result and stats."""
         context, spend = self.context, self.spend
         limit = self.config.limit
-        inputs = runner.prepare(rows if limit is None else Limited(rows, limit), self.settings)
+        rows = rows if limit is None else Limited(rows, limit)
+        inputs = runner.prepare(rows, self.settings, content=self.results is not None)
         label = context.asset_key.to_user_string() + (f" {partition}" if partition else "")
         watch = DagsterRunWatch(context.instance, context.run.run_id, label)
         if spend is not None:
@@ -320,6 +368,7 @@ class _AssetRun:
             function_fingerprint=self.printed,
             spend=None if spend is None else spend.spend,
             loop=self.loop,
+            results=self.results,
         )
         try:
             return runner.run(
@@ -341,6 +390,15 @@ def _spend(
         return None
     label = context.asset_key.to_user_string()
     return AssetSpend(context, Spend(settings.budget, label=label), keys)
+
+
+def _results(
+    io_manager: CheckpointIOManager, a: CommonArguments, config: CheckpointRunConfig
+) -> ResultStore | None:
+    """The result store, when this run reuses results: run config's ``reuse``, else the
+    asset's, else the IO manager's ``reuse_results``; never without checkpointing."""
+    chosen = next(r for r in (config.reuse, a.reuse, io_manager.reuse_results) if r is not None)
+    return io_manager.results() if chosen and config.checkpointing else None
 
 
 def _global_rows(

@@ -35,6 +35,8 @@ from pydantic import Field, PrivateAttr
 from checkpoint_assets.engine.checkpoints import layout
 from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError
+from checkpoint_assets.engine.reuse import layout as reuse_layout
+from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.storage import Store, merge_options, open_store, s3_options
 from checkpoint_assets.engine.storage.base import Usage
 from checkpoint_assets.integration import metadata as md
@@ -104,6 +106,21 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
             "without storage_options, the standard AWS environment chain applies."
         ),
     )
+    reuse_results: bool = Field(
+        default=False,
+        description=(
+            "Reuse results by content for every checkpointed asset stored here: a row whose "
+            "function and input the result store holds takes its result, with no call. An "
+            "asset's `reuse` wins. For deterministic functions (temperature 0)."
+        ),
+    )
+    result_store: str | None = Field(
+        default=None,
+        description=(
+            "Where the result store is: a local path or any fsspec URI, opened with "
+            "storage_options. Default: the 'result-store' folder under base_dir."
+        ),
+    )
     _default_dir: str | None = PrivateAttr(default=None)
     _store: Store | None = PrivateAttr(default=None)
     _loading: dict[dg.AssetKey, Usage] = PrivateAttr(default_factory=dict)
@@ -152,6 +169,13 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
                 )
             options = merge_options(_s3_resource_options(self.s3_resource), options)
         return open_store(root, options)
+
+    def results(self) -> ResultStore:
+        """The result store: ``result_store``, or its folder beside the checkpoints."""
+        if self.result_store is None:
+            store = self.store()  # its reads count with the step's
+            return ResultStore(store, store.path(reuse_layout.FOLDER))
+        return ResultStore(open_store(self.result_store, resolve_env(self.storage_options)))
 
     def checkpoint(
         self,

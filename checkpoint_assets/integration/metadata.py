@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import fields
 from typing import Any
 
 import dagster as dg
@@ -20,6 +21,8 @@ from checkpoint_assets.engine.errors import (
     QuotaExhaustedError,
     TooManyFailuresError,
 )
+from checkpoint_assets.engine.fields import DOC
+from checkpoint_assets.engine.plan.estimate import Estimate
 from checkpoint_assets.engine.rows import CURRENT, ERROR
 from checkpoint_assets.engine.settings import RunStats
 from checkpoint_assets.engine.storage.base import Usage
@@ -59,6 +62,11 @@ INPUT_FINGERPRINT = "input_fingerprint"
 TOP_ERRORS = "top_errors"
 FUNCTION_CHANGED = "function_changed"
 FUNCTION_CHANGES = "function_changes"
+# A request/parse asset (provider_batch_asset): how the run asked its rows.
+MODE = "mode"
+ROWS_ONLINE = "rows_online"
+BATCH_RESULTS_DROPPED = "batch_results_dropped"
+COST_SAVED_USD = "cost_saved_usd"
 ROWS_REPARSED = "rows_reparsed"
 ROWS_WITHOUT_ANSWER = "rows_without_answer"
 # The failure of a run that submitted and ended: when the provider ends the last of its batches
@@ -83,6 +91,7 @@ COUNTS = (
     "rows_dropped",
     "rows_changed",
     "rows_imported",
+    "rows_from_store",
     "calls",
 )
 
@@ -100,6 +109,10 @@ MATERIALIZATION: dict[str, str] = {
     "rows_changed": "Finished rows whose input changed, computed again "
     "(`on_input_change: recompute`). They count in `rows_computed` too.",
     "rows_imported": "Rows taken from `<asset>_global_resume` (`global_resume: true`).",
+    "rows_from_store": "Rows taken from the result store instead of computed (`reuse`): the "
+    "same function and input, stored by any asset, tag or id.",
+    COST_SAVED_USD: "With `reuse` and a `budget`: what the rows taken from the result store "
+    "cost when they were computed, at the budget's prices.",
     "calls": "Calls of the function in this run, retries and splits included. Through provider "
     "batches: the requests submitted.",
     ROWS_PER_SECOND: "`rows_computed` per second of the run. Absent when it computed nothing.",
@@ -137,6 +150,11 @@ MATERIALIZATION: dict[str, str] = {
     FUNCTION_CHANGED: "`true` when stored results were reused although the function changed and "
     "`code_version` did not. Absent with `checkpointing: false`.",
     FUNCTION_CHANGES: "When `function_changed`: what changed, such as `the function's code`.",
+    MODE: "A request/parse asset: how the run asked its rows, `online`, `batch` or `hybrid`.",
+    ROWS_ONLINE: "A request/parse asset: rows this run asked online, one request each. They "
+    "count in `rows_computed` too.",
+    BATCH_RESULTS_DROPPED: "A request/parse asset: provider batch results dropped because their "
+    "row was stored already. Such a row is stored once.",
     ROWS_REPARSED: "Provider batches, when `parse` changed: stored answers parsed again, with "
     "no request.",
     ROWS_WITHOUT_ANSWER: "Provider batches, when `parse` changed: finished rows with no stored "
@@ -229,9 +247,24 @@ def materialization(
             out[TOP_ERRORS] = top_errors(result, id_column)
     out.update(_throttling(runs))
     out.update(_usage(runs))
+    out.update(_modes(runs))
+    saved = [r.cost_saved_usd for r in runs if r.cost_saved_usd is not None]
+    if saved:
+        out[COST_SAVED_USD] = round(sum(saved), 6)
     if checkpointing:  # without a checkpoint there is no earlier function to compare with
         out.update(_function(runs))
     return declared(out, MATERIALIZATION)
+
+
+def _modes(runs: Sequence[RunStats]) -> dict[str, Any]:
+    modes = list(dict.fromkeys(r.mode for r in runs if r.mode is not None))
+    if not modes:
+        return {}
+    return {
+        MODE: ",".join(modes),
+        ROWS_ONLINE: sum(r.rows_online for r in runs),
+        BATCH_RESULTS_DROPPED: sum(r.batch_results_dropped for r in runs),
+    }
 
 
 def _function(runs: Sequence[RunStats]) -> dict[str, Any]:
@@ -399,3 +432,22 @@ def report_saved(
 def plain(value: Any) -> Any:
     """A metadata entry's plain value (``MetadataValue`` or already plain)."""
     return value.value if isinstance(value, dg.MetadataValue) else value
+
+
+# A dry run's observation of each partition (``dry_run: true``): ``ESTIMATE`` + a field of the
+# engine's ``Estimate``, whose declaration says what it means.
+ESTIMATE = "estimate/"
+DRY_RUN: dict[str, str] = {ESTIMATE + f.name: f.metadata[DOC] for f in fields(Estimate)}
+
+
+def estimate(found: Estimate) -> dict[str, Any]:
+    """The metadata of one shard's estimate (a cost is absent without a budget)."""
+    out = {ESTIMATE + k: v for k, v in found.as_dict().items() if v is not None}
+    return declared(out, DRY_RUN)
+
+
+def estimate_of(metadata: dict[str, Any]) -> Estimate:
+    """The estimate an observation's plain ``metadata`` records (``estimate`` read back)."""
+    names = {f.name for f in fields(Estimate)}
+    found = {k.removeprefix(ESTIMATE): v for k, v in metadata.items() if k.startswith(ESTIMATE)}
+    return Estimate(**{k: v for k, v in found.items() if k in names})

@@ -1,30 +1,79 @@
-"""``provider_batch_asset``: a checkpointed asset whose rows go through a provider's batch API.
+"""``provider_batch_asset``: the request/parse asset, whose rows go to a model provider online,
+through its batch API, or both (``mode``).
 
-Its arguments are ``ProviderArguments``: those of every checkpointed asset (``CommonArguments``)
-and the provider's, whose defaults are ``ProviderJob``'s.
+Its arguments are ``ProviderArguments``: those of every checkpointed asset (``CommonArguments``),
+how online calls are made (``AssetSettings``) and the provider's, whose defaults are
+``ProviderJob``'s.
 
 No ``from __future__ import annotations`` here: Dagster reads the run config's annotations.
 """
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from checkpoint_assets.engine.fields import required, setting
 from checkpoint_assets.engine.plan import function_fingerprint
-from checkpoint_assets.engine.providers.provider_batches import ProviderJob, ProviderRun
+from checkpoint_assets.engine.providers.provider_batches import Mode, ProviderJob, ProviderRun
 from checkpoint_assets.engine.providers.submissions import BatchProvider
+from checkpoint_assets.engine.settings import AssetSettings
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.arguments import CommonArguments, keyword_arguments_of
 from checkpoint_assets.integration.asset import Calls, define
 from checkpoint_assets.integration.run_config import CheckpointRunConfig
 
+_MODES = ", ".join(m.value for m in Mode)
+_DURATION = re.compile(r"(\d+(?:\.\d*)?)(h|m|s)")
+
+
+def mode_of(value: Any) -> Mode:
+    """``value`` as a ``Mode``, or a ValueError that lists the modes."""
+    try:
+        return Mode(value)
+    except ValueError:
+        raise ValueError(
+            f"mode must be one of {_MODES}, got {value!r}: online sends each row's request at "
+            "once, batch submits provider batches, hybrid submits batches and finishes online "
+            "after the deadline."
+        ) from None
+
+
+def seconds_of(deadline: Any) -> float | None:
+    """A deadline in seconds: a number of seconds, or a duration such as ``"90s"``, ``"15m"``,
+    ``"1h30m"``; None stays None.
+
+    >>> seconds_of(90), seconds_of("1h30m"), seconds_of("2.5s")
+    (90.0, 5400.0, 2.5)
+    """
+    if deadline is None:
+        return None
+    if isinstance(deadline, int | float) and not isinstance(deadline, bool):
+        seconds = float(deadline)
+    else:
+        text = str(deadline).strip()
+        parts = _DURATION.findall(text)
+        if not parts or "".join(n + u for n, u in parts) != text:
+            try:
+                seconds = float(text)
+            except ValueError:
+                raise ValueError(
+                    f"deadline must be seconds or a duration such as 90s, 15m or 1h30m, got "
+                    f"{deadline!r}."
+                ) from None
+        else:
+            seconds = sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+    if seconds < 0:
+        raise ValueError(f"deadline must be at least 0 seconds, got {deadline!r}.")
+    return seconds
+
 
 class ProviderBatchRunConfig(CheckpointRunConfig):
-    """Run config of a provider batch asset: a checkpointed asset's, and whether to wait."""
+    """Run config of a request/parse asset: a checkpointed asset's, how to run it (``mode``,
+    ``deadline``) and whether to wait."""
 
     wait: bool | None = Field(
         default=None,
@@ -37,12 +86,32 @@ class ProviderBatchRunConfig(CheckpointRunConfig):
         description="When parse changed: request again (paid) the finished rows that have no "
         "stored answer (keep_answers off, or stored without one). false: they keep their outputs.",
     )
+    mode: str | None = Field(
+        default=None,
+        description=f"How rows are asked: {_MODES}. online: each row's request sent at once "
+        "through the provider's resource; batch: provider batches; hybrid: batches, then "
+        "online for what the deadline, an expiry or a failure left; default: the asset's.",
+    )
+    deadline: Any = Field(
+        default=None,
+        description="hybrid: seconds, or a duration such as 90s, 15m or 1h30m, from the run's "
+        "start; then what is still queued is cancelled and finished online; default: the "
+        "asset's.",
+    )
+
+    @model_validator(mode="after")
+    def _mode(self) -> "ProviderBatchRunConfig":
+        # Checked when the step starts, before anything is read or sent.
+        if self.mode is not None:
+            mode_of(self.mode)
+        seconds_of(self.deadline)
+        return self
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ProviderArguments(CommonArguments):
+class ProviderArguments(CommonArguments, AssetSettings):
     """Every keyword argument of ``provider_batch_asset``: those of every checkpointed asset,
-    then the provider's."""
+    how online calls are made, then the provider's."""
 
     parse: Callable[[dict[str, Any]], Mapping[str, Any]] = required(
         "The response body of one row -> its output columns (a dict, the same keys for every "
@@ -70,6 +139,18 @@ class ProviderArguments(CommonArguments):
     max_poll_seconds: float = setting(
         ProviderJob.max_poll_seconds, "The longest wait between polls."
     )
+    mode: str = setting(
+        ProviderJob.mode.value,
+        f"How rows are asked ({_MODES}): each row's request at once through the provider's "
+        "resource, provider batches, or batches then online after deadline. Run config mode "
+        "overrides it.",
+    )
+    deadline: float | str | None = setting(
+        ProviderJob.deadline_seconds,
+        "hybrid: seconds, or a duration such as '15m', from the run's start, after which "
+        "queued batches are cancelled and their rows finished online. None: only rows of "
+        "expired or failed batches go online. Run config deadline overrides it.",
+    )
     keep_answers: bool = setting(
         ProviderJob.keep_answers,
         "Store each row's response body (`_answer`), so a changed parse re-derives the outputs "
@@ -78,6 +159,13 @@ class ProviderArguments(CommonArguments):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        mode_of(self.mode)
+        seconds_of(self.deadline)
+        if self.batch_size not in (None, 1):
+            raise ValueError(
+                f"batch_size={self.batch_size}, but a request/parse asset sends one row per "
+                "request: leave batch_size unset."
+            )
         if self.poll_seconds <= 0 or self.max_poll_seconds < self.poll_seconds:
             raise ValueError(
                 f"poll_seconds must be positive and at most max_poll_seconds, got "
@@ -89,16 +177,21 @@ class ProviderArguments(CommonArguments):
 def provider_batch_asset(
     arguments: ProviderArguments,
 ) -> Callable[[Callable[[dict[str, Any]], dict[str, Any]]], dg.AssetsDefinition]:
-    """Turn ``request(row) -> dict`` into a checkpointed asset computed by a provider's batch
-    API (OpenAI's Batch API, Anthropic's Message Batches): about half the price of per-row
-    calls, results within the provider's window (24 h) instead of at once.
+    """Turn ``request(row) -> dict`` into the request/parse asset: a checkpointed asset whose
+    rows go to a model provider, in any ``mode``. ``batch`` (the default) uses its batch API
+    (OpenAI's Batch API, Anthropic's Message Batches): about half the price of per-row calls,
+    results within the provider's window (24 h) instead of at once. ``online`` sends each row's
+    request at once through the resource (its pacing, ``max_concurrency``). ``hybrid`` submits
+    batches and finishes online what the ``deadline``, an expiry or a failure left. Run config
+    ``mode`` and ``deadline`` choose per run; no row is paid twice.
 
     ``request`` gets one row (the id and the input columns) as a dict and returns the request
     body (the resource adds its ``model`` and request settings); ``parse`` gets the response body
     of that row and returns a dict of output columns, usage columns among them. The rows of each
     shard are submitted within the provider's limits and recorded in the shard's checkpoint before
     anything is sent, so no row is paid for twice whatever stops a run; results are stored like
-    computed rows (resume, ``_error``, ``retry_failed``, usage metadata).
+    computed rows (resume, ``_error``, ``retry_failed``, usage metadata), each with its
+    response body in ``_answer``.
 
     With ``wait`` the run polls until every batch ended and materializes the partition; without
     it the run submits, records and fails with "Submitted, not materialized yet", and
@@ -128,10 +221,26 @@ def provider_batch_asset(
 
     def decorator(request: Callable[[dict[str, Any]], dict[str, Any]]) -> dg.AssetsDefinition:
         def bind(context: dg.AssetExecutionContext, config: ProviderBatchRunConfig) -> ProviderJob:
-            api = getattr(context.resources, provider).batch_provider(a.endpoint)
+            resource = getattr(context.resources, provider)
+            api = resource.batch_provider(a.endpoint)
             if not isinstance(api, BatchProvider):
                 raise TypeError(f"resource {provider!r}: batch_provider() is no BatchProvider")
             waits = a.wait if config.wait is None else config.wait
+            mode = mode_of(a.mode if config.mode is None else config.mode)
+            deadline = seconds_of(a.deadline if config.deadline is None else config.deadline)
+            if config.deadline is not None and mode is not Mode.hybrid:
+                raise ValueError(
+                    f"Run config sets a deadline, which only mode hybrid follows, but this run's "
+                    f"mode is {mode.value}: add mode: hybrid, or drop the deadline."
+                )
+            send = None
+            if mode is not Mode.batch:
+                if not hasattr(resource, "sender"):
+                    raise TypeError(
+                        f"mode {mode.value} sends rows online, but resource {provider!r} has no "
+                        "sender(endpoint): use OpenAIResource or AnthropicResource, or mode batch."
+                    )
+                send = resource.sender(a.endpoint)
             return ProviderJob(
                 api,
                 request,
@@ -139,13 +248,16 @@ def provider_batch_asset(
                 waits,
                 a.poll_seconds,
                 a.max_poll_seconds,
+                mode=mode,
+                deadline_seconds=deadline,
+                send=send,
                 keep_answers=a.keep_answers,
                 recompute_unanswered=config.recompute_unanswered,
             )
 
         # The request part, then the parse part (the resources add theirs to the request's).
         code = function_fingerprint.of_function(request) | function_fingerprint.of_parse(a.parse)
-        calls = Calls((provider,), code, bind, ProviderRun, ProviderBatchRunConfig)
+        calls = Calls((provider,), code, bind, ProviderRun, ProviderBatchRunConfig, request=request)
         return define(request, calls, declared, kinds={"polars", "parquet", provider})
 
     return decorator

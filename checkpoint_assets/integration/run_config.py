@@ -72,8 +72,18 @@ class CheckpointRunConfig(_AssetOverrides):
         default=False,
         description="Take finished rows from every checkpoint of the asset (after a reshard).",
     )
+    reuse: bool | None = Field(
+        default=None,
+        description="false: neither take results from the result store nor add to it in this "
+        "run; true: both. Default: the asset's.",
+    )
     limit: int | None = Field(
         default=None, ge=0, description="Process only the first N rows of the shard (a smoke run)."
+    )
+    dry_run: bool = Field(
+        default=False,
+        description="Compute and write nothing: estimate each shard's rows, tokens and cost, "
+        "recorded as an observation of its partition; nothing materializes.",
     )
     budget: BudgetLimits | None = Field(
         default=None,

@@ -51,6 +51,7 @@ class AnthropicResource(EndpointResource):
     _package: ClassVar[str] = "anthropic"
     _client_classes: ClassVar[tuple[str, str]] = ("AsyncAnthropic", "Anthropic")
     _answer_settings: ClassVar[tuple[str, ...]] = ("max_tokens",)
+    _default_endpoint: ClassVar[str] = "/v1/messages"
 
     base_url: str | None = Field(
         default=None,
@@ -77,6 +78,14 @@ class AnthropicResource(EndpointResource):
         """The ``anthropic.Anthropic`` client of this process, for a plain ``def`` function:
         made once, then shared by every thread."""
         return cast("anthropic.Anthropic", self._process_client())
+
+    def _path(self, endpoint: str) -> str:
+        if endpoint != self._default_endpoint:
+            raise ValueError(
+                f"AnthropicResource sends {self._default_endpoint} only, not {endpoint!r}: leave "
+                "the endpoint unset, or use OpenAIResource for OpenAI's endpoints."
+            )
+        return endpoint
 
     def batch_provider(self, endpoint: str | None = None) -> AnthropicBatches:
         """Anthropic's Message Batches on this resource's endpoint, for provider batches: every

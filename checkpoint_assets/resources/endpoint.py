@@ -27,6 +27,7 @@ import importlib
 import os
 import threading
 import weakref
+from collections.abc import Awaitable, Callable, Mapping
 from types import ModuleType
 from typing import Any, ClassVar, Final
 
@@ -67,6 +68,7 @@ class EndpointResource(dg.ConfigurableResource):
     _package: ClassVar[str]  # the optional package, also the name of the extra installing it
     _client_classes: ClassVar[tuple[str, str]]  # (async, sync) client classes of the package
     _answer_settings: ClassVar[tuple[str, ...]]  # fields sent with every request, besides model
+    _default_endpoint: ClassVar[str]  # the API path of a request when none is named
 
     base_url: str | None
     api_key: str
@@ -113,6 +115,27 @@ class EndpointResource(dg.ConfigurableResource):
         (unset ones as None). Never the key, the URL or the timeouts."""
         settings = {name: getattr(self, name) for name in self._answer_settings}
         return {"api": self._package, "model": self.model, **settings}
+
+    def sender(self, endpoint: str | None = None) -> Callable[[Mapping[str, Any]], Awaitable[Any]]:
+        """An ``async`` function that sends one request body to ``endpoint`` and returns the
+        response body as a dict: the online way of ``provider_batch_asset``.
+
+        ``endpoint`` is the API path (``/v1/chat/completions``; None: the resource's default).
+        The body gets ``request_defaults()`` where it leaves them out, as in a provider batch.
+        It goes through :meth:`client` (the running event loop's), so the key's pacing applies;
+        an error status raises the client's exception (a 429 pauses the shard).
+        """
+        path = self._path(endpoint or self._default_endpoint)
+        defaults = self.request_defaults()
+
+        async def send(body: Mapping[str, Any]) -> Any:
+            return await self._loop_client().post(path, cast_to=object, body={**defaults, **body})
+
+        return send
+
+    def _path(self, endpoint: str) -> str:
+        """The client's path of ``endpoint``; ValueError when this API has no such endpoint."""
+        raise NotImplementedError
 
     def _loop_client(self) -> Any:
         try:

@@ -51,6 +51,7 @@ class OpenAIResource(EndpointResource):
     _package: ClassVar[str] = "openai"
     _client_classes: ClassVar[tuple[str, str]] = ("AsyncOpenAI", "OpenAI")
     _answer_settings: ClassVar[tuple[str, ...]] = ("max_tokens", "temperature")
+    _default_endpoint: ClassVar[str] = "/v1/chat/completions"
 
     base_url: str | None = Field(
         default=None,
@@ -85,6 +86,15 @@ class OpenAIResource(EndpointResource):
         """The ``openai.OpenAI`` client of this process, for a plain ``def`` function: made once,
         then shared by every thread."""
         return cast("openai.OpenAI", self._process_client())
+
+    def _path(self, endpoint: str) -> str:
+        # The client's base URL ends in /v1: its paths are relative to it.
+        if not endpoint.startswith("/v1/"):
+            raise ValueError(
+                f"OpenAI's endpoints are API paths that start with /v1/, such as "
+                f"/v1/chat/completions or /v1/embeddings, not {endpoint!r}."
+            )
+        return endpoint.removeprefix("/v1/")
 
     def batch_provider(self, endpoint: str | None = None) -> OpenAIBatches:
         """OpenAI's Batch API on this resource's endpoint, for ``provider_batch_asset``: every

@@ -158,6 +158,25 @@ def test_row_hashes_are_pinned_including_nulls() -> None:
     assert hashes.tolist() == [5282560569845770253, 7471470634904180772, 8397545061668888443]
 
 
+def test_content_keys_are_pinned_and_leave_the_id_out() -> None:
+    df = pl.DataFrame({"id": [1, 2, 3], "subject": ["a", None, "c"], "n": [1.5, 2.0, None]})
+    renumbered = df.with_columns(pl.col("id") + 1000)
+
+    hi, lo = hashing.content_keys(df, ["subject", "n"])
+
+    assert hi.tolist() == CONTENT_HI and lo.tolist() == CONTENT_LO
+    again = hashing.content_keys(renumbered, ["subject", "n"])
+    assert again[0].tolist() == CONTENT_HI and again[1].tolist() == CONTENT_LO
+    # the high half is the fold of the input hash without the id: the dedupe key
+    assert hi.tolist() == hashing.row_hashes(df, ["subject", "n"]).tolist()
+    swapped = hashing.content_keys(df, ["n", "subject"])
+    assert swapped[0].tolist() != CONTENT_HI  # the columns' order counts, as in the input hash
+
+
+CONTENT_HI = [18384413743486236949, 1504303429523165072, 12850314541150449627]
+CONTENT_LO = [1214569809266374806, 3308574961465784744, 4402523471381928493]
+
+
 def test_partition_fingerprint_is_pinned_and_ignores_order() -> None:
     df = pl.DataFrame({"id": [1, 2, 3], "subject": ["a", None, "c"], "n": [1.5, 2.0, None]})
     hashes = hashing.row_hashes(df, ["id", "subject", "n"])

@@ -51,6 +51,8 @@ def test_a_kill_at_each_point_pays_nothing_twice_and_stores_each_row_once(
         assert counted["processed"] == ROWS  # no request submitted twice
         assert counted["creates"] == 1
         assert before + run.rows_computed == ROWS  # nothing stored twice
+        # Results downloaded again for rows the killed run stored are dropped, and counted.
+        assert run.batch_results_dropped == before
         stored = checkpoint.load("id").rows
         assert stored.height == ROWS and stored.get_column("_error").null_count() == ROWS
 

@@ -32,6 +32,11 @@ class Broken(Exception):
     """The function is broken: retrying cannot help."""
 
 
+class RowFailed(Exception):
+    """Raised by a function whose rows failed for good although the endpoint answered (a
+    request/parse job's ``parse`` raised): they are stored failed at once, with its text."""
+
+
 @dataclass(frozen=True)
 class PerRow:
     """A function of one row: it takes a dict (the id and the input columns) and returns a dict

@@ -13,6 +13,9 @@ Three kinds of trouble, each handled its own way:
   with a doubling delay. If it keeps failing, it is split in halves, each tried once,
   recursively. That finds the rows that fail alone. They are stored as failures (``_error``,
   ``_attempts``) while their neighbours succeed.
+- **Rows failed for good** (``RowFailed``): the endpoint answered, but the rows cannot succeed.
+  They are stored failed at once, with no retry, and the call counts as answered for the outage
+  breaker below.
 
 An outage (endpoint down) makes every call fail, and splitting would then call once per row. So
 the caller counts consecutive failed calls of rows not tried before. Stored failures retried on
@@ -40,7 +43,15 @@ from typing import Any, TypeVar
 
 import polars as pl
 
-from checkpoint_assets.engine.calls.batches import Batch, Broken, Check, PerRow, Record, batches
+from checkpoint_assets.engine.calls.batches import (
+    Batch,
+    Broken,
+    Check,
+    PerRow,
+    Record,
+    RowFailed,
+    batches,
+)
 from checkpoint_assets.engine.calls.budget import Spend
 from checkpoint_assets.engine.calls.refusals import throttled
 from checkpoint_assets.engine.calls.throttle import Throttle
@@ -217,11 +228,14 @@ class Caller:
             return not self.outage
 
     # -- the steps of a batch: rate limits, retries and splitting ------------------------
-    async def _call(self, batch: Batch, used: int, outcome: Outcome) -> _Got | str | None:
+    async def _call(
+        self, batch: Batch, used: int, outcome: Outcome
+    ) -> _Got | str | pl.DataFrame | None:
         """One call through the shard's gate, again and again while it is rate limited.
 
         Returns the checked result (and the failures of rows it skipped), the error of a
-        failed call, or None when the shard stops. ``used``: calls of these rows, this one too.
+        failed call, the rows failed for good (``RowFailed``), or None when the shard stops.
+        ``used``: calls of these rows, this one too.
         """
         refusals = 0  # of this call in a row
         while True:
@@ -237,6 +251,11 @@ class Caller:
             except Broken as e:
                 self._broke(str(e))
                 return None
+            except RowFailed as e:  # answered, so no outage; retrying cannot help
+                self.throttle.release(True)
+                outcome.calls += 1
+                self._finish(True, number)
+                return batch.failures(str(e), used, self.id_column)
             except Exception as e:
                 asked = throttled(e)
                 if asked is not None:
@@ -296,6 +315,9 @@ class Caller:
             if isinstance(got, str):
                 error = got
                 continue
+            if isinstance(got, pl.DataFrame):
+                outcome.failed.append(got)
+                return not self.stopping
             record, missing = got
             outcome.ok.append(record)
             if missing is not None:

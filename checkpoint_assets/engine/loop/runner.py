@@ -45,8 +45,10 @@ from checkpoint_assets.engine.errors import (
 from checkpoint_assets.engine.loop.lock import Lease
 from checkpoint_assets.engine.loop.shard_run import RunContext, ShardRun
 from checkpoint_assets.engine.loop.sink import MemorySink, PartWriter, Sink
-from checkpoint_assets.engine.plan.inputs import Prepared, prepare
+from checkpoint_assets.engine.plan.inputs import CONTENT_LO, Prepared, prepare
 from checkpoint_assets.engine.plan.opening import Job, Opened, open_run
+from checkpoint_assets.engine.plan.resume import DEDUPE_KEY
+from checkpoint_assets.engine.reuse.contribution import Contribution
 from checkpoint_assets.engine.rows import ERROR, INPUT_HASH
 from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.sharding import hashing
@@ -79,6 +81,8 @@ def run(
     (see engine/calls/budget.py).
     """
     context = context or RunContext()
+    if context.results is not None and CONTENT_LO not in inputs.keys.columns:
+        raise ValueError("A run with a result store needs rows prepared with content=True.")
     if isinstance(fn, PerRow):
         settings = _one_row_per_call(settings, context.label)
     if context.spend is None and settings.budget is not None:
@@ -139,6 +143,8 @@ class _Shard:
                 if min_flush is None
                 else min_flush,
                 max_unflushed=s.max_unflushed_rows,
+                # A re-derived parse carries rows computed by the earlier one: none is added.
+                contribution=self._contribution() if opened.rederive is None else None,
             )
             return self._work(opened, sink)
         finally:
@@ -157,6 +163,22 @@ class _Shard:
             imported=context.imported if checkpoint is not None else None,
             log=context.log,
             label=context.name,
+            results=context.results if checkpoint is not None else None,
+        )
+
+    def _contribution(self) -> Contribution | None:
+        """What the shard adds to the result store, when it has one (and a fingerprint)."""
+        results, printed = self.context.results, self.context.function_fingerprint
+        if results is None or not printed:
+            return None
+        return Contribution(
+            results,
+            Job(dict(self.job), dict(printed)).scope,
+            self.inputs.keys,
+            id_column=self.settings.id_column,
+            hi=DEDUPE_KEY,
+            lo=CONTENT_LO,
+            log=self.context.log,
         )
 
     def _work(self, opened: Opened, sink: Sink) -> tuple[pl.DataFrame, RunStats]:

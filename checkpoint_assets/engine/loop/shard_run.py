@@ -38,6 +38,7 @@ from checkpoint_assets.engine.loop.lock import RunWatch
 from checkpoint_assets.engine.loop.sink import Logger, Sink
 from checkpoint_assets.engine.plan.inputs import Prepared
 from checkpoint_assets.engine.plan.opening import Opened
+from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.rows import ERROR, NO_RESULT, outputs_of
 from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.sharding.scheme import Scheme
@@ -54,6 +55,8 @@ class RunContext:
     (``function_fingerprint.py``), compared with the one recorded; None: nothing compared.
     ``spend``: the tally its calls add to (a ranged run's shards share one); None: a new one
     when the settings have a budget. ``loop``: the work loop, ``runner.Run`` when None.
+    ``results``: the result store the shard takes results from and adds its own to (``reuse/``);
+    its rows must be prepared with their content key (``prepare(..., content=True)``).
     """
 
     scheme: Scheme | None = None
@@ -65,6 +68,7 @@ class RunContext:
     function_fingerprint: Mapping[str, str] | None = None
     spend: Spend | None = None
     loop: type[ShardRun] | None = None
+    results: ResultStore | None = None
 
     @property
     def log(self) -> Logger:
@@ -107,6 +111,8 @@ class ShardRun(abc.ABC):
         stats.rows_dropped = opened.plan.dropped
         stats.rows_changed = opened.plan.changed
         stats.rows_imported = opened.imported
+        stats.rows_from_store = opened.from_store
+        stats.cost_saved_usd = opened.cost_saved
         stats.function_changed = list(opened.function_changed)
         self.todo_rows = opened.plan.todo.height
         self.done_rows = 0
@@ -244,7 +250,7 @@ class ShardRun(abc.ABC):
         rate = self.done_rows / elapsed
         left = max(self.todo_rows - self.done_rows, 0)
         eta = f"{left / rate:,.0f} s" if rate > 0 else "unknown"
-        done = self.stats.rows_resumed + self.done_rows
+        done = self.stats.rows_resumed + self.stats.rows_from_store + self.done_rows
         total = max(self.stats.rows_total, 1)
         return (
             f"{self.label}: {done:,} / {self.stats.rows_total:,} rows "

@@ -56,6 +56,7 @@ from checkpoint_assets.engine.errors import (
 )
 from checkpoint_assets.engine.loop.lock import Lease
 from checkpoint_assets.engine.plan.opening import Start
+from checkpoint_assets.engine.reuse.contribution import Contribution
 from checkpoint_assets.engine.rows import CURRENT, SEQ
 
 _NULL = str(pl.Null)
@@ -244,6 +245,7 @@ class PartWriter(Sink):
         flush_seconds: float,
         min_flush_seconds: float,
         max_unflushed: int | None = None,
+        contribution: Contribution | None = None,
     ) -> None:
         meta = start.meta
         super().__init__(
@@ -269,6 +271,8 @@ class PartWriter(Sink):
         self._pool: cf.ThreadPoolExecutor | None = None
         self._writing: cf.Future[None] | None = None
         self._unwritten: pl.DataFrame | None = None  # the rows of a part whose write failed
+        # The result store's share of the rows, handed over once durable (``reuse/``).
+        self.contribution = contribution
 
     def record_outputs(self, sample: pl.DataFrame, outputs: dict[str, str]) -> None:
         parquet.check_storable(sample.head(1))
@@ -322,6 +326,8 @@ class PartWriter(Sink):
         except BaseException:
             self._unwritten = frame  # written again before leaving: those calls are paid for
             raise
+        if self.contribution is not None:
+            self.contribution.durable(frame)
         self.parts = self.checkpoint.compact([*self.parts, part], self.id_column)
 
     def wait_for_writes(self) -> None:
@@ -405,6 +411,8 @@ class PartWriter(Sink):
                     seq = int(tail.get_column(SEQ)[0])
                     self.checkpoint.write_part(tail, seq, id_column=self.id_column)
             raise
+        if tail is not None and self.contribution is not None:
+            self.contribution.durable(tail)
         if not stored.get_column(CURRENT).all():
             stored = stored.filter(pl.col(CURRENT))
         self.finalize_seconds = time.perf_counter() - started
@@ -426,3 +434,5 @@ class PartWriter(Sink):
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)  # never release the lock with a write in flight
+        if self.contribution is not None:
+            self.contribution.write()  # every row it holds is durable

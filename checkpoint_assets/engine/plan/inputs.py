@@ -34,6 +34,8 @@ from checkpoint_assets.engine.sharding import hashing
 SLICE_ROWS = 1 << 15
 # A row's position in the shard's input (counted from 0): where the second read finds it.
 POSITION = "__position"
+# The low half of a row's content key (its high half is ``DEDUPE_KEY``).
+CONTENT_LO = "__content_lo"
 
 
 class Inputs(abc.ABC):
@@ -98,7 +100,9 @@ class Prepared:
     """A shard's input, prepared: its keys in memory and its rows where they are read from.
 
     ``keys``: the id (as stored: integers as Int64), ``_input_hash`` and ``POSITION`` of every
-    input row, in order, and the dedupe key (``DEDUPE_KEY``) when the run dedupes.
+    input row, in order, and the dedupe key (``DEDUPE_KEY``) when the run dedupes. With
+    ``content``, the row's content key too: ``DEDUPE_KEY`` is its high half, ``CONTENT_LO``
+    its low half (``hashing.content_keys``).
     ``columns``: the id and input columns, what a call sees of a row.
     """
 
@@ -180,8 +184,11 @@ class Prepared:
         )
 
 
-def prepare(source: pl.DataFrame | Inputs, settings: Settings) -> Prepared:
-    """Validate ids and hash every input row, a slice at a time; returns the shard's keys.
+def prepare(
+    source: pl.DataFrame | Inputs, settings: Settings, *, content: bool = False
+) -> Prepared:
+    """Validate ids and hash every input row, a slice at a time; returns the shard's keys
+    (``content``: with each row's content key, for the result store).
 
     Ids are refused (null, duplicated, of another type) before any call of the function.
     """
@@ -204,7 +211,8 @@ def prepare(source: pl.DataFrame | Inputs, settings: Settings) -> Prepared:
     keys: list[pl.DataFrame] = []
     for part in itertools.chain(rows.slices([*columns, *numbered]), [empty]):
         ids.append(part.select(id_column, *numbered))
-        keys.append(_keys(_canonical(part.select(columns), id_column), columns, settings.dedupe))
+        frame = _canonical(part.select(columns), id_column)
+        keys.append(_keys(frame, columns, settings.dedupe, content))
     found = pl.concat(ids).rechunk()
     _validate(found, rows, id_column)
     hashed = pl.concat(keys).rechunk()
@@ -213,10 +221,15 @@ def prepare(source: pl.DataFrame | Inputs, settings: Settings) -> Prepared:
     return Prepared(stored.with_row_index(POSITION).select(order), rows, columns)
 
 
-def _keys(frame: pl.DataFrame, columns: Sequence[str], dedupe: bool) -> pl.DataFrame:
-    """The input hash of each row of ``frame`` (and its dedupe key: the hash of its input)."""
+def _keys(frame: pl.DataFrame, columns: Sequence[str], dedupe: bool, content: bool) -> pl.DataFrame:
+    """The input hash of each row of ``frame`` (and its dedupe key: the hash of its input; and
+    its content key)."""
     hashes = {INPUT_HASH: pl.Series(INPUT_HASH, hashing.row_hashes(frame, columns), pl.UInt64)}
-    if dedupe:
+    if content:
+        hi, lo = hashing.content_keys(frame, columns[1:])
+        hashes[DEDUPE_KEY] = pl.Series(DEDUPE_KEY, hi, pl.UInt64)
+        hashes[CONTENT_LO] = pl.Series(CONTENT_LO, lo, pl.UInt64)
+    elif dedupe:
         key = hashing.row_hashes(frame, columns[1:])
         hashes[DEDUPE_KEY] = pl.Series(DEDUPE_KEY, key, pl.UInt64)
     return pl.DataFrame(hashes)

@@ -1,5 +1,6 @@
 """Opening a run: check the stored job, load what is stored, start a generation, import finished
-rows of other checkpoints (global resume), and plan what is left to compute.
+rows of other checkpoints (global resume), plan what is left to compute, and take what the result
+store holds of it (``from_store.py``).
 
 When only how answers are read changed (a request/parse job's ``parse``, see
 ``function_fingerprint.py``), the stored rows with an answer are not computed again: ``Rederive``
@@ -25,10 +26,12 @@ from checkpoint_assets.engine.errors import (
     JobChangedError,
     JobMismatchError,
 )
-from checkpoint_assets.engine.plan import function_fingerprint
+from checkpoint_assets.engine.plan import from_store, function_fingerprint
 from checkpoint_assets.engine.plan.global_resume import FUNCTION
 from checkpoint_assets.engine.plan.inputs import Prepared
 from checkpoint_assets.engine.plan.resume import Copies, Plan, dedupe, plan
+from checkpoint_assets.engine.reuse import layout as reuse
+from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.rows import ANSWER, ATTEMPTS, CURRENT, ERROR, INPUT_HASH, SEQ
 from checkpoint_assets.engine.settings import OnInputChange, Settings
 from checkpoint_assets.engine.sharding import hashing
@@ -47,6 +50,8 @@ class Start:
     next_seq: int = 1
     parts: list[Part] = field(default_factory=list)
     imported: int = 0  # rows copied from other checkpoints (global resume)
+    from_store: int = 0  # rows taken from the result store
+    cost_saved: float | None = None  # what they cost when computed (with a budget)
     # This run's function fingerprint, which the meta records when the run finishes; and what
     # differs from the one recorded (reported only when stored results are reused).
     function_fingerprint: dict[str, str] | None = None
@@ -88,6 +93,11 @@ class Job:
     def fingerprint(self) -> str:
         return hashing.job_fingerprint(self.settings)
 
+    @property
+    def scope(self) -> str:
+        """The scope of its results in the result store (``reuse/layout.py``)."""
+        return reuse.scope(self.function or {}, self.settings)
+
 
 def open_run(
     inputs: Prepared,
@@ -99,30 +109,23 @@ def open_run(
     imported: pl.DataFrame | None,
     log: Logger,
     label: str,
+    results: ResultStore | None = None,
 ) -> Opened:
-    """Everything a run needs before its first call (``checkpoint`` None: checkpointing off)."""
+    """Everything a run needs before its first call (``checkpoint`` None: checkpointing off).
+
+    ``results``: the result store, whose results the rows left to compute take when it holds
+    them (with checkpointing and resume only)."""
     keys = inputs.keys
     start, stored = Start(function_fingerprint=job.function), rows.empty(settings.id_column)
     if checkpoint is not None:
-        start, stored = _load(keys, settings, checkpoint, job, scheme, log)
-        reshard = start.meta is not None and rule_changed(start.meta.scheme, scheme)
-        if reshard and imported is None:
-            raise _rule_changed_error(checkpoint, start.meta, scheme)
+        importing = imported is not None
+        start, stored, reshard = _load(keys, settings, checkpoint, job, scheme, importing, log)
         if imported is not None and settings.resume:
             stored = _import(start, stored, imported, keys, settings, checkpoint, log, label)
         if reshard and start.meta is not None:
             start.meta.scheme = scheme  # its rows are resharded now: record the current rule
             checkpoint.meta_file.write(start.meta)
-    earlier_hashes = start.meta is not None and start.meta.input_hash_format < 2
-    found = plan(
-        keys,
-        stored,
-        settings.id_column,
-        resume=settings.resume,
-        retry_failed=settings.retry_failed,
-        on_input_change=OnInputChange(settings.on_input_change),
-        earlier_hashes=inputs.earlier_hashes if earlier_hashes else None,
-    )
+    found = plan_rows(inputs, settings, stored, start.meta)
     _log_plan(found, log, label)
     todo, copies, rederive = found.todo, None, None
     if start.parse_changed and stored.height:
@@ -134,6 +137,12 @@ def open_run(
             _log_function_changed(start.function_changed, found.resumed, log, label)
     else:
         start.function_changed = []  # no stored result of the earlier function is used
+    # A run that re-derives a changed parse starts a new generation after its first parts: it
+    # takes nothing from the store (rows it wrote before that generation would be left out).
+    if results is not None and checkpoint is not None and settings.resume and rederive is None:
+        todo, taken = _from_store(start, todo, results, job, settings, checkpoint, log, label)
+        if taken is not None:
+            found.todo = found.todo.filter(~pl.col(settings.id_column).is_in(taken.implode()))
     if settings.dedupe and todo.height:
         todo, copies = dedupe(todo, settings.id_column)
     return Opened(**vars(start), plan=found, todo=todo, copies=copies, rederive=rederive)
@@ -159,28 +168,86 @@ def _rederive(stored: pl.DataFrame, keys: pl.DataFrame, id_column: str) -> Reder
     )
 
 
+def plan_rows(
+    inputs: Prepared, settings: Settings, stored: pl.DataFrame, meta: Meta | None
+) -> Plan:
+    """The plan of ``inputs`` against the ``stored`` rows of a checkpoint with ``meta``."""
+    earlier_hashes = meta is not None and meta.input_hash_format < 2
+    return plan(
+        inputs.keys,
+        stored,
+        settings.id_column,
+        resume=settings.resume,
+        retry_failed=settings.retry_failed,
+        on_input_change=OnInputChange(settings.on_input_change),
+        earlier_hashes=inputs.earlier_hashes if earlier_hashes else None,
+    )
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a checkpoint holds for a run, read without writing: its meta, its files loaded,
+    whether the run uses its rows (``resume`` and the same job), and its shard rule's change."""
+
+    meta: Meta | None
+    loaded: Stored
+    same_job: bool
+    reshard: bool
+
+
+def read_stored(
+    keys: pl.DataFrame,
+    settings: Settings,
+    checkpoint: Checkpoint,
+    job: Job,
+    scheme: Scheme | None,
+    *,
+    importing: bool,
+    quarantine: Logger | None = None,
+) -> Found:
+    """Read the checkpoint for a run over ``keys``; raises what would stop the run: another
+    job's checkpoint, a missing meta file, a changed shard rule without global resume
+    (``importing``). ``quarantine``: the caller holds the lock (``Checkpoint.load``)."""
+    id_column = settings.id_column
+    meta = checkpoint.meta_file.read()
+    if meta is not None:
+        id_dtype = str(keys.schema[id_column])
+        _check_job(meta, job, id_column, id_dtype, settings.resume, checkpoint.url)
+    same_job = meta is not None and meta.job_fingerprint == job.fingerprint
+    outputs = list(meta.output_schema) if meta and same_job and meta.output_schema else None
+    # Under the lock, unreadable parts are moved aside, and their rows computed again.
+    base_seq = meta.base_seq if meta else 0
+    loaded = checkpoint.load(id_column, base_seq, outputs, quarantine=quarantine)
+    if meta is None and loaded.files:
+        raise checkpoint.meta_file.missing(loaded.files)
+    # A new generation (resume: false, another job) records the current rule.
+    used = meta is not None and settings.resume and same_job
+    reshard = used and meta is not None and rule_changed(meta.scheme, scheme)
+    if reshard and not importing:
+        raise _rule_changed_error(checkpoint, meta, scheme)
+    if used and meta is not None and meta.output_schema and loaded.rows.height:
+        _check_stored_columns(loaded.rows, list(meta.output_schema), checkpoint.url)
+    return Found(meta, loaded, same_job, reshard)
+
+
 def _load(
     keys: pl.DataFrame,
     settings: Settings,
     checkpoint: Checkpoint,
     job: Job,
     scheme: Scheme | None,
+    importing: bool,
     log: Logger,
-) -> tuple[Start, pl.DataFrame]:
-    """Check the stored job and load its rows: where the run starts, and the stored rows it
-    uses (none, in a new generation, when they are not to be used)."""
+) -> tuple[Start, pl.DataFrame, bool]:
+    """Check the stored job and load its rows: where the run starts, the stored rows it uses
+    (none, in a new generation, when they are not to be used), and whether its rule changed."""
     id_column = settings.id_column
     id_dtype = str(keys.schema[id_column])
-    meta = checkpoint.meta_file.read()
-    if meta is not None:
-        _check_job(meta, job, id_column, id_dtype, settings.resume, checkpoint.url)
-    same_job = meta is not None and meta.job_fingerprint == job.fingerprint
-    outputs = list(meta.output_schema) if meta and same_job and meta.output_schema else None
-    # The run holds the lock: unreadable parts are moved aside, and their rows computed again.
-    loaded = checkpoint.load(id_column, meta.base_seq if meta else 0, outputs, quarantine=log)
-    if meta is None and loaded.files:
-        raise checkpoint.meta_file.missing(loaded.files)
-    if meta is not None and (not settings.resume or not same_job):
+    found = read_stored(
+        keys, settings, checkpoint, job, scheme, importing=importing, quarantine=log
+    )
+    meta, loaded = found.meta, found.loaded
+    if meta is not None and (not settings.resume or not found.same_job):
         # resume: false ignores what is stored (which may even be another job's, with other
         # output columns): start a new generation.
         meta = _new_meta(job, id_column, id_dtype, scheme, base_seq=loaded.next_seq)
@@ -192,12 +259,10 @@ def _load(
             parts=list(loaded.parts),
             function_fingerprint=job.function,
         )
-        return start, loaded.rows.clear()
+        return start, loaded.rows.clear(), False
     if meta is None:
         meta = _new_meta(job, id_column, id_dtype, scheme, base_seq=0)
         checkpoint.meta_file.write(meta)
-    elif meta.output_schema and loaded.rows.height:
-        _check_stored_columns(loaded.rows, list(meta.output_schema), checkpoint.url)
     recorded = meta.function_fingerprint
     start = Start(
         meta=meta,
@@ -211,7 +276,7 @@ def _load(
         start.function_changed = function_fingerprint.changes(recorded, job.function)
         start.parse_changed = function_fingerprint.parse_changed(recorded, job.function)
         start.request_changed = function_fingerprint.request_changed(recorded, job.function)
-    return start, loaded.rows
+    return start, loaded.rows, found.reshard
 
 
 def _new_meta(
@@ -287,15 +352,7 @@ def _import(
 ) -> pl.DataFrame:
     """Copy matching finished rows of other checkpoints into this one (one part)."""
     id_column = settings.id_column
-    if id_column not in imported.columns or imported.height == 0:
-        return stored
-    imported = imported.with_columns(pl.col(id_column).cast(inputs.schema[id_column]))
-    # Rows whose (id, input hash) the input has, not those done already: membership tests
-    # hold a third of what a join on both columns does (130 against 370 MB at 2M rows).
-    key = pl.struct(id_column, INPUT_HASH)
-    wanted = imported.filter(key.is_in(_keys(inputs, key)))
-    if stored.height:
-        wanted = wanted.filter(~key.is_in(_keys(stored.filter(pl.col(ERROR).is_null()), key)))
+    wanted = importable(stored, imported, inputs, id_column)
     if wanted.height == 0:
         return stored
     wanted = _note_imported_functions(opened, wanted)
@@ -310,22 +367,101 @@ def _import(
             f"The global resume table holds the output columns {list(outputs)}, but the "
             f"checkpoint {checkpoint.url} holds results with {list(opened.meta.output_schema)}.",
         )
-    seq = opened.next_seq
     found = wanted.with_columns(
-        pl.lit(None, pl.String).alias(ERROR),
-        pl.col(ATTEMPTS).fill_null(0).cast(pl.Int32),
-        pl.lit(seq, pl.Int64).alias(SEQ),
+        pl.lit(None, pl.String).alias(ERROR), pl.col(ATTEMPTS).fill_null(0).cast(pl.Int32)
     )
-    part = checkpoint.write_part(found, seq, id_column=id_column)
-    opened.next_seq += 1
-    opened.known = None
-    opened.parts = checkpoint.compact([*opened.parts, part], id_column)
+    _write_found(opened, found, id_column, checkpoint)
     opened.imported = found.height
     log.info(
         "%s: global resume took %d finished row(s) from other checkpoints.", label, found.height
     )
     merged = rows.concat([stored, found], checkpoint.url) if stored.height else found
     return rows.pick_winners(merged, id_column)
+
+
+def _write_found(start: Start, found: pl.DataFrame, id_column: str, checkpoint: Checkpoint) -> None:
+    """Write rows found elsewhere (global resume, the result store) as one part."""
+    seq = start.next_seq
+    part = checkpoint.write_part(
+        found.with_columns(pl.lit(seq, pl.Int64).alias(SEQ)), seq, id_column=id_column
+    )
+    start.next_seq += 1
+    start.known = None
+    start.parts = checkpoint.compact([*start.parts, part], id_column)
+
+
+def _from_store(
+    start: Start,
+    todo: pl.DataFrame,
+    results: ResultStore,
+    job: Job,
+    settings: Settings,
+    checkpoint: Checkpoint,
+    log: Logger,
+    label: str,
+) -> tuple[pl.DataFrame, pl.Series | None]:
+    """Take the rows of ``todo`` the result store holds into the checkpoint; the rest of
+    ``todo``, in its order, and the ids taken (None: none)."""
+    if not job.function:
+        log.warning(
+            "%s: the function has no fingerprint (no readable source or bytecode), so the "
+            "result store is not used: it could hand over another function's results.",
+            label,
+        )
+        return todo, None
+    id_column = settings.id_column
+    taken = from_store.take(todo, results, job.scope, id_column, settings.budget)
+    for path in results.unreadable:
+        log.warning(
+            "%s: the result store file %s is unreadable; its rows are computed again. Delete "
+            "it (`checkpoint-assets clean --results`) or move it away.",
+            label,
+            path,
+        )
+    if taken is None:
+        return todo, None
+    assert start.meta is not None
+    outputs = {c: str(taken.rows.schema[c]) for c in rows.outputs_of(taken.rows, id_column)}
+    known = start.meta.output_schema
+    if known and sorted(known) != sorted(outputs):
+        log.warning(
+            "%s: the result store holds results with the output columns %s, but the checkpoint "
+            "holds %s; they are not taken.",
+            label,
+            sorted(outputs),
+            sorted(known),
+        )
+        return todo, None
+    if not known:
+        start.meta.output_schema = outputs
+        checkpoint.meta_file.write(start.meta)
+    _write_found(start, taken.rows, id_column, checkpoint)
+    start.from_store, start.cost_saved = taken.rows.height, taken.cost_saved
+    log.info(
+        "%s: took %d result(s) from the result store %s instead of computing them.",
+        label,
+        taken.rows.height,
+        results.url,
+    )
+    ids = taken.rows.get_column(id_column)
+    return todo.filter(~pl.col(id_column).is_in(ids.implode())), ids
+
+
+def importable(
+    stored: pl.DataFrame, imported: pl.DataFrame, inputs: pl.DataFrame, id_column: str
+) -> pl.DataFrame:
+    """The rows of ``imported`` (other checkpoints' finished rows) that the input ``inputs``
+    has, with the same input hash, and that ``stored`` does not hold as done."""
+    if id_column not in imported.columns or imported.height == 0:
+        return imported.clear()
+    imported = imported.with_columns(pl.col(id_column).cast(inputs.schema[id_column]))
+    # Membership tests hold a third of what a join on both columns does (130 against 370 MB at
+    # 2M rows).
+    key = pl.struct(id_column, INPUT_HASH)
+    wanted = imported.filter(key.is_in(_keys(inputs, key)))
+    if stored.height:
+        wanted = wanted.filter(~key.is_in(_keys(stored.filter(pl.col(ERROR).is_null()), key)))
+    return wanted
 
 
 def _keys(frame: pl.DataFrame, key: pl.Expr) -> pl.Series:

@@ -31,6 +31,16 @@ Answers. Each collected row keeps its response body in ``_answer`` (``keep_answe
 with no request (``answers.py``); finished rows without one keep their outputs unless
 ``recompute_unanswered``.
 
+Modes (``ProviderJob.mode``): ``batch`` is the above. ``hybrid`` submits the same way, but sends
+no row again as a batch: the rows of an expired, cancelled or failed batch and the requests that
+failed in a transient way are finished online (``online.py``) while the other batches wait. At
+``deadline_seconds`` after the run's start it cancels every open submission; each is collected
+once it has ended, and its rows without a result go online. ``online`` submits nothing: it
+cancels the open submissions of earlier runs (collected likewise), and every other row goes
+online. No row goes online while a batch that holds it may still answer, so no row is paid
+twice. A batch result whose row is stored already (after a crash, a submission collected again)
+is dropped and counted (``RunStats.batch_results_dropped``).
+
 Spend budget. Before a submission is recorded or sent, its cost is estimated and reserved in the
 run's spend (``Spend.reserve``, at the batch price): input tokens are the bytes the provider
 counts for each request (``size()``: its JSONL line, or its entry in the create's body) divided
@@ -51,6 +61,7 @@ stored).
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -68,6 +79,7 @@ from checkpoint_assets.engine.errors import (
 )
 from checkpoint_assets.engine.loop.shard_run import ShardRun
 from checkpoint_assets.engine.loop.sink import PartWriter
+from checkpoint_assets.engine.providers import online
 from checkpoint_assets.engine.providers.answers import ANSWER, dumps, parse_error, rederive
 from checkpoint_assets.engine.providers.submission_records import Records, Submission, new_tag
 from checkpoint_assets.engine.providers.submissions import (
@@ -88,6 +100,14 @@ _BYTES_PER_TOKEN = 4  # a request's input tokens, estimated from its bytes (see 
 _MAX_OUTPUT = ("max_tokens", "max_completion_tokens", "max_output_tokens")  # a body's cap
 
 
+class Mode(enum.StrEnum):
+    """How a request/parse job runs (see the module docstring)."""
+
+    online = "online"
+    batch = "batch"
+    hybrid = "hybrid"
+
+
 @dataclass(frozen=True)
 class ProviderJob:
     """What a shard sends through a provider's batch API, and how it waits.
@@ -97,7 +117,9 @@ class ProviderJob:
     output columns (the same keys for every row). ``wait`` False ends the run once its rows are
     submitted (see the module docstring). ``keep_answers`` stores each response body in
     ``_answer``; ``recompute_unanswered`` sends the finished rows without one again when
-    ``parse`` changed.
+    ``parse`` changed. ``mode``, ``deadline_seconds``: see the module docstring; ``send(body)``
+    sends one body online and returns the response body (the endpoint resource's ``sender``),
+    needed by ``online`` and ``hybrid``.
     """
 
     provider: BatchProvider
@@ -106,8 +128,23 @@ class ProviderJob:
     wait: bool = True
     poll_seconds: float = 10.0
     max_poll_seconds: float = 300.0
+    mode: Mode = Mode.batch
+    deadline_seconds: float | None = None
+    send: online.Send | None = None
     keep_answers: bool = True
     recompute_unanswered: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode(self.mode))
+        if self.mode is not Mode.batch and self.send is None:
+            raise ValueError(f"mode {self.mode.value} sends rows online: it needs send")
+        if self.mode is Mode.hybrid and not self.wait:
+            raise ValueError(
+                "mode hybrid finishes rows online in the run, so it waits for its batches: "
+                "drop wait: false, or use mode batch to submit and end."
+            )
+        if self.deadline_seconds is not None and self.deadline_seconds < 0:
+            raise ValueError(f"deadline must be at least 0 seconds, got {self.deadline_seconds}")
 
 
 @dataclass
@@ -159,13 +196,16 @@ class ProviderRun(ShardRun):
                 "Run with checkpointing on.",
             )
         self.job = self.fn
+        self.stats.mode = self.job.mode.value
         self.provider = self.job.provider
         self.records = Records(self.sink.checkpoint.store, self.sink.checkpoint.files)
         self.check = Check(self.id)
         if self.opened.rederive is not None:
             again = self.job.recompute_unanswered
             todo = rederive(self, self.opened.rederive, self.job.parse, self.check, todo, again)
-        todo = self.prepared.whole(todo)  # a submission sends its rows at once
+        self.keys_todo = todo  # online calls read their rows a slice at a time
+        if self.job.mode is not Mode.online:
+            todo = self.prepared.whole(todo)  # a submission sends its rows at once
         self.todo = todo
         # The rows to do that no collected result covers yet, with their calls so far.
         self.attempts: dict[Any, int] = dict(
@@ -175,10 +215,15 @@ class ProviderRun(ShardRun):
         )
         self.reserved: dict[str, float] = {}  # the estimates of this run's submissions, by tag
         self.refused: BudgetExceededError | None = None  # a submission the budget did not take
+        self.online: dict[Any, int] = {}  # rows to finish online, with their calls so far
+        self.cancelled: set[str] = set()  # tags of the submissions this run cancelled
         waiting = [s for s in self.records.load() if s.open and self._attach(s)]
         sent = {i for s in waiting for i in s.ids}
         fresh = todo.filter(~pl.col(self.id).is_in(list(sent))) if sent else todo
-        waiting += self._submit(fresh)
+        if self.job.mode is Mode.online:
+            self._go_online(fresh.get_column(self.id).to_list())
+        else:
+            waiting += self._submit(fresh)
         pending = self._collect_all(waiting)
         if self.spend is not None and self.spend.problem is not None:
             return self.spend.problem  # a result whose cost is unknown
@@ -323,10 +368,16 @@ class ProviderRun(ShardRun):
                     delay = self.job.poll_seconds  # new batches: poll them from the start
                 left += again
             waiting = left
+            if self.online:
+                stopped = self._finish_online()
+                if stopped is not None:
+                    return stopped  # open submissions stay recorded: the next run re-attaches
             if not waiting:
                 return None
+            if self._past_deadline() and self._cancel(waiting):
+                delay = self.job.poll_seconds  # cancelled batches end soon
             rows = sum(len(s.ids) for s in waiting)
-            if not self.job.wait:
+            if not self.job.wait and self.job.mode is Mode.batch:
                 batches = [s.batch_id or s.tag for s in waiting]
                 due = max(s.created_at for s in waiting) + WINDOW_SECONDS
                 return BatchesPendingError(self.label, rows, batches, self.done_rows, due)
@@ -348,7 +399,8 @@ class ProviderRun(ShardRun):
         seen = [False] * len(s.ids)
         failed: list[_Failed] = []
         transient: list[int] = []  # indexes of requests that failed in a transient way
-        last = s.attempt >= self.s.max_attempts
+        to_online = self.job.mode is not Mode.batch  # rows without a result go online
+        last = not to_online and s.attempt >= self.s.max_attempts
         if status.state is not State.FAILED:
             for result in self.provider.results(s.batch_id):
                 index = index_of(result.custom_id, s.tag)
@@ -360,7 +412,7 @@ class ProviderRun(ShardRun):
                 else:
                     self._take(result, s.ids[index], s.hashes[index], failed)
         unrun = [i for i, got in enumerate(seen) if not got]
-        if status.state in (State.ENDED, State.FAILED) or last:
+        if status.state is State.ENDED or (status.state is State.FAILED and not to_online) or last:
             for i in unrun:
                 self._fail(s.ids[i], s.hashes[i], self._no_result(s, status), failed)
             unrun = []
@@ -379,6 +431,13 @@ class ProviderRun(ShardRun):
             if s.ids[i] in self.attempts:
                 self.attempts[s.ids[i]] += 1
         note = _returned(len(transient), len(unrun), status.state)
+        if to_online:
+            self.records.advance(s, "returned", note=note + "; finished online")
+            self.log.info(
+                "%s: provider batch %s: %s; finishing them online.", self.label, s.batch_id, note
+            )
+            self._go_online(back)
+            return []
         self.records.advance(s, "returned", note=note)
         self.log.warning(
             "%s: provider batch %s: %s; sending them again (attempt %d of %d).",
@@ -389,6 +448,56 @@ class ProviderRun(ShardRun):
             self.s.max_attempts,
         )
         return self._submit(self.todo.filter(pl.col(self.id).is_in(back)), s.attempt + 1)
+
+    # -- online (hybrid, online) ---------------------------------------------------------
+    def _go_online(self, ids: list[Any]) -> None:
+        """Take the rows ``ids`` off the batches: they are finished online."""
+        for row_id in ids:
+            attempts = self.attempts.pop(row_id, None)
+            if attempts is not None:
+                self.online[row_id] = attempts
+
+    def _finish_online(self) -> CheckpointError | None:
+        """Send the rows gone online, each as its own request (``online.finish``)."""
+        rows, self.online = self.online, {}
+        calls = pl.DataFrame(
+            {self.id: list(rows), ATTEMPTS: list(rows.values())},
+            schema={self.id: self.keys_todo.schema[self.id], ATTEMPTS: pl.Int32},
+        )
+        keys = self.keys_todo.drop(ATTEMPTS).join(calls, on=self.id, maintain_order="left")
+        job = self.job
+        assert job.send is not None
+        asking = online.Online(job.request, job.parse, job.send, self.id, job.keep_answers)
+        self.log.info("%s: %d row(s) go online.", self.label, keys.height)
+        return online.finish(self, asking, keys)
+
+    def _past_deadline(self) -> bool:
+        if self.job.mode is Mode.online:
+            return True
+        deadline = self.job.deadline_seconds
+        if self.job.mode is not Mode.hybrid or deadline is None:
+            return False
+        return time.monotonic() - self.started >= deadline
+
+    def _cancel(self, waiting: list[Submission]) -> bool:
+        """Ask the provider to cancel the submissions not cancelled yet; whether any was."""
+        fresh = [s for s in waiting if s.tag not in self.cancelled]
+        for s in fresh:
+            assert s.batch_id is not None
+            self.cancelled.add(s.tag)
+            try:
+                self.provider.cancel(s.batch_id)
+            except Exception as e:  # it may have ended meanwhile: it is collected as it is
+                self.log.warning("%s: cancelling batch %s: %s", self.label, s.batch_id, e)
+        if fresh:
+            self.log.info(
+                "%s: %s: cancelled %d provider batch(es); their rows without a result go "
+                "online once each has ended.",
+                self.label,
+                "online" if self.job.mode is Mode.online else "the deadline passed",
+                len(fresh),
+            )
+        return bool(fresh)
 
     def _no_result(self, s: Submission, status: Status) -> str:
         """Why a request of the ended submission ``s`` is a failed row without a result."""
@@ -408,6 +517,7 @@ class ProviderRun(ShardRun):
             self._fail(row_id, input_hash, result.error or "no response body", failed)
             return
         if row_id not in self.attempts:
+            self.stats.batch_results_dropped += 1  # stored already: never stored twice
             return
         answer = dumps(result.body) if self.job.keep_answers else None
         try:

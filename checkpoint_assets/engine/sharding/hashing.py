@@ -35,6 +35,11 @@ them):
   ``h = (h ^ x) * 0x9E3779B97F4A7C15 (mod 2**64)``. A null folds in ``0x6E756C6C`` ("null")
   instead of a value's hash. The input hash is stored with each result and detects changed
   inputs per row.
+- A row's *content key* is 128 bits: two folds of its input columns alone, in order, the id left
+  out. The high half folds ``xxh3_64`` (seed 0) of each value, the low half ``xxh3_64`` with seed
+  1; both fold as the input hash does, from the same start, a null as ``0x6E756C6C``. It names
+  what was asked, wherever the row is stored, so the result store keys by it (``engine/reuse/``).
+  The high half is also the dedupe key: equal inputs share it.
 - A partition's input fingerprint is BLAKE3 over the row count and the sum and xor of its row
   hashes. It ignores order, so re-ordering the input is not a change.
 - A job fingerprint is BLAKE3 over a canonical JSON of the settings that change results.
@@ -226,16 +231,17 @@ def shard_key_bounds(index: int, n: int) -> tuple[int, int | None]:
 
 
 def row_hashes(
-    df: pl.DataFrame, columns: Sequence[str], *, hash_format: int = HASH_FORMAT
+    df: pl.DataFrame, columns: Sequence[str], *, hash_format: int = HASH_FORMAT, seed: int = 0
 ) -> np.ndarray:
     """The input hash of each row over ``columns`` (id first, then the input columns).
 
-    ``hash_format=1``: the hash of format 1 (see ``value_text``).
+    ``hash_format=1``: the hash of format 1 (see ``value_text``). ``seed``: of each value's
+    ``xxh3_64`` (1 for the low half of a content key).
     """
     exprs = [
         pl.when(pl.col(c).is_null())
         .then(pl.lit(_NULL, pl.UInt64))
-        .otherwise(_text_hash(c, df.schema[c], hash_format))
+        .otherwise(_text_hash(c, df.schema[c], hash_format, seed))
         .alias(f"__hash{i}")
         for i, c in enumerate(columns)
     ]
@@ -249,8 +255,16 @@ def row_hashes(
     return out
 
 
-def _text_hash(column: str, dtype: pl.DataType, hash_format: int = HASH_FORMAT) -> pl.Expr:
-    return value_text(column, dtype, hash_format=hash_format).nchash.xxh3_64()  # type: ignore[attr-defined, no-any-return]
+def content_keys(df: pl.DataFrame, columns: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The content key of each row over its input ``columns`` (no id): high and low halves."""
+    return row_hashes(df, columns), row_hashes(df, columns, seed=1)
+
+
+def _text_hash(
+    column: str, dtype: pl.DataType, hash_format: int = HASH_FORMAT, seed: int = 0
+) -> pl.Expr:
+    text = value_text(column, dtype, hash_format=hash_format)
+    return text.nchash.xxh3_64(seed=seed)  # type: ignore[attr-defined, no-any-return]
 
 
 def _by_chunk(df: pl.DataFrame, exprs: list[pl.Expr]) -> Iterator[tuple[int, pl.DataFrame]]:

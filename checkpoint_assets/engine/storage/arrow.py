@@ -26,6 +26,11 @@ def arrow_filesystem(store: Store) -> pafs.FileSystem:
     return pafs.PyFileSystem(_CountedReads(store))
 
 
+def ranged_file(store: Store, path: str, size: int) -> pa.PythonFile:
+    """``path`` (of ``size`` bytes, as listed) as a pyarrow file: each read a counted ranged GET."""
+    return pa.PythonFile(_RangedFile(store, path, size), mode="r")
+
+
 class _CountedReads(pafs.FSSpecHandler):  # type: ignore[misc]
     def __init__(self, store: Store) -> None:
         super().__init__(store.fs)
