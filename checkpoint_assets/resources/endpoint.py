@@ -1,23 +1,29 @@
 """What the endpoint resources share: settings, one client per event loop, the optional package.
 
 An async client (``AsyncOpenAI``, ``AsyncAnthropic``) belongs to the event loop it first sends
-on: its pooled connections fail with "Event loop is closed" once used from another loop. So
-:meth:`EndpointResource.client` keeps one client per running event loop and per configuration,
-made on first use and reused by every call on that loop, so the calls in flight share its
-connections. The clients of loops that have closed are released when the step that used the
-resource ends (its connections hold their loop: without that, each run's loop and sockets would
-stay for the life of the process), not on the next call: a client dropped while a loop runs
-schedules its own close on that loop, where it fails. The sync client (for plain
-``def`` functions, whose calls run in threads) is one per process and configuration, as both
-packages' sync clients are thread-safe.
+on. Its pooled connections fail with "Event loop is closed" once used from another loop. So
+:meth:`EndpointResource.client` keeps one client per running event loop and per configuration.
+It is made on first use and reused by every call on that loop, so the calls in flight share its
+connections.
+
+The clients of loops that have closed are released when the step that used the resource ends.
+Their connections hold their loop, so each run's loop and sockets would otherwise stay for the
+life of the process. They are not released on the next call: a client dropped while a loop runs
+schedules its own close on that loop, where it fails.
+
+The sync client serves plain ``def`` functions, whose calls run in threads. It is one per process
+and configuration, as both packages' sync clients are thread-safe.
 
 Every client paces its model requests by the key's budgets (``rate_limits.py``): the limits its
 answers state, or ``requests_per_minute`` / ``tokens_per_minute`` for an endpoint that states
 none. The clients of one key in a process share one pacer.
 
-The flow: ``client()`` / ``sync_client()`` → ``_cached`` (look up by ``_connection()`` and the
-limits) → ``_require`` (import the package, or say which extra installs it) → the package's
-class, on the package's HTTP client with the pacing hooks.
+The flow:
+
+1. ``client()`` / ``sync_client()``;
+2. ``_cached``: look up by ``_connection()`` and the limits;
+3. ``_require``: import the package, or say which extra installs it;
+4. the package's class, on the package's HTTP client with the pacing hooks.
 """
 
 from __future__ import annotations
