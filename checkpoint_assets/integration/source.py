@@ -10,11 +10,12 @@ The chain, for an upstream stored by ``CheckpointIOManager``::
     asset body   ──> ShardRows(as_lazy(source), ...)    each shard read a key range at a time
                      (engine/plan/inputs.py); the reader skips row groups whose keys miss the range
 
-Any other source (a LazyFrame an upstream returns, a DataFrame, another IO manager's table) is
-filtered by ``rows_in``, the shard key computed from the id column as the rows stream past into
-local files, one per shard, read back a batch at a time. A
-partitioned source (``source_partition_mapping``) is one scan per partition, concatenated: the
-filter reaches each, so a shard reads its slice of every partition.
+Any other source is filtered by ``rows_in``: a LazyFrame an upstream returns, a DataFrame,
+another IO manager's table. The shard key is computed from the id column as the rows stream
+past into local files, one per shard, read back a batch at a time.
+
+A partitioned source (``source_partition_mapping``) is one scan per partition, concatenated:
+the filter reaches each, so a shard reads its slice of every partition.
 """
 
 from __future__ import annotations
@@ -90,20 +91,24 @@ EVERY_ROW = Shard(0, 1)  # what a partition key that is no shard takes
 
 
 class ShardRows:
-    """The input rows of each shard of one run, read a slice at a time (engine/plan/inputs.py): no
-    shard's input is held whole. Where their ids will be refused (null or duplicated), each row
-    carries its row in the source (``SOURCE_ROW``): stored with a stored source, else found by
-    reading the source's id column once more, on that error path only.
+    """The input rows of each shard of one run, read a slice at a time (engine/plan/inputs.py).
+
+    No shard's input is held whole. Where their ids will be refused (null or duplicated), each
+    row carries its row in the source (``SOURCE_ROW``). A stored source stores it; for another,
+    it is found by reading the source's id column once more, on that error path only.
 
     The filter is applied to the source as it is, so polars pushes it down to the scan: the
-    source's own computed columns are computed for these rows only. A stored source (ordered by
-    the shard key) is read a key range of about ``SLICE_ROWS`` rows at a time, each read taking
-    the few row groups its range overlaps (``remote``: off local disk, its slices are kept in
-    local files as they are first fetched, and read again from them); any other source streams
-    once into local files, one
-    per shard (``keyed.Buckets``), read back a batch at a time (held in memory when they fit in
-    its buffer). A partition key that is no shard takes every row. Use as a context manager:
-    the local files are removed at its end.
+    source's own computed columns are computed for these rows only.
+
+    - A stored source (ordered by the shard key) is read a key range of about ``SLICE_ROWS``
+      rows at a time. Each read takes the few row groups its range overlaps.
+    - With ``remote`` (off local disk), its slices are kept in local files as they are first
+      fetched, and read again from them.
+    - Any other source streams once into local files, one per shard (``keyed.Buckets``). They
+      are read back a batch at a time, held in memory when they fit in its buffer.
+
+    A partition key that is no shard takes every row. Use as a context manager: the local files
+    are removed at its end.
     """
 
     def __init__(
@@ -173,9 +178,11 @@ class ShardRows:
         return _ShardInputs(self, self._key_ranges(shard))
 
     def _key_ranges(self, shard: Shard) -> Callable[[Sequence[str]], Iterator[pl.DataFrame]]:
-        """How to read ``shard`` of a stored source: a range of its keys at a time, each of
-        about ``SLICE_ROWS`` rows (keys are hashes: evenly spread), counted from its key column
-        first. The reader skips the row groups outside each range by their statistics."""
+        """How to read ``shard`` of a stored source: a range of its keys at a time.
+
+        Each range holds about ``SLICE_ROWS`` rows, counted from its key column first; keys are
+        hashes, so they spread evenly. The reader skips the row groups outside each range by
+        their statistics."""
         key = pl.col(shard_key_column(self.id_column))
         first, end = hashing.shard_key_bounds(shard.index, shard.count)
         count = self.source.filter(shard_filter([shard], key)).select(pl.len()).collect().item()
@@ -244,8 +251,10 @@ class ShardRows:
 
 
 class _Spool:
-    """Slices kept in local files, one Arrow IPC file each, uncompressed: written and read back
-    at about memory speed (an LZ4 stream of the same rows took ten times the CPU)."""
+    """Slices kept in local files, one Arrow IPC file each, uncompressed.
+
+    They are written and read back at about memory speed. An LZ4 stream of the same rows takes
+    about ten times the CPU."""
 
     def __init__(self) -> None:
         self.folder: str | None = None
@@ -290,11 +299,13 @@ class _ShardInputs(Inputs):
 def store_output(store: Store, path: str, value: Any, id_columns: Sequence[str]) -> int:
     """Write an ordinary output to ``path`` as Parquet, streamed; returns its row count.
 
-    With ``id_columns`` (what its checkpointed downstream assets shard by), each gets its shard
-    key column and the file is in the keyed layout of the first one's (``keyed.py``), written
-    in bounded memory whatever the size of ``value``. That order is not the source's: the rows
-    whose ids they would refuse (null, or duplicated in the first) keep their position in
-    ``value`` in a ``SOURCE_ROW`` column (null for every other row: it takes no space).
+    ``id_columns`` are what its checkpointed downstream assets shard by. Each gets its shard key
+    column, and the file is in the keyed layout of the first one's (``keyed.py``). It is written
+    in bounded memory whatever the size of ``value``.
+
+    That order is not the source's. The rows whose ids they would refuse (null, or duplicated in
+    the first) keep their position in ``value`` in a ``SOURCE_ROW`` column. It is null for every
+    other row, so it takes no space.
     """
     frame = as_lazy(value)
     schema = frame.collect_schema()
@@ -328,10 +339,12 @@ def scan(store: Store, path: str, *, checked: bool = False) -> pl.LazyFrame:
     """A lazy scan of the Parquet file at ``path``: filters on columns with statistics skip row
     groups, and only the row groups and columns a query needs are read.
 
-    On local disk, polars' own reader (parallel, strings decoded straight into polars' layout);
-    on any other filesystem (S3...), pyarrow's, each byte range it needs one GET counted in the
-    store's requests (``storage/arrow.py``). ``checked``: read through pyarrow wherever the file
-    is, every page's checksum checked (checkpoints' merged files carry them).
+    On local disk it is polars' own reader: parallel, strings decoded straight into polars'
+    layout. On any other filesystem (S3...) it is pyarrow's. Each byte range it needs is one GET,
+    counted in the store's requests (``storage/arrow.py``).
+
+    ``checked``: read through pyarrow wherever the file is, every page's checksum checked
+    (checkpoints' merged files carry them).
     """
     if store.local and not checked:
         return pl.scan_parquet(path)

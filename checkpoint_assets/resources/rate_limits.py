@@ -1,10 +1,10 @@
 """The provider's side of pacing: what a request costs, what an answer says of the limits.
 
 The endpoint resources build their clients on an HTTP client with two event hooks
-(:class:`Hooks`): before a model request is sent, it waits in the key's
-:class:`~checkpoint_assets.engine.calls.pacing.Pacer` until its estimated cost fits; when the answer
-comes, its rate-limit headers go back to the pacer. Requests of other APIs (batches, files) pass
-untouched.
+(:class:`Hooks`). Before a model request is sent, it waits in the key's
+:class:`~checkpoint_assets.engine.calls.pacing.Pacer` until its estimated cost fits. When the
+answer comes, its rate-limit headers go back to the pacer. Requests of other APIs (batches,
+files) pass untouched.
 
 - **Cost** (:func:`estimate`): the request's text in UTF-8 bytes over 4, rounded up (no
   tokenizer), and its

@@ -15,18 +15,18 @@ The rules of a :class:`Pacer` (one per key and process):
   sleeping one is sent at once, not when that one's own estimate ends.
 - **What is left, as stated.** An answer sets a budget's level to the remaining it states, less
   what this process started after the answered request (the endpoint had not counted those yet).
-  From then on, until the next answer, the level refills at the stated rate (what is missing,
-  over the time to the reset), up to the limit; a window that refills all at once
+  Until the next answer, the level refills at the stated rate, up to the limit. That rate is
+  what is missing, over the time to the reset. A window that refills all at once
   (``steady=False``) is full again at its reset.
 - **Shards share a key through the headers.** Every shard on the key sees what all of them
   drew: the remaining falls faster than its own draw. A pacer measures its share of the key's
-  draw over the last seconds (at first: since it began, the key taken as full then) and takes
-  that share of what is left and of the refill, less a margin, so shards that run at once take
-  about the stated rate between them, with no coordination service. Of what is left it takes
-  less the emptier the key is (times the part of the budget left): shares measured while shards
-  start apart add up past 1 for a while, and the key then keeps some of what it holds. Alone,
-  the share is about 1; a token estimate that falls short of the endpoint's count lowers it to
-  match.
+  draw over the last seconds. At first that is since it began, the key taken as full then. It
+  takes that share of what is left and of the refill, less a margin. So shards that run at
+  once take about the stated rate between them, with no coordination service.
+  Of what is left it takes less the emptier the key is: its share times the part of the budget
+  left. Shares measured while shards start apart add up past 1 for a while; the key then keeps
+  some of what it holds. Alone, the share is about 1. A token estimate that falls short of the
+  endpoint's count lowers it to match.
 - **A slow start** (:class:`Ramp`). Until answers say what the key has left and what other
   shards draw, a pacer keeps ``FIRST_CALLS`` requests in flight, one more per answer. One answer
   is not enough: it states the key as it was when its request arrived, before the requests of
@@ -103,9 +103,9 @@ def cost(input_tokens: float, output_tokens: float) -> dict[str, float]:
 class Ticket:
     """One request, from when it asks to start until its answer is reported.
 
-    ``wake``, set by whoever waits for the ticket, is called (outside the pacer's lock) when
-    the ticket starts while its waiter sleeps, or when its wait changed: it reached the head
-    of the queue, or an answer restated the budgets.
+    ``wake`` is set by whoever waits for the ticket. It is called, outside the pacer's lock,
+    when the ticket starts while its waiter sleeps, or when its wait changed. The wait changes
+    when the ticket reaches the head of the queue, or when an answer restates the budgets.
     """
 
     __slots__ = ("admitted", "at", "cost", "drawn", "record", "seq", "wake")
@@ -249,11 +249,12 @@ class Pacer:
 
     def assume(self, per_minute: Mapping[str, float], share: float = 1.0) -> None:
         """Budgets the user knows (per minute, by kind) for an endpoint that states none, of
-        which this process takes ``share`` (:meth:`reshare` changes it). They start empty and
-        fill at the share of the rate; at most 0.9 of a second's worth of the share goes at
-        once (how much more an unknown server holds, nothing says; the rest covers the time a
-        request takes to reach it). A refused request's cost stays drawn from them. An answer
-        that states a budget replaces them."""
+        which this process takes ``share`` (:meth:`reshare` changes it).
+
+        They start empty and fill at the share of the rate. At most 0.9 of a second's worth of
+        the share goes at once: nothing says how much more an unknown server holds, and the
+        rest covers the time a request takes to reach it. A refused request's cost stays drawn
+        from them. An answer that states a budget replaces them."""
         now = self.clock()
         with self._lock:
             if per_minute:

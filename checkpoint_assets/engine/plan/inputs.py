@@ -115,9 +115,11 @@ class Prepared:
         return self.columns[0]
 
     def todo(self, todo: pl.DataFrame, size: int) -> Iterator[pl.DataFrame]:
-        """The input rows of ``todo`` (rows of ``keys`` in their order, with ``_attempts``)
-        with their ``_input_hash`` and ``_attempts``, read a slice at a time; every frame but
-        the last holds a multiple of ``size`` rows, so calls take ``size`` rows each."""
+        """The input rows of ``todo`` with their ``_input_hash`` and ``_attempts``, read a
+        slice at a time.
+
+        ``todo`` holds rows of ``keys`` in their order, with ``_attempts``. Every frame but the
+        last holds a multiple of ``size`` rows, so calls take ``size`` rows each."""
         held: pl.DataFrame | None = None
         for rows in self._todo(todo):
             rows = rows if held is None else pl.concat([held, rows])

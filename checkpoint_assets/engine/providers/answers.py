@@ -9,9 +9,13 @@ has none (its words are in ``_error``). ``ProviderJob.keep_answers`` False store
 Re-deriving. When the parse part of the function's fingerprint changed
 (``function_fingerprint.py``), ``opening.py`` hands the stored rows over (``Rederive``), and the
 work loop calls :func:`rederive` before anything else. It writes a new generation of the
-checkpoint holding every stored row: those with an answer passed through the new ``parse``
-(``plan/reparse.py``: outputs replaced; id, input hash, attempts and answer kept; a ``parse``
-that raises makes the row failed with its text, as at collection), the others as they are.
+checkpoint holding every stored row:
+
+- rows with an answer, passed through the new ``parse`` (``plan/reparse.py``). Their outputs
+  are replaced; id, input hash, attempts and answer are kept. A ``parse`` that raises makes the
+  row failed with its text, as at collection.
+- the other rows as they are.
+
 Nothing is sent and nothing is priced. Finished rows without an answer keep their outputs,
 unless the run asks to compute them again. Until the new generation begins, the rows written are
 the newest of the current one: a run killed meanwhile leaves the next run to parse them all again.
