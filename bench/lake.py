@@ -2,6 +2,7 @@
 
 ``python -m bench.lake --rows 8000000 --text-bytes 500 --shards 16`` (``--smoke``: a tiny size);
 ``python -m bench.lake --rows 2000000 --text-bytes 2000 --shards 1``: one shard of 4 GB of text.
+``--s3``: the store on a moto S3 server in its own process (``bench.remote.moto_process``).
 
 1. Build: a source of ``rows`` rows (an integer id, ``text_bytes`` characters of hex text) is
    written as raw Parquet in chunks, then materialized through ``CheckpointIOManager`` by an
@@ -14,9 +15,13 @@
      that source (a trivial function of batches of ``BATCH_ROWS`` rows) through
      ``execute_in_process`` of the Definitions' job, with a fresh checkpoint;
    - ``scan``: ``pl.scan_parquet`` of the same stored file, filtered to the same shard's rows by
-     the stored shard key column, collected by the streaming engine (the best a reader can do);
+     the stored shard key column, collected by the streaming engine (the best a reader can do;
+     on S3, polars' own object-store reader over the same server);
    - ``empty``: the same checkpointed run over a stored source of no rows: the fixed cost of a
      Dagster run (imports, instance, events), paid whatever the size.
+
+Then ``reads`` (local store only): the CPU of the shard's two input reads alone, without
+Dagster (``engine/plan/inputs.py``), against the scan's: what bounds the shard's CPU.
 
 Targets: peak RSS at most 1.5x the scan's, and under 1 GiB; wall at most 2x the scan's plus the
 empty run's, i.e. ``(checkpointed - empty) / scan <= 2`` (reported for CPU time too, which a
@@ -33,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import dagster as dg
@@ -41,9 +47,15 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from bench.lake_scan import peak_mib
+from bench.remote import moto_process
 from checkpoint_assets import CheckpointIOManager, checkpointed_asset, shard_partitions
+from checkpoint_assets.engine.plan.inputs import prepare
+from checkpoint_assets.engine.rows import ATTEMPTS
+from checkpoint_assets.engine.settings import Settings
 from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.sharding.scheme import shard_key_column
+from checkpoint_assets.engine.storage import open_store
+from checkpoint_assets.integration.source import ShardRows
 
 ID = "id"
 TEXT = "text"
@@ -55,8 +67,9 @@ SOURCES = ["lake_source", "empty_source"]  # built together; the first is measur
 SMOKE = {"rows": 20_000, "text_bytes": 50, "shards": 4}
 
 
-def definitions(folder: str, shards: int) -> dg.Definitions:
-    """A source over the raw file, a source of no rows, and a checkpointed asset over each."""
+def definitions(folder: str, shards: int, storage: dict[str, Any]) -> dg.Definitions:
+    """A source over the raw file, a source of no rows, and a checkpointed asset over each;
+    stored under ``storage``'s ``base_dir`` with the rest as storage options (default: local)."""
 
     @dg.asset
     def lake_source() -> pl.LazyFrame:
@@ -79,7 +92,9 @@ def definitions(folder: str, shards: int) -> dg.Definitions:
     empty_scored = checkpointed_asset(source="empty_source", name="empty_scored", **options)(
         trivial
     )
-    store = CheckpointIOManager(base_dir=os.path.join(folder, "store"))
+    rest = {k: v for k, v in storage.items() if k != "base_dir"}
+    base_dir = storage.get("base_dir", os.path.join(folder, "store"))
+    store = CheckpointIOManager(base_dir=base_dir, storage_options=rest)
     return dg.Definitions(
         assets=[lake_source, empty_source, lake_scored, empty_scored],
         resources={"io_manager": store},
@@ -118,19 +133,31 @@ def run_child(module: str, args: list[str]) -> dict[str, Any]:
     return result
 
 
-def run_scan(folder: str, shards: int) -> dict[str, Any]:
+def run_scan(folder: str, shards: int, options: dict[str, Any]) -> dict[str, Any]:
     """The baseline, in a process that imports polars alone (``bench/lake_scan.py``)."""
     first, end = hashing.shard_key_bounds(measured(shards), shards)
-    path = os.path.join(folder, "store", "lake_source.parquet")
     bounds = [str(first), "none" if end is None else str(end)]
-    return run_child("bench.lake_scan", [path, shard_key_column(ID), *bounds])
+    if not options:
+        path = os.path.join(folder, "store", "lake_source.parquet")
+        return run_child("bench.lake_scan", [path, shard_key_column(ID), *bounds])
+    client = options["client_kwargs"]
+    polars_options = {
+        "aws_endpoint_url": client["endpoint_url"],
+        "aws_region": client["region_name"],
+        "aws_access_key_id": options["key"],
+        "aws_secret_access_key": options["secret"],
+        "aws_allow_http": "true",
+    }
+    path = f"{options['base_dir']}/lake_source.parquet"
+    args = [path, shard_key_column(ID), *bounds, json.dumps(polars_options)]
+    return run_child("bench.lake_scan", args)
 
 
-def child(kind: str, folder: str, shards: int) -> dict[str, Any]:
+def child(kind: str, folder: str, shards: int, options: dict[str, Any]) -> dict[str, Any]:
     """One Dagster run in this process (``build``, ``checkpointed`` or ``empty``): its wall time,
     rows and peak RSS."""
     started, cpu = time.perf_counter(), time.process_time()
-    job = definitions(folder, shards).resolve_implicit_global_asset_job_def()
+    job = definitions(folder, shards, options).resolve_implicit_global_asset_job_def()
     partition = shard_partitions(shards).get_partition_keys()[measured(shards)]
     selected = {"checkpointed": "lake_scored", "empty": "empty_scored"}
     assets = [selected[kind]] if kind in selected else SOURCES
@@ -146,20 +173,48 @@ def child(kind: str, folder: str, shards: int) -> dict[str, Any]:
     return {"kind": kind, "seconds": seconds, "cpu": cpu, "rows": rows, "peak_mib": peak_mib()}
 
 
-def main(rows: int, text_bytes: int, shards: int) -> dict[str, Any]:
+def reads(folder: str, shards: int) -> dict[str, Any]:
+    """The CPU seconds of the shard's input reads alone (local store): one read of its id and
+    text a slice at a time, ``prepare`` (that read and every row's hash), and the read of every
+    row again as the calls take them (``Prepared.todo``)."""
+    path = os.path.join(folder, "store", "lake_source.parquet")
+    key = shard_partitions(shards).get_partition_keys()[measured(shards)]
+    settings = Settings(id_column=ID, input_columns=(TEXT,))
+    figures: dict[str, Any] = {"kind": "reads"}
+    with ShardRows(pl.scan_parquet(path), ID, [key]) as shard:
+        inputs = shard.of(key)
+        cpu = time.process_time()
+        figures["rows"] = sum(f.height for f in inputs.slices([ID, TEXT]))
+        figures["read"] = time.process_time() - cpu
+        cpu = time.process_time()
+        prepared = prepare(inputs, settings)
+        figures["prepare"] = time.process_time() - cpu
+        todo = prepared.keys.with_columns(pl.lit(0, pl.Int32).alias(ATTEMPTS))
+        cpu = time.process_time()
+        assert sum(f.height for f in prepared.todo(todo, BATCH_ROWS)) == figures["rows"]
+        figures["todo"] = time.process_time() - cpu
+    return figures
+
+
+def main(rows: int, text_bytes: int, shards: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Build, then measure the scan, the run over no rows and the shard, each in its own
+    process (``options``: where the store is, see ``definitions``)."""
     folder = tempfile.mkdtemp(prefix="bench-lake-")
     try:
         raw = os.path.join(folder, "raw.parquet")
         write_raw(raw, rows, text_bytes)
         raw_mib = os.path.getsize(raw) / MIB
-        build = run_child("bench.lake", ["--child", "build", folder, str(shards)])
+        said = json.dumps(options)
+        build = run_child("bench.lake", ["--child", "build", folder, str(shards), said])
         os.remove(raw)
-        stored = os.path.join(folder, "store", "lake_source.parquet")
-        groups = pq.read_metadata(stored).num_row_groups
-        figures = {"build": build, "raw_mib": raw_mib, "row_groups": groups}
-        figures["scan"] = run_scan(folder, shards)
+        figures = {"build": build, "raw_mib": raw_mib, "row_groups": row_groups(folder, options)}
+        figures["scan"] = run_scan(folder, shards, options)
         for kind in ("empty", "checkpointed"):
-            figures[kind] = run_child("bench.lake", ["--child", kind, folder, str(shards)])
+            args = ["--child", kind, folder, str(shards), said]
+            figures[kind] = run_child("bench.lake", args)
+        if not options:
+            args = ["--child", "reads", folder, str(shards), said]
+            figures["reads"] = run_child("bench.lake", args)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     scan, empty, ran = figures["scan"], figures["empty"], figures["checkpointed"]
@@ -171,13 +226,24 @@ def main(rows: int, text_bytes: int, shards: int) -> dict[str, Any]:
     small = ran["peak_mib"] < 1024
     figures["targets_met"] = figures["rss_ratio"] <= 1.5 and small and figures["seconds_ratio"] <= 2
     figures["size"] = {"rows": rows, "text_bytes": text_bytes, "shards": shards}
+    figures["store"] = "s3 (moto)" if options else "local"
     return figures
+
+
+def row_groups(folder: str, options: dict[str, Any]) -> int:
+    """The row groups of the stored source."""
+    if not options:
+        return pq.read_metadata(os.path.join(folder, "store", "lake_source.parquet")).num_row_groups
+    rest = {k: v for k, v in options.items() if k != "base_dir"}
+    store = open_store(options["base_dir"], rest)
+    with store.fs.open(store.path("lake_source.parquet"), "rb") as file:
+        return pq.ParquetFile(file).metadata.num_row_groups
 
 
 def report(figures: dict[str, Any]) -> str:
     lines = [
         f"source: {figures['size']}, raw {figures['raw_mib']:.0f} MiB, "
-        f"{figures['row_groups']} row groups"
+        f"{figures['row_groups']} row groups, store {figures['store']}"
     ]
     for kind in ("build", "scan", "empty", "checkpointed"):
         f = figures[kind]
@@ -193,6 +259,12 @@ def report(figures: dict[str, Any]) -> str:
         f"(checkpointed - empty run) / scan: wall {figures['seconds_ratio']:.2f} (target <= 2), "
         f"CPU {figures['cpu_ratio']:.2f}; targets met: {figures['targets_met']}"
     )
+    if "reads" in figures:
+        f, scan = figures["reads"], figures["scan"]["cpu"]
+        lines.append(
+            f"input reads alone, CPU / scan's: one read {f['read'] / scan:.2f}, prepare (read "
+            f"and hash) {f['prepare'] / scan:.2f}, read again for the calls {f['todo'] / scan:.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -202,18 +274,24 @@ def cli() -> None:
     parser.add_argument("--text-bytes", type=int, default=500)
     parser.add_argument("--shards", type=int, default=16)
     parser.add_argument("--smoke", action="store_true", help="a tiny size, for the tests")
-    parser.add_argument("--child", nargs=3, metavar=("KIND", "FOLDER", "SHARDS"))
+    parser.add_argument("--s3", action="store_true", help="the store on a moto S3 server")
+    parser.add_argument("--child", nargs=4, metavar=("KIND", "FOLDER", "SHARDS", "OPTIONS"))
     args = parser.parse_args()
     if args.child:
-        kind, folder, shards = args.child
-        print(json.dumps(child(kind, folder, int(shards))))
+        kind, folder, shards, options = args.child
+        if kind == "reads":
+            print(json.dumps(reads(folder, int(shards))))
+            return
+        print(json.dumps(child(kind, folder, int(shards), json.loads(options))))
         return
     size = (
         SMOKE
         if args.smoke
         else {"rows": args.rows, "text_bytes": args.text_bytes, "shards": args.shards}
     )
-    figures = main(**size)
+    with moto_process() if args.s3 else nullcontext() as server:
+        options = {} if server is None else {"base_dir": server[0], **server[1]}
+        figures = main(**size, options=options)
     print(report(figures))
     print(json.dumps(figures))
 

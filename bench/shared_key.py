@@ -9,8 +9,8 @@ shards start together however long their processes take to start on a busy machi
 
 - ``tokens``: a tokens budget, stated in OpenAI's ``x-ratelimit-*`` headers;
 - ``requests``: a requests budget, stated the same way;
-- ``no_headers``: the tokens budget enforced but never stated, with ``tokens_per_minute`` and
-  ``shards_at_once`` set on the resource.
+- ``no_headers``: the tokens budget enforced but never stated, with ``tokens_per_minute`` set
+  on the resource (the shards count each other).
 
 The budget is the baseline: use is what the server charged over what the budget allowed from
 its first charge to its last (a full bucket, then its refill). Refusals per answer are the
@@ -119,6 +119,7 @@ def run(scenario: str, shards: int, tickets: int, tps: int, rps: int) -> Result:
     result.add("refusals", served["over_budget"])
     result.add("seconds charged", seconds, "s")
     result.add("wall", wall, "s")
+    result.add("load average (1 min)", os.getloadavg()[0])
     result.details = {"served": served, "server": settings.argv()}
     return result
 

@@ -2,9 +2,9 @@
 
 The OpenAI example's asset (one ticket per call, 32 in flight) over ``SHARED_KEY_SHARDS`` shards,
 calling ``OPENAI_BASE_URL``. ``SHARED_KEY_TOKENS_PER_MINUTE`` and
-``SHARED_KEY_REQUESTS_PER_MINUTE`` set the resource's limits for a server that states none;
-``shards_at_once`` is then the shard count. Each shard's first call waits until every shard's
-process is ready (a file each in ``SHARED_KEY_READY_DIR``).
+``SHARED_KEY_REQUESTS_PER_MINUTE`` set the resource's limits for a server that states none; the
+shards count each other as they start and finish (``shards_at_once`` unset). Each shard's first
+call waits until every shard's process is ready (a file each in ``SHARED_KEY_READY_DIR``).
 """
 
 from __future__ import annotations
@@ -90,7 +90,6 @@ defs = dg.Definitions(
             max_tokens=8,
             requests_per_minute=_limit("SHARED_KEY_REQUESTS_PER_MINUTE"),
             tokens_per_minute=_limit("SHARED_KEY_TOKENS_PER_MINUTE"),
-            shards_at_once=SHARDS,
         ),
     },
 )

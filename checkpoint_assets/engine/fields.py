@@ -1,8 +1,8 @@
 """Declared fields: a dataclass field's default and its meaning, written together.
 
 The meaning is kept under ``DOC`` in the field's metadata. The decorators' docstrings, the
-Component's YAML schema, the run config and the docs' reference tables read it from there, so
-each is written once: in the engine's dataclass (``Settings``, ``Budget``, ``Price``).
+Component's YAML schema, the run config and the docs' reference tables read it from there. So
+each is written once, in the engine's dataclass (``Settings``, ``Budget``, ``Price``).
 """
 
 from __future__ import annotations

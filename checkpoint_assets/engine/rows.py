@@ -12,9 +12,12 @@ Every stored row carries the id, the output columns and these columns:
   JSON text, so a changed ``parse`` re-derives the outputs with no call
   (``providers/answers.py``). Null where none was kept.
 
-The winner among several stored rows of one id: the input hash of the id's newest row is the id's
-current input; among the rows with that hash a success beats a failure, then the newest wins. When
-the input never changes this is exactly "success beats failure, then newest".
+Which of several stored rows of one id wins:
+
+- the input hash of the id's newest row is the id's current input;
+- among the rows with that hash, a success beats a failure, then the newest wins.
+
+When the input never changes, this is exactly "success beats failure, then newest".
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ SEQ = "_seq"
 CURRENT = "_current"
 ANSWER = "_answer"
 BOOKKEEPING = (ERROR, ATTEMPTS, INPUT_HASH, SEQ, CURRENT, ANSWER)
-# The ``_error`` of an input row the function returned no row for: told apart at the end of a
-# run, since it is a bug in the function, not a failure of the row.
+# The ``_error`` of an input row the function returned no row for. The end of a run tells these
+# apart: they are a bug in the function, not a failure of the row.
 NO_RESULT = "the function returned no result for this row"
 
 

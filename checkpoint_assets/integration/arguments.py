@@ -1,13 +1,15 @@
 """The arguments of the decorators, each declared once as a dataclass field.
 
-``CommonArguments`` is what every checkpointed asset takes: the rows, ``RowSettings`` (with the
-engine's defaults) and what goes to Dagster (name, group, owners, ...). ``AssetArguments`` adds
-how ``checkpointed_asset`` calls its function (the rest of ``AssetSettings``);
-``ProviderArguments`` (``provider_asset.py``) adds the provider's. A decorator takes the fields
-of its dataclass as keyword arguments (``keyword_arguments_of`` gives it their signature, so mypy
-and IDEs know them), its docstring lists them from their ``DOC``, and
-``CheckpointedAssetComponent`` derives its YAML attributes from them. A new argument is one field
-here, or in ``RowSettings`` or ``AssetSettings`` for a setting.
+- ``CommonArguments`` is what every checkpointed asset takes: the rows, ``RowSettings`` (with
+  the engine's defaults) and what goes to Dagster (name, group, owners, ...).
+- ``AssetArguments`` adds how ``checkpointed_asset`` calls its function (the rest of
+  ``AssetSettings``).
+- ``ProviderArguments`` (``provider_asset.py``) adds the provider's.
+
+A decorator takes the fields of its dataclass as keyword arguments. ``keyword_arguments_of``
+gives it their signature, so mypy and IDEs know them. Its docstring lists them from their
+``DOC``. ``CheckpointedAssetComponent`` derives its YAML attributes from them. A new argument is
+one field here, or in ``RowSettings`` or ``AssetSettings`` for a setting.
 
 No ``from __future__ import annotations`` here: the Component reads the fields' types at runtime.
 """

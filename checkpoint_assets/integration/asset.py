@@ -66,16 +66,16 @@ def checkpointed_asset(
 ) -> Callable[[Callable[..., Any]], dg.AssetsDefinition]:
     """Turn ``fn(batch: pl.DataFrame) -> pl.DataFrame`` into a checkpointed Dagster asset.
 
-    ``fn`` receives batches of ``batch_size`` rows (the id and the input columns) and returns the
-    id and its output columns for those rows, in any order; it may be an ``async def``. Its
+    ``fn`` receives batches of ``batch_size`` rows (the id and the input columns). It returns the
+    id and its output columns for those rows, in any order. It may be an ``async def``. Its
     other parameters are Dagster resources by name, and one named ``context`` gets the asset's
     execution context. Results are flushed to the checkpoint as Parquet parts every
     ``checkpoint_interval`` rows; an interrupted run resumes by id. Partitions from
     :func:`shard_partitions` split the input into shards that run in parallel.
 
-    Raise :class:`RetryAfter` (or let an HTTP 429/503/529 from ``httpx``, ``openai`` or
-    ``anthropic`` through) when the endpoint rate limits: that call waits and is sent again, and
-    the shard's concurrency follows what the endpoint sustains.
+    Raise :class:`RetryAfter` when the endpoint rate limits, or let an HTTP 429/503/529 from
+    ``httpx``, ``openai`` or ``anthropic`` through. That call waits and is sent again. The
+    shard's concurrency follows what the endpoint sustains.
 
     Every argument is keyword-only; they are the fields of ``AssetArguments`` (listed below).
 
@@ -101,10 +101,15 @@ def checkpointed_asset(
 
 @dataclass(frozen=True)
 class Calls:
-    """How an asset's rows are computed: the resources it needs (their fingerprints join its
-    code's), what it calls each run (``bind``: the function with its resources, or a
-    ``ProviderJob``), the engine's work loop for it (None: ``runner.Run``), and a row's request
-    body (``request``, of a request/parse asset: what a dry run counts the tokens of)."""
+    """How an asset's rows are computed.
+
+    - ``resources``: the resources it needs (their fingerprints join its code's);
+    - ``bind``: what it calls each run (the function with its resources, or a ``ProviderJob``);
+    - ``loop``: the engine's work loop for it (None: ``runner.Run``);
+    - ``request``: a row's request body, of a request/parse asset (a dry run counts its tokens);
+    - ``parse``: a request/parse asset's that keeps its answers; it reads the answers of rows
+      taken from the result store.
+    """
 
     resources: tuple[str, ...]
     code: dict[str, str]
@@ -112,6 +117,7 @@ class Calls:
     loop: type[ShardRun] | None = None
     config: type[CheckpointRunConfig] = CheckpointRunConfig
     request: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
+    parse: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
 
 
 def define(
@@ -205,6 +211,7 @@ class _AssetRun:
     imported: pl.DataFrame | None  # global resume: read once for every shard of a ranged run
     spend: AssetSpend | None
     results: ResultStore | None  # the result store, when the run reuses results by content
+    parse: Callable[[dict[str, Any]], Mapping[str, Any]] | None  # Calls.parse
     requests: Requests  # how a dry run counts tokens
 
     @classmethod
@@ -253,6 +260,7 @@ class _AssetRun:
             imported=imported,
             spend=_spend(context, settings, keys),
             results=_results(io_manager, a, config),
+            parse=calls.parse,
             requests=dry_run.requests(calls.request, resources.values()),
         )
 
@@ -293,15 +301,19 @@ class _AssetRun:
             asset_key, tag = self.context.asset_key, config.checkpoint_tag
             checkpoint = self.io_manager.checkpoint(asset_key, tag, partition, self.store)
         limit = config.limit
+        content = self.results is not None
         return estimate(
-            runner.prepare(rows if limit is None else Limited(rows, limit), settings),
+            runner.prepare(
+                rows if limit is None else Limited(rows, limit), settings, content=content
+            ),
             settings,
             checkpoint,
-            job=Job(dict(self.job), self.printed or None),
+            job=Job(dict(self.job), self.printed or None, self.parse),
             scheme=Scheme.of(partition),
             imported=self.imported,
             requests=self.requests,
             submitted=dry_run.submitted(checkpoint, settings.id_column, self.requests),
+            results=self.results,
         )
 
     def _run_all(self) -> tuple[list[pl.DataFrame], list[RunStats]]:
@@ -369,6 +381,7 @@ class _AssetRun:
             spend=None if spend is None else spend.spend,
             loop=self.loop,
             results=self.results,
+            parse=self.parse,
         )
         try:
             return runner.run(
@@ -411,9 +424,9 @@ def _global_rows(
 ) -> pl.DataFrame:
     """Finished rows of this job from other checkpoints, for the shards ``keys``.
 
-    Range shards read only the overlapping checkpoints of earlier shard counts; when storage
-    holds checkpoints that cannot be narrowed down (unpartitioned, other partition keys, the mod
-    rule), the rows come from the asset's global resume table of the run's tag.
+    Range shards read only the overlapping checkpoints of earlier shard counts. Storage may hold
+    checkpoints that cannot be narrowed down (unpartitioned, other partition keys, the mod rule).
+    Then the rows come from the asset's global resume table of the run's tag.
     """
     asset_key = context.asset_key
     fingerprint = hashing.job_fingerprint(job)

@@ -1,9 +1,9 @@
 """A dry run (``dry_run: true`` in run config) in Dagster: what it reads besides the shards, and
 how it ends.
 
-It reads what the endpoint resource adds to every request (``requests``), and for a
-request/parse asset the rows of the checkpoint's open provider batch submissions
-(``submitted``), which a run collects without sending them again.
+It reads what the endpoint resource adds to every request (``requests``). For a request/parse
+asset, it also reads the rows of the checkpoint's open provider batch submissions
+(``submitted``). A run collects those without sending them again.
 
 Each shard's estimate (``engine/plan/estimate.py``) is recorded as an ``AssetObservation`` of its
 partition (keys ``estimate/...``, ``metadata.DRY_RUN``), and the total is logged. The step then

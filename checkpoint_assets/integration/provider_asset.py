@@ -177,24 +177,31 @@ class ProviderArguments(CommonArguments, AssetSettings):
 def provider_batch_asset(
     arguments: ProviderArguments,
 ) -> Callable[[Callable[[dict[str, Any]], dict[str, Any]]], dg.AssetsDefinition]:
-    """Turn ``request(row) -> dict`` into the request/parse asset: a checkpointed asset whose
-    rows go to a model provider, in any ``mode``. ``batch`` (the default) uses its batch API
-    (OpenAI's Batch API, Anthropic's Message Batches): about half the price of per-row calls,
-    results within the provider's window (24 h) instead of at once. ``online`` sends each row's
-    request at once through the resource (its pacing, ``max_concurrency``). ``hybrid`` submits
-    batches and finishes online what the ``deadline``, an expiry or a failure left. Run config
-    ``mode`` and ``deadline`` choose per run; no row is paid twice.
+    """Turn ``request(row) -> dict`` into the request/parse asset.
+
+    It is a checkpointed asset whose rows go to a model provider, in any ``mode``:
+
+    - ``batch`` (the default) uses the provider's batch API (OpenAI's Batch API, Anthropic's
+      Message Batches). It costs about half the price of per-row calls. Results come within the
+      provider's window (24 h), not at once.
+    - ``online`` sends each row's request at once through the resource (its pacing,
+      ``max_concurrency``).
+    - ``hybrid`` submits batches and finishes online what the ``deadline``, an expiry or a
+      failure left.
+
+    Run config ``mode`` and ``deadline`` choose per run; no row is paid twice.
 
     ``request`` gets one row (the id and the input columns) as a dict and returns the request
-    body (the resource adds its ``model`` and request settings); ``parse`` gets the response body
-    of that row and returns a dict of output columns, usage columns among them. The rows of each
-    shard are submitted within the provider's limits and recorded in the shard's checkpoint before
-    anything is sent, so no row is paid for twice whatever stops a run; results are stored like
-    computed rows (resume, ``_error``, ``retry_failed``, usage metadata), each with its
-    response body in ``_answer``.
+    body. The resource adds its ``model`` and request settings. ``parse`` gets the response body
+    of that row and returns a dict of output columns, usage columns among them.
 
-    With ``wait`` the run polls until every batch ended and materializes the partition; without
-    it the run submits, records and fails with "Submitted, not materialized yet", and
+    The rows of each shard are submitted within the provider's limits. They are recorded in the
+    shard's checkpoint before anything is sent, so no row is paid for twice whatever stops a run.
+    Results are stored like computed rows (resume, ``_error``, ``retry_failed``, usage
+    metadata). Each keeps its response body in ``_answer``.
+
+    With ``wait``, the run polls until every batch ended and materializes the partition. Without
+    it, the run submits, records and fails with "Submitted, not materialized yet". Then
     :func:`provider_batches_sensor` requests the run that collects the results once they end.
 
     The arguments it shares with :func:`checkpointed_asset` mean the same. A ``budget`` prices
@@ -257,7 +264,8 @@ def provider_batch_asset(
 
         # The request part, then the parse part (the resources add theirs to the request's).
         code = function_fingerprint.of_function(request) | function_fingerprint.of_parse(a.parse)
-        calls = Calls((provider,), code, bind, ProviderRun, ProviderBatchRunConfig, request=request)
+        parse = a.parse if a.keep_answers else None  # reads the answers of rows reused
+        calls = Calls((provider,), code, bind, ProviderRun, ProviderBatchRunConfig, request, parse)
         return define(request, calls, declared, kinds={"polars", "parquet", provider})
 
     return decorator

@@ -1,10 +1,13 @@
 """Dagster resources that hand a checkpointed function a model endpoint's client.
 
-:class:`OpenAIResource` (the ``openai`` package: the OpenAI API and every server that speaks its
-protocol) and :class:`AnthropicResource` (the ``anthropic`` package). Each gives an ``async def``
-function the client of its event loop, made with ``max_retries=0`` so rate limits and errors
-reach the checkpointed asset, and says which of its settings change results
-(``checkpoint_fingerprint``). The packages are optional extras, imported on first use.
+- :class:`OpenAIResource` uses the ``openai`` package: the OpenAI API and every server that
+  speaks its protocol.
+- :class:`AnthropicResource` uses the ``anthropic`` package.
+
+Each gives an ``async def`` function the client of its event loop. The client is made with
+``max_retries=0``, so rate limits and errors reach the checkpointed asset. Each resource says
+which of its settings change results (``checkpoint_fingerprint``). The packages are optional
+extras, imported on first use.
 """
 
 from checkpoint_assets.resources.anthropic import AnthropicResource

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
     from checkpoint_assets.resources.anthropic_batches import AnthropicBatches
 
-# Retries of the batch API's own requests (create, list, poll, download): none of them is paid
-# per token, and each is safe to repeat but create, which the engine finds by its tag first.
+# Retries of the batch API's own requests: create, list, poll, download. None of them is paid
+# per token. Each is safe to repeat but create, which the engine finds by its tag first.
 _BATCH_API_RETRIES = 5
 
 __all__ = ["AnthropicResource"]
@@ -32,8 +32,8 @@ class AnthropicResource(EndpointResource):
     The Messages API takes no sampling temperature; ``max_tokens`` is the request setting it
     adds to ``model`` (``request_defaults()``).
 
-    A rate limit arrives as ``anthropic.RateLimitError`` (429) and an overloaded API as
-    ``anthropic.OverloadedError`` (529): with ``max_retries=0`` both reach the checkpointed
+    A rate limit arrives as ``anthropic.RateLimitError`` (429), an overloaded API as
+    ``anthropic.OverloadedError`` (529). With ``max_retries=0`` both reach the checkpointed
     asset, which pauses the shard instead of failing rows.
 
     Example::

@@ -1,23 +1,29 @@
 """What the endpoint resources share: settings, one client per event loop, the optional package.
 
 An async client (``AsyncOpenAI``, ``AsyncAnthropic``) belongs to the event loop it first sends
-on: its pooled connections fail with "Event loop is closed" once used from another loop. So
-:meth:`EndpointResource.client` keeps one client per running event loop and per configuration,
-made on first use and reused by every call on that loop, so the calls in flight share its
-connections. The clients of loops that have closed are released when the step that used the
-resource ends (its connections hold their loop: without that, each run's loop and sockets would
-stay for the life of the process), not on the next call: a client dropped while a loop runs
-schedules its own close on that loop, where it fails. The sync client (for plain
-``def`` functions, whose calls run in threads) is one per process and configuration, as both
-packages' sync clients are thread-safe.
+on. Its pooled connections fail with "Event loop is closed" once used from another loop. So
+:meth:`EndpointResource.client` keeps one client per running event loop and per configuration.
+It is made on first use and reused by every call on that loop, so the calls in flight share its
+connections.
+
+The clients of loops that have closed are released when the step that used the resource ends.
+Their connections hold their loop, so each run's loop and sockets would otherwise stay for the
+life of the process. They are not released on the next call: a client dropped while a loop runs
+schedules its own close on that loop, where it fails.
+
+The sync client serves plain ``def`` functions, whose calls run in threads. It is one per process
+and configuration, as both packages' sync clients are thread-safe.
 
 Every client paces its model requests by the key's budgets (``rate_limits.py``): the limits its
 answers state, or ``requests_per_minute`` / ``tokens_per_minute`` for an endpoint that states
 none. The clients of one key in a process share one pacer.
 
-The flow: ``client()`` / ``sync_client()`` → ``_cached`` (look up by ``_connection()`` and the
-limits) → ``_require`` (import the package, or say which extra installs it) → the package's
-class, on the package's HTTP client with the pacing hooks.
+The flow:
+
+1. ``client()`` / ``sync_client()``;
+2. ``_cached``: look up by ``_connection()`` and the limits;
+3. ``_require``: import the package, or say which extra installs it;
+4. the package's class, on the package's HTTP client with the pacing hooks.
 """
 
 from __future__ import annotations
@@ -35,14 +41,15 @@ import dagster as dg
 from pydantic import Field
 
 from checkpoint_assets.engine.calls import pacing
-from checkpoint_assets.resources import rate_limits
+from checkpoint_assets.resources import peers, rate_limits
 
 _Clients = dict[tuple[Any, ...], Any]
 _LOOP_CLIENTS: Final[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Clients]] = (
     weakref.WeakKeyDictionary()
 )
 _PROCESS_CLIENTS: Final[_Clients] = {}
-_PACERS: Final[dict[tuple[Any, ...], pacing.Pacer]] = {}  # one per key and limits, per process
+# One pacer per key and limits, per process, with the count of the processes sharing the key.
+_PACERS: Final[dict[tuple[Any, ...], tuple[pacing.Pacer, peers.Peers | None]]] = {}
 _LOCK: Final = threading.Lock()
 
 
@@ -58,10 +65,10 @@ class EndpointResource(dg.ConfigurableResource):
     rate-limit headers of every answer (OpenAI's ``x-ratelimit-*``, Anthropic's
     ``anthropic-ratelimit-*``, the IETF ``RateLimit`` fields). They state the key's budget, so
     shards that run at once share it without further setup. For a server that sends none (vLLM,
-    a proxy), set ``requests_per_minute`` / ``tokens_per_minute``: each shard then takes
-    ``1 / shards_at_once`` of them. Set ``shards_at_once`` to the shards that call the endpoint
-    at once (the limit of their Dagster pool, or the backfill's partitions if fewer). With
-    neither, calls are not paced, and the shard's concurrency adapts to the refusals it meets.
+    a proxy), set ``requests_per_minute`` / ``tokens_per_minute``: the processes of one machine
+    that call the key take equal shares, counted as they start and finish (``peers.py``). For
+    shards on several machines, set ``shards_at_once``: each takes ``1 / shards_at_once``. With
+    neither limit, calls are not paced, and the shard's concurrency adapts to the refusals.
     """
 
     _package: ClassVar[str]  # the optional package, also the name of the extra installing it
@@ -94,12 +101,13 @@ class EndpointResource(dg.ConfigurableResource):
         description="The key's tokens per minute (input and output), for an endpoint whose "
         "answers state no limits; shared by `shards_at_once` shards.",
     )
-    shards_at_once: int = Field(
-        default=1,
+    shards_at_once: int | None = Field(
+        default=None,
         ge=1,
         description="Shards that call the endpoint at once, each taking this share of "
-        "`requests_per_minute` and `tokens_per_minute`: the limit of their Dagster pool, or "
-        "fewer if fewer run.",
+        "`requests_per_minute` and `tokens_per_minute`: set it when they run on several "
+        "machines (the limit of their Dagster pool). Unset, the processes of this machine "
+        "that call the key are counted as they start and finish.",
     )
 
     def request_defaults(self) -> dict[str, Any]:
@@ -165,7 +173,7 @@ class EndpointResource(dg.ConfigurableResource):
         if client is None:
             package = _require(self._package, type(self).__name__)
             asynchronous = class_name == self._client_classes[0]
-            hooks = rate_limits.Hooks(self._pacer(), asynchronous)
+            hooks = rate_limits.Hooks(*self._pacer(), asynchronous=asynchronous)
             http = "DefaultAsyncHttpxClient" if asynchronous else "DefaultHttpxClient"
             http_client = getattr(package, http)(event_hooks=hooks.event_hooks)
             client = clients[key] = getattr(package, class_name)(
@@ -176,16 +184,21 @@ class EndpointResource(dg.ConfigurableResource):
     def _limits(self) -> tuple[Any, ...]:
         return (self.requests_per_minute, self.tokens_per_minute, self.shards_at_once)
 
-    def _pacer(self) -> pacing.Pacer:
-        """The pacer of this key and these limits in this process (inside ``_LOCK``)."""
+    def _pacer(self) -> tuple[pacing.Pacer, peers.Peers | None]:
+        """The pacer of this key and these limits in this process (inside ``_LOCK``), and the
+        count of the processes sharing assumed limits (None: not counted)."""
         key = (self._package, self.base_url, self.api_key, *self._limits())
-        pacer = _PACERS.get(key)
-        if pacer is None:
-            pacer = _PACERS[key] = pacing.Pacer()
+        found = _PACERS.get(key)
+        if found is None:
+            pacer = pacing.Pacer()
             assumed = {"requests": self.requests_per_minute, "tokens": self.tokens_per_minute}
             per_minute = {k: float(v) for k, v in assumed.items() if v is not None}
-            pacer.assume(per_minute, share=1 / self.shards_at_once)
-        return pacer
+            pacer.assume(per_minute, share=1 / (self.shards_at_once or 1))
+            counted = None
+            if per_minute and self.shards_at_once is None:
+                counted = peers.Peers(peers.directory_of(f"{self.base_url}\n{self.api_key}"))
+            found = _PACERS[key] = (pacer, counted)
+        return found
 
     def _connection(self) -> dict[str, Any]:
         """The client's constructor arguments: what makes two clients different."""

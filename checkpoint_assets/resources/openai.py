@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
     from checkpoint_assets.resources.openai_batches import OpenAIBatches
 
-# Retries of the batch API's own requests (upload, create, poll, download): none of them is paid
-# per token, and each is safe to repeat (create is found by its tag before it is sent again).
+# Retries of the batch API's own requests: upload, create, poll, download. None of them is paid
+# per token. Each is safe to repeat: create is found by its tag before it is sent again.
 _BATCH_API_RETRIES = 5
 
 __all__ = ["OpenAIResource"]

@@ -1,10 +1,10 @@
 """The provider's side of pacing: what a request costs, what an answer says of the limits.
 
 The endpoint resources build their clients on an HTTP client with two event hooks
-(:class:`Hooks`): before a model request is sent, it waits in the key's
-:class:`~checkpoint_assets.engine.calls.pacing.Pacer` until its estimated cost fits; when the answer
-comes, its rate-limit headers go back to the pacer. Requests of other APIs (batches, files) pass
-untouched.
+(:class:`Hooks`). Before a model request is sent, it waits in the key's
+:class:`~checkpoint_assets.engine.calls.pacing.Pacer` until its estimated cost fits. When the
+answer comes, its rate-limit headers go back to the pacer. Requests of other APIs (batches,
+files) pass untouched.
 
 - **Cost** (:func:`estimate`): the request's text in UTF-8 bytes over 4, rounded up (no
   tokenizer), and its
@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import json
 import math
 import re
+import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from checkpoint_assets.engine.calls import pacing
+from checkpoint_assets.resources.peers import Peers
 
 #: The paths of model requests, which are paced; every other request passes.
 _PACED: Final = ("/chat/completions", "/completions", "/embeddings", "/responses", "/messages")
@@ -198,12 +201,29 @@ def _text_bytes(value: Any) -> int:
     return 0
 
 
+def _set(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _wake_future(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]) -> None:
+    """Wake a request waiting on ``loop``, from any thread."""
+    if asyncio._get_running_loop() is loop:
+        _set(future)
+    else:
+        loop.call_soon_threadsafe(_set, future)
+
+
 class Hooks:
     """The event hooks of one client's HTTP client: pace model requests by ``pacer``, report
-    what their answers state."""
+    what their answers state. ``peers``: the processes sharing the pacer's assumed limits,
+    counted again as requests go (``peers.py``)."""
 
-    def __init__(self, pacer: pacing.Pacer, asynchronous: bool) -> None:
+    def __init__(
+        self, pacer: pacing.Pacer, peers: Peers | None = None, *, asynchronous: bool
+    ) -> None:
         self.pacer = pacer
+        self.peers = peers
         if asynchronous:
             self.event_hooks: dict[str, list[Any]] = {
                 "request": [self._before_async],
@@ -215,34 +235,60 @@ class Hooks:
     def _ticket(self, request: Any) -> pacing.Ticket | None:
         if request.method != "POST" or not request.url.path.endswith(_PACED):
             return None
+        if self.peers is not None and (count := self.peers.poll()) is not None:
+            self.pacer.reshare(1 / count)
         ticket = self.pacer.ask(pacing.cost(*estimate(request.content)), pacing.current())
         request.extensions[_TICKET] = ticket
         return ticket
 
-    def _waits(self, request: Any) -> Iterator[float]:
-        """The sleeps a request takes before it is sent (none when it fits now), written once
-        for both hooks: a request that would wait past ``PATIENCE_SECONDS`` goes anyway."""
+    def _next_wait(self, ticket: pacing.Ticket, began: float) -> float:
+        """Seconds ``ticket`` sleeps next (0: it goes now). A request that would wait past
+        ``PATIENCE_SECONDS`` in all goes anyway."""
+        wait = self.pacer.wait(ticket)
+        if wait > 0 and self.pacer.clock() - began + wait > pacing.PATIENCE_SECONDS:
+            self.pacer.force(ticket)
+            return 0.0
+        return wait
+
+    def _before(self, request: Any) -> None:
         ticket = self._ticket(request)
         if ticket is None:
             return
+        woken = threading.Event()
+        ticket.wake = woken.set
         began = self.pacer.clock()
-        if (wait := self.pacer.wait(ticket)) == 0:
-            return
-        while wait > 0:
-            if self.pacer.clock() - began + wait > pacing.PATIENCE_SECONDS:
-                self.pacer.force(ticket)
-                break
-            yield wait
-            wait = self.pacer.wait(ticket)
-        self._waited(ticket, began)
-
-    def _before(self, request: Any) -> None:
-        for wait in self._waits(request):
-            time.sleep(wait)
+        waited = False
+        while (wait := self._next_wait(ticket, began)) > 0:
+            waited = True
+            woken.wait(wait)
+            woken.clear()  # the pacer changes its state before it wakes: it is asked next
+        if waited:
+            self._waited(ticket, began)
 
     async def _before_async(self, request: Any) -> None:
-        for wait in self._waits(request):
-            await asyncio.sleep(wait)
+        ticket = self._ticket(request)
+        if ticket is None:
+            return
+        loop = asyncio.get_running_loop()
+        began = self.pacer.clock()
+        waited = False
+        try:
+            while True:
+                woken = loop.create_future()
+                ticket.wake = functools.partial(_wake_future, loop, woken)
+                if (wait := self._next_wait(ticket, began)) <= 0:
+                    break
+                waited = True
+                timer = loop.call_later(wait, _set, woken)
+                try:
+                    await woken
+                finally:
+                    timer.cancel()
+        except BaseException:
+            self.pacer.cancel(ticket)  # cancelled while it waited: it leaves the queue
+            raise
+        if waited:
+            self._waited(ticket, began)
 
     def _waited(self, ticket: pacing.Ticket, began: float) -> None:
         ended = self.pacer.clock()

@@ -1,6 +1,9 @@
-"""``checkpoint-assets estimate``, run as users run it: its console script in a subprocess, the
-definitions loaded from a file (``-f``), the instance and checkpoints of ``$DAGSTER_HOME``, the
-local chat server. It prints the figures the dry run records and the real run meets."""
+"""``checkpoint-assets estimate``, run as users run it.
+
+Its console script runs in a subprocess and loads the definitions from a file (``-f``). It uses
+the instance and checkpoints of ``$DAGSTER_HOME`` and the local chat server. It prints the
+figures the dry run records and the real run meets.
+"""
 
 from __future__ import annotations
 

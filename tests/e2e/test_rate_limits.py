@@ -25,10 +25,12 @@ if not all(importlib.util.find_spec(p) for p in ("openai", "anthropic")):  # ext
     )
 
 import dagster as dg
+import httpx
 
 from checkpoint_assets import AnthropicResource, OpenAIResource
-from checkpoint_assets.engine.calls.pacing import Limit
-from checkpoint_assets.resources.rate_limits import duration_seconds, estimate, stated
+from checkpoint_assets.engine.calls.pacing import Limit, Pacer
+from checkpoint_assets.resources import peers
+from checkpoint_assets.resources.rate_limits import Hooks, duration_seconds, estimate, stated
 from examples.llm_openai.server import Settings, serve, serve_process, stats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,6 +117,112 @@ def test_a_request_costs_its_text_over_four_and_its_output_limit() -> None:
     assert estimate(openai_body) == (3.0, 5.0)
     assert estimate(anthropic_body) == (2.0, 7.0)
     assert estimate(b"not json!") == (2.25, 0.0)
+
+
+# -- the hooks: a request waits for budget, and goes once it is started ----------------------
+def _chat_request(tokens: int) -> httpx.Request:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 4 * tokens}]}
+    return httpx.Request("POST", "http://endpoint.test/v1/chat/completions", json=body)
+
+
+def _answer(request: httpx.Request, remaining: int) -> httpx.Response:
+    # A key of 600 tokens a minute, which is full again in a minute when nothing is left.
+    reset = f"{(600 - remaining) / 10:g}s"
+    headers = {
+        "x-ratelimit-limit-tokens": "600",
+        "x-ratelimit-remaining-tokens": str(remaining),
+        "x-ratelimit-reset-tokens": reset,
+    }
+    return httpx.Response(200, headers=headers, request=request)
+
+
+def test_requests_started_while_their_waiters_sleep_are_sent_at_once() -> None:
+    # The pacer's clock stands still: no wait ever ends by itself. An answer stating the key
+    # full again starts the three waiting requests; each must then go at once. A waiter that
+    # kept sleeping its estimate (10 to 30 s here) would hold a request counted as drawn.
+    pacer = Pacer(clock=lambda: 0.0)
+    hooks = Hooks(pacer, asynchronous=True)
+
+    async def run() -> list[bool]:
+        first, second = _chat_request(600), _chat_request(0)
+        await hooks._before_async(first)
+        await hooks._before_async(second)
+        await hooks._after_async(_answer(first, remaining=0))  # the key is spent
+        held = [asyncio.create_task(hooks._before_async(_chat_request(100))) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert not any(t.done() for t in held)
+
+        await hooks._after_async(_answer(second, remaining=600))
+        for _ in range(10):  # a few turns of the loop, no time
+            await asyncio.sleep(0)
+        done = [t.done() for t in held]
+        for task in held:
+            task.cancel()
+        return done
+
+    assert asyncio.run(run()) == [True, True, True]
+
+
+# -- processes that share assumed limits count each other ----------------------------------
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_processes_calling_a_key_count_each_other_as_they_start_and_finish(
+    tmp_path: Path,
+) -> None:
+    clock = _Clock()
+    directory = peers.directory_of("http://endpoint.test/v1\nkey", tmp_path)
+    first = peers.Peers(directory, "first", clock)
+    second = peers.Peers(directory, "second", clock)
+    assert first.poll() == 1
+    assert second.poll() == 2
+    assert first.poll() is None  # not due yet
+    clock.now += peers.FIRST_INTERVAL_SECONDS
+    assert first.poll() == 2
+
+    second.leave()  # it finished
+    clock.now += peers.FIRST_INTERVAL_SECONDS
+    assert first.poll() == 1
+    assert directory.parent == tmp_path and "key" not in directory.name  # a digest
+
+
+def test_a_killed_process_stops_counting_and_its_file_goes_later(tmp_path: Path) -> None:
+    clock = _Clock()
+    directory = tmp_path / "key"
+    alive, killed = peers.Peers(directory, "alive", clock), peers.Peers(directory, "killed", clock)
+    killed.poll()
+    assert alive.poll() == 2
+
+    clock.now += peers.LIVE_SECONDS + peers.FIRST_SECONDS  # the killed one touches it no more
+    assert alive.poll() == 1
+    assert (directory / "killed").exists()
+    clock.now += peers.FORGET_SECONDS
+    alive.poll()
+    assert not (directory / "killed").exists()
+
+
+def test_a_shard_takes_a_larger_share_of_assumed_limits_when_others_finish(
+    tmp_path: Path,
+) -> None:
+    clock = _Clock()
+    directory = tmp_path / "key"
+    other = peers.Peers(directory, "other", clock)
+    other.poll()
+    pacer = Pacer(clock)
+    pacer.assume({"tokens": 6_000})
+    hooks = Hooks(pacer, peers.Peers(directory, "this", clock), asynchronous=False)
+    hooks._ticket(_chat_request(1))
+    assert pacer.share("tokens") == 0.5
+
+    other.leave()
+    clock.now += peers.FIRST_INTERVAL_SECONDS
+    hooks._ticket(_chat_request(1))
+    assert pacer.share("tokens") == 1.0
 
 
 # -- through the real clients ---------------------------------------------------------------

@@ -96,15 +96,30 @@ def test_requests_started_after_the_answered_one_count_against_what_is_left() ->
     pacer.report(started(pacer, 0), {}, refused=False)  # the first answer lifts the hold
     answered = started(pacer, 200)
     later = [started(pacer, 100) for _ in range(3)]  # in flight, not counted by the endpoint yet
-    pacer.report(answered, tokens(remaining=400), refused=False)
+    pacer.report(answered, tokens(remaining=1_200, limit=1_500), refused=False)
     share = pacer.share("tokens")
     assert share is not None
 
-    left = share * 400 - 300
+    left = share * 1_200 * (1_200 / 1_500) - 300
     assert pacer.wait(pacer.ask(pacing.cost(left, 0))) == 0
     held = pacer.ask(pacing.cost(100, 0))
-    assert pacer.wait(held) == pytest.approx(100 / (600 * share))
+    assert pacer.wait(held) == pytest.approx(100 / (1_500 * share))
     assert len(later) == 3
+
+
+def test_the_emptier_the_key_the_less_of_what_is_left_is_taken_at_once() -> None:
+    # Shards that start apart measure shares adding up past 1 for a while: each taking its
+    # share of all that is left, together they would take more than is left, and be refused.
+    clock = Clock()
+    pacer = Pacer(clock)
+    pacer.report(started(pacer, 0), {}, refused=False)
+    answered = started(pacer, 300)
+    pacer.report(answered, tokens(remaining=300), refused=False)  # half the key is left
+    share = pacer.share("tokens")
+    assert share is not None and share > 0.5
+
+    assert pacer.wait(pacer.ask(pacing.cost(share * 300 / 2 - 1, 0))) == 0
+    assert pacer.wait(pacer.ask(pacing.cost(2, 0))) > 0
 
 
 def test_requests_start_in_the_order_they_asked() -> None:
@@ -117,6 +132,57 @@ def test_requests_start_in_the_order_they_asked() -> None:
     clock.now = 0.1 / share
     assert pacer.wait(second) == pytest.approx(0.1 / share)  # the first started, on its behalf
     assert first.admitted and not second.admitted
+
+
+def test_a_request_started_on_behalf_of_a_sleeping_one_wakes_it() -> None:
+    # The second request's waiter sleeps for both requests' wait; the first one's waiter, back
+    # when its own shorter wait ends, starts both. The second must go then, not later: counted
+    # as drawn and never sent, it held every shard's budget while the key stayed full.
+    clock = Clock()
+    pacer = Pacer(clock)
+    share = spent(pacer)
+    first, second = pacer.ask(pacing.cost(60, 0)), pacer.ask(pacing.cost(60, 0))
+    woken: list[pacing.Ticket] = []
+    second.wake = lambda: woken.append(second)
+    assert pacer.wait(second) == pytest.approx(0.2 / share)
+
+    clock.now = 0.2 / share
+    assert pacer.wait(first) == 0
+
+    assert second.admitted and woken == [second]
+
+
+def test_an_answer_that_restates_the_budget_starts_the_requests_that_fit_and_wakes_them() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    share = spent(pacer)
+    answered = pacer.ask(pacing.cost(0, 0))
+    held = [pacer.ask(pacing.cost(60, 0)) for _ in range(3)]
+    woken: list[pacing.Ticket] = []
+    for ticket in held:
+        ticket.wake = lambda ticket=ticket: woken.append(ticket)  # type: ignore[misc]
+    assert pacer.wait(held[-1]) == pytest.approx(0.3 / share)
+    assert answered.admitted  # it cost nothing: it went first, and the next one's wait is its own
+    woken.clear()
+
+    pacer.report(answered, tokens(remaining=600), refused=False)  # the key is full again
+
+    assert all(t.admitted for t in held) and woken == held
+
+
+def test_the_next_request_is_woken_when_the_one_ahead_leaves_the_queue() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    share = spent(pacer)
+    first, second = pacer.ask(pacing.cost(60, 0)), pacer.ask(pacing.cost(60, 0))
+    woken: list[pacing.Ticket] = []
+    second.wake = lambda: woken.append(second)
+    assert pacer.wait(second) == pytest.approx(0.2 / share)
+
+    pacer.cancel(first)  # its request was cancelled while it waited
+
+    assert woken == [second] and not first.admitted
+    assert pacer.wait(second) == pytest.approx(0.1 / share)
 
 
 def test_a_request_larger_than_the_budget_starts_when_the_budget_is_full() -> None:
@@ -140,14 +206,31 @@ def test_a_pacer_that_drew_a_quarter_of_what_the_key_lost_takes_a_quarter() -> N
     assert pacer.wait(pacer.ask(pacing.cost(60, 0))) == pytest.approx(0.1 / share)
 
 
-def test_a_refused_request_gives_back_what_no_answer_counted() -> None:
+def test_a_refused_request_stays_drawn_from_assumed_limits() -> None:
+    # Shards that take all of a key's assumed rate between them leave it no slack: a refusal
+    # says the key is spent. Given back, the cost would be sent again at once, and refused
+    # again.
     clock = Clock()
     pacer = Pacer(clock)
-    pacer.assume({"requests": 120})  # two per second, 1.8 at first
+    pacer.assume({"requests": 120})  # two per second, from none
+    clock.now = 0.5
     ticket = started(pacer, 0)
     held = pacer.ask(pacing.cost(0, 0))
+    assert pacer.wait(held) == pytest.approx(0.5)
+    pacer.report(ticket, {}, refused=True)  # a 429 without headers
+
+    assert pacer.wait(held) == pytest.approx(0.5)
+
+
+def test_a_refusal_without_headers_gives_back_what_a_stated_budget_counted() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    share = spent(pacer)
+    clock.now = 0.1 / share
+    ticket = started(pacer, 60)
+    held = pacer.ask(pacing.cost(60, 0))
     assert pacer.wait(held) > 0
-    pacer.report(ticket, {}, refused=True)  # a 429 without headers: it drew nothing
+    pacer.report(ticket, {}, refused=True)  # a 429 that states nothing: it drew nothing
 
     assert pacer.wait(held) == 0
 
@@ -156,16 +239,34 @@ def test_assumed_limits_are_shared_by_the_shards_at_once() -> None:
     clock = Clock()
     pacer = Pacer(clock)
     pacer.assume({"tokens": 6_000}, share=1 / 4)  # 100 a second for the key, 25 for this one
-    started(pacer, 22.5)  # the quarter of the 0.9 s worth it starts with
+    first = pacer.ask(pacing.cost(22.5, 0))  # a quarter of 0.9 s worth: the most it holds
+    assert pacer.wait(first) == pytest.approx(0.9)  # from none
+    clock.now = 10.0
+    assert pacer.wait(first) == 0
 
-    held = pacer.ask(pacing.cost(50, 0))
-    assert pacer.wait(held) == pytest.approx(2.0)
+    held = pacer.ask(pacing.cost(20, 0))
+    assert pacer.wait(held) == pytest.approx(0.8)
+
+
+def test_an_assumed_share_follows_the_shards_at_once() -> None:
+    clock = Clock()
+    pacer = Pacer(clock)
+    pacer.assume({"tokens": 6_000}, share=1 / 4)
+    clock.now = 10.0  # it holds 22.5 (a quarter of 0.9 s worth)
+    pacer.reshare(1 / 2)  # two of the four shards finished
+    held = pacer.ask(pacing.cost(40, 0))
+    assert pacer.wait(held) == pytest.approx(0.35)  # 50 a second for the 17.5 it lacks
+
+    pacer.reshare(1 / 8)  # six more started: it holds an eighth of what it held
+    # More than an eighth of 0.9 s worth (11.25): it goes when that much is held.
+    assert pacer.wait(held) == pytest.approx((11.25 - 22.5 / 4) / 12.5)
 
 
 def test_a_stated_budget_replaces_an_assumed_one() -> None:
     clock = Clock()
     pacer = Pacer(clock)
     pacer.assume({"tokens": 60})
+    clock.now = 1.0
     pacer.report(started(pacer, 1), tokens(remaining=6_000, limit=6_000), refused=False)
 
     started(pacer, 5_000)

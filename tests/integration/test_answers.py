@@ -1,8 +1,10 @@
-"""Answers kept: a provider batch asset stores each row's response body, so a changed ``parse``
-re-derives every output with no request, and a changed request is told apart from it.
+"""Answers kept: a provider batch asset stores each row's response body.
 
-Real Dagster materializations against the local batch provider
-(``examples/llm_batch/provider.py``, OpenAI's Batch API through the real ``openai`` client); the
+So a changed ``parse`` re-derives every output with no request. A changed request is told apart
+from it.
+
+Real Dagster materializations run against the local batch provider
+(``examples/llm_batch/provider.py``): OpenAI's Batch API through the real ``openai`` client. The
 provider counts the requests it was sent (``submitted``), so "no request" is counted on its side.
 Each test materializes several definitions of one asset (same name and ``code_version``) over one
 checkpoint on disk, as a user who edits ``parse`` between runs does.

@@ -1,10 +1,11 @@
-"""The bill before the run: a dry run (``dry_run: true``) against the real run of the same job, on
-a real instance and real files, through ``OpenAIResource`` and the local chat server or the local
-batch provider.
+"""The bill before the run: a dry run (``dry_run: true``) against the real run of the same job.
+
+Both run on a real instance and real files, through ``OpenAIResource``. The endpoint is the
+local chat server or the local batch provider.
 
 How the figures can meet: the local servers count a token per whitespace-separated word
-(``examples/llm_openai/answers.py`` ``count_tokens``, and the batch provider alike); the
-estimate counts bytes/4 (tiktoken is not installed in CI). The texts here are words of three
+(``examples/llm_openai/answers.py`` ``count_tokens``; the batch provider alike). The estimate
+counts bytes/4 (tiktoken is not installed in CI). The texts here are words of three
 letters, four bytes a word with its space, about what English averages per token with OpenAI's
 tokenizers. Each answer is one word, a department, and the resource's ``max_tokens`` is 1, so
 the output ceiling is the answer's length.

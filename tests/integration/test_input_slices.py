@@ -7,6 +7,7 @@ take the rows (from a local copy of the first read, for a source off local disk:
 reads the source again, so its reads show). So a row group read twice as often by the end as at
 some call was read by the second read before that call. The function records, at each call,
 which row groups the second read had reached: never more than the slice its rows come from.
+A provider-batch shard's ``request()`` records the same as each submission takes its rows.
 """
 
 from __future__ import annotations
@@ -22,13 +23,24 @@ import pytest
 from helpers.read_counting_fs import PROTOCOL, ReadCountingFileSystem
 from helpers.row_groups import groups_in
 
-from checkpoint_assets import CheckpointIOManager, checkpointed_asset, shard_partitions
+from checkpoint_assets import (
+    CheckpointIOManager,
+    OpenAIResource,
+    checkpointed_asset,
+    provider_batch_asset,
+    shard_partitions,
+)
 from checkpoint_assets.engine.plan.inputs import SLICE_ROWS
+from checkpoint_assets.engine.providers.submissions import Limits
 from checkpoint_assets.engine.sharding import hashing, keyed
 from checkpoint_assets.engine.sharding.keyed import ROW_GROUP_ROWS
 from checkpoint_assets.engine.sharding.scheme import shard_key_column
 from checkpoint_assets.integration import asset as asset_module
 from checkpoint_assets.integration.source import ShardRows
+from checkpoint_assets.resources.openai_batches import OpenAIBatches
+from examples.llm_batch.jobs import Settings
+from examples.llm_batch.provider import serve
+from examples.llm_batch.provider import stats as provider_stats
 
 ROWS = 240_000  # one shard of 2: about 7 row groups, 4 slices
 BATCH = 4_000
@@ -77,16 +89,23 @@ class _Refetching(ShardRows):
         super().__init__(*args, **{**kwargs, "remote": False})
 
 
-def _run_shard(tmp_path: Path) -> tuple[list[tuple[int, Counter[int]]], Counter[int], int]:
-    """Shard 1 of 2 over a stored source: at each call, its rows' last row group and the reads
-    of each group so far; the reads at the end; the rows of the shard."""
-    path = str(tmp_path / "tickets.parquet")
-    seen: list[tuple[int, Counter[int]]] = []
+Seen = list[tuple[int, Counter[int]]]  # at each call: its rows' last row group, reads so far
 
+
+def _upstream() -> dg.AssetsDefinition:
     @dg.asset(name="tickets")
     def upstream() -> pl.DataFrame:
         ids = range(ROWS)
         return pl.DataFrame({"ticket_id": ids, BODY: [f"ticket {i} " * 8 for i in ids]})
+
+    return upstream
+
+
+def _run_shard(tmp_path: Path) -> tuple[Seen, Counter[int], int]:
+    """Shard 1 of 2 over a stored source: at each call, its rows' last row group and the reads
+    of each group so far; the reads at the end; the rows of the shard."""
+    path = str(tmp_path / "tickets.parquet")
+    seen: Seen = []
 
     @checkpointed_asset(
         source="tickets",
@@ -101,19 +120,42 @@ def _run_shard(tmp_path: Path) -> tuple[list[tuple[int, Counter[int]]], Counter[
         seen.append((_group_of(path, keys), _body_reads(path)))
         return batch.select("ticket_id", length=pl.col(BODY).str.len_bytes())
 
-    resources = {"io_manager": CheckpointIOManager(base_dir=f"{PROTOCOL}://{tmp_path}")}
-    definitions = dg.Definitions(assets=[upstream, routed], resources=resources)
+    rows = _materialize(tmp_path, routed, {})
+    assert len(seen) == -(-rows // BATCH)  # every row called once
+    return seen, _body_reads(path), rows
+
+
+def _materialize(tmp_path: Path, routed: dg.AssetsDefinition, resources: dict[str, Any]) -> int:
+    """Store the source, then run shard 1 of 2 of ``routed``; its rows."""
+    path = str(tmp_path / "tickets.parquet")
+    io_manager = CheckpointIOManager(base_dir=f"{PROTOCOL}://{tmp_path}")
+    definitions = dg.Definitions(
+        assets=[_upstream(), routed], resources={"io_manager": io_manager, **resources}
+    )
     job = definitions.resolve_implicit_global_asset_job_def()
     assert job.execute_in_process(asset_selection=[dg.AssetKey("tickets")]).success
     ReadCountingFileSystem.reads.pop(path, None)
 
-    result = job.execute_in_process(asset_selection=[dg.AssetKey("routed")], partition_key="1-of-2")
+    result = job.execute_in_process(asset_selection=[routed.key], partition_key="1-of-2")
 
     assert result.success
-    rows = result.asset_materializations_for_node("routed")[0].metadata["rows_total"].value
-    assert isinstance(rows, int) and rows > 3 * SLICE_ROWS  # several slices, row groups more
-    assert len(seen) == -(-rows // BATCH)  # every row called once
-    return seen, _body_reads(path), rows
+    rows = result.asset_materializations_for_node(routed.key.path[-1])[0].metadata["rows_total"]
+    assert isinstance(rows.value, int) and rows.value > 3 * SLICE_ROWS  # several slices
+    return rows.value
+
+
+def _read_as_called(seen: Seen, final: Counter[int]) -> None:
+    """Every row group read twice (the same key ranges each time), and at each call the second
+    read at most a slice ahead of the rows being called."""
+    shard_groups = sorted(final)
+    assert len(shard_groups) > 3 * SLICE_ROWS // ROW_GROUP_ROWS
+    assert all(final[g] % 2 == 0 for g in shard_groups)  # two reads of the same ranges
+    for group, reads in seen:
+        by_second_read = [g for g in shard_groups if reads[g] > final[g] // 2]
+        # A slice of SLICE_ROWS rows overlaps at most 1 + SLICE_ROWS / ROW_GROUP_ROWS groups.
+        assert max(by_second_read) <= group + 1 + SLICE_ROWS // ROW_GROUP_ROWS, (group, reads)
+    first_reads = seen[0][1]
+    assert [g for g in shard_groups if first_reads[g] > final[g] // 2] != shard_groups
 
 
 def test_a_shard_reads_its_input_a_slice_at_a_time_as_its_calls_need_it(
@@ -123,16 +165,58 @@ def test_a_shard_reads_its_input_a_slice_at_a_time_as_its_calls_need_it(
 
     seen, final, _ = _run_shard(tmp_path)
 
-    shard_groups = sorted(final)
-    assert len(shard_groups) > 3 * SLICE_ROWS // ROW_GROUP_ROWS
-    assert all(final[g] % 2 == 0 for g in shard_groups)  # two reads of the same ranges
-    for group, reads in seen:
-        by_second_read = [g for g in shard_groups if reads[g] > final[g] // 2]
-        # The reader is at most a slice ahead of the rows being called (a slice of
-        # SLICE_ROWS rows overlaps at most 1 + SLICE_ROWS / ROW_GROUP_ROWS groups).
-        assert max(by_second_read) <= group + 1 + SLICE_ROWS // ROW_GROUP_ROWS, (group, reads)
-    first_reads = seen[0][1]
-    assert [g for g in shard_groups if first_reads[g] > final[g] // 2] != shard_groups
+    _read_as_called(seen, final)
+
+
+class _SmallBatches(OpenAIResource):
+    """``OpenAIResource`` whose batches hold at most ``SUBMISSION`` requests each."""
+
+    def batch_provider(self, endpoint: str | None = None) -> OpenAIBatches:
+        api = super().batch_provider(endpoint)
+        api.limits = Limits(SUBMISSION, api.limits.max_bytes)
+        return api
+
+
+SUBMISSION = 20_000  # requests in one provider batch: a shard of 1-of-2 sends 6
+
+
+def test_a_provider_batch_shard_reads_its_input_a_slice_at_a_time_as_it_submits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its requests are built as each submission takes its rows (through the local provider's
+    OpenAI Batch API): the reader is at most a slice ahead of the row being turned into a
+    request, and every row is submitted and stored once."""
+    monkeypatch.setattr(asset_module, "ShardRows", _Refetching)
+    path = str(tmp_path / "tickets.parquet")
+    seen: Seen = []
+
+    def parse(body: dict[str, Any]) -> dict[str, Any]:
+        return {"answer": body["choices"][0]["message"]["content"]}
+
+    @provider_batch_asset(
+        source="tickets",
+        id_column="ticket_id",
+        input_columns=[BODY],
+        partitions_def=shard_partitions(2),
+        parse=parse,
+        poll_seconds=0.05,
+        max_poll_seconds=0.2,
+    )
+    def routed(row: dict[str, Any]) -> dict[str, Any]:
+        if row["ticket_id"] % 97 == 0:  # a sample: reading the reads takes a while
+            key = pl.Series([row["ticket_id"]]).to_frame("ticket_id")
+            keys = key.select(hashing.shard_key("ticket_id", pl.Int64)).to_series()
+            seen.append((_group_of(path, keys), _body_reads(path)))
+        return {"messages": [{"role": "user", "content": row[BODY]}]}
+
+    with serve(Settings()) as url:
+        resource = _SmallBatches(base_url=url, api_key="local", model="m")
+        rows = _materialize(tmp_path, routed, {"openai": resource})
+        provider = provider_stats(url)
+
+    assert provider["creates"] == -(-rows // SUBMISSION)
+    assert provider["submitted"] == provider["succeeded"] == rows  # each row paid once
+    _read_as_called(seen, _body_reads(path))
 
 
 def test_a_shard_fetches_a_source_off_local_disk_once(tmp_path: Path) -> None:

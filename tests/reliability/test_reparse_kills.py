@@ -1,10 +1,12 @@
-"""A run that parses stored answers again (``parse`` changed) SIGKILLed midway loses nothing and
-pays nothing: the next run parses them all again, with no request, and stores each row once.
+"""A run that parses stored answers again (``parse`` changed), SIGKILLed midway, loses nothing.
 
-Each test kills one real process (``helpers/reparse_kill_child.py``) of a 20,000-row shard whose
-answers the first run stored, at one point of the re-parse, then runs the shard again to the end
-in the test's process, against the local batch provider (``examples/llm_batch/provider.py``),
-which counts the requests it was sent.
+It pays nothing either: the next run parses them all again, with no request, and stores each
+row once.
+
+The first run stores the answers of a 20,000-row shard. Each test then kills one real process
+(``helpers/reparse_kill_child.py``) at one point of the re-parse. It runs the shard again to the
+end in the test's process. The provider is the local batch provider
+(``examples/llm_batch/provider.py``), which counts the requests it was sent.
 """
 
 from __future__ import annotations

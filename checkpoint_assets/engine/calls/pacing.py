@@ -10,18 +10,23 @@ The rules of a :class:`Pacer` (one per key and process):
 
 - **A request waits until its cost fits.** Its cost is one request and its estimated tokens
   (input and output). It starts when every known budget holds it, in the order requests came.
-  A request larger than a whole budget waits until that budget is full.
+  A request larger than a whole budget waits until that budget is full. A waiter sleeps until
+  its request starts or its wait changes (``Ticket.wake``): a request started on behalf of a
+  sleeping one is sent at once, not when that one's own estimate ends.
 - **What is left, as stated.** An answer sets a budget's level to the remaining it states, less
   what this process started after the answered request (the endpoint had not counted those yet).
-  From then on, until the next answer, the level refills at the stated rate (what is missing,
-  over the time to the reset), up to the limit; a window that refills all at once
+  Until the next answer, the level refills at the stated rate, up to the limit. That rate is
+  what is missing, over the time to the reset. A window that refills all at once
   (``steady=False``) is full again at its reset.
 - **Shards share a key through the headers.** Every shard on the key sees what all of them
   drew: the remaining falls faster than its own draw. A pacer measures its share of the key's
-  draw over the last seconds (at first: since it began, the key taken as full then) and takes
-  that share of what is left and of the refill, less a margin, so shards that run at once take
-  about the stated rate between them, with no coordination service. Alone, the share is about
-  1; a token estimate that falls short of the endpoint's count lowers it to match.
+  draw over the last seconds. At first that is since it began, the key taken as full then. It
+  takes that share of what is left and of the refill, less a margin. So shards that run at
+  once take about the stated rate between them, with no coordination service.
+  Of what is left it takes less the emptier the key is: its share times the part of the budget
+  left. Shares measured while shards start apart add up past 1 for a while; the key then keeps
+  some of what it holds. Alone, the share is about 1. A token estimate that falls short of the
+  endpoint's count lowers it to match.
 - **A slow start** (:class:`Ramp`). Until answers say what the key has left and what other
   shards draw, a pacer keeps ``FIRST_CALLS`` requests in flight, one more per answer. One answer
   is not enough: it states the key as it was when its request arrived, before the requests of
@@ -46,7 +51,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 #: The budgets a key may have: requests, tokens (input and output together), and input and
@@ -96,9 +101,14 @@ def cost(input_tokens: float, output_tokens: float) -> dict[str, float]:
 
 
 class Ticket:
-    """One request, from when it asks to start until its answer is reported."""
+    """One request, from when it asks to start until its answer is reported.
 
-    __slots__ = ("admitted", "at", "cost", "drawn", "record", "seq")
+    ``wake`` is set by whoever waits for the ticket. It is called, outside the pacer's lock,
+    when the ticket starts while its waiter sleeps, or when its wait changed. The wait changes
+    when the ticket reaches the head of the queue, or when an answer restates the budgets.
+    """
+
+    __slots__ = ("admitted", "at", "cost", "drawn", "record", "seq", "wake")
 
     def __init__(self, cost: Cost, record: Record | None) -> None:
         self.cost = cost
@@ -107,6 +117,7 @@ class Ticket:
         self.seq = 0  # the order requests started in (1, 2, ...)
         self.at = 0.0  # when it started (the pacer's clock)
         self.drawn: dict[str, float] = {}  # the pacer's own draw by budget, this request's too
+        self.wake: Callable[[], None] | None = None
 
 
 class _Bucket:
@@ -141,11 +152,16 @@ class _Bucket:
             self.reset_at = now + stated.reset_seconds
             self.key_rate = stated.limit / max(stated.reset_seconds, 1.0)
 
+    @property
+    def top(self) -> float:
+        """The most this process holds: the budget when full, or its share of an assumed one."""
+        return self.cap if self.stated else self.share * self.cap
+
     def refill(self, now: float) -> None:
         if now <= self.at:
             return
         if self.steady:
-            self.level = min(self.cap, self.level + self.share * self.rate * (now - self.at))
+            self.level = min(self.top, self.level + self.share * self.rate * (now - self.at))
         elif now >= self.reset_at:
             self.level = max(self.level, self.share * self.cap)
             self.reset_at = math.inf  # the next one comes with the next answer
@@ -153,7 +169,7 @@ class _Bucket:
 
     def wait(self, need: float, now: float) -> float:
         """Seconds until ``need`` fits (with :meth:`refill` done to ``now``)."""
-        need = min(need, self.cap)
+        need = min(need, self.top)
         if self.level >= need:
             return 0.0
         if self.steady and self.rate > 0:
@@ -176,7 +192,10 @@ class _Bucket:
         # It refills from now on: what came back while the answer travelled is left as a margin
         # for the clocks of the two sides (the endpoint counted from a later moment).
         pending = own - ticket.drawn.get(kind, 0.0)
-        self.level = min(self.share * stated.remaining, self.cap) - pending
+        left = min(stated.remaining, self.cap)
+        if self.steady:
+            left *= left / self.cap  # the emptier the key, the less of it is taken at once
+        self.level = self.share * left - pending
         self.at = now
 
     def _measure(self, stated: Limit, ticket: Ticket, kind: str, refused: float) -> None:
@@ -230,9 +249,12 @@ class Pacer:
 
     def assume(self, per_minute: Mapping[str, float], share: float = 1.0) -> None:
         """Budgets the user knows (per minute, by kind) for an endpoint that states none, of
-        which this process takes ``share``. At most 0.9 of a second's worth goes at once (how
-        much more an unknown server holds, nothing says; the rest covers the time a request
-        takes to reach it). An answer that states a budget replaces it."""
+        which this process takes ``share`` (:meth:`reshare` changes it).
+
+        They start empty and fill at the share of the rate. At most 0.9 of a second's worth of
+        the share goes at once: nothing says how much more an unknown server holds, and the
+        rest covers the time a request takes to reach it. A refused request's cost stays drawn
+        from them. An answer that states a budget replaces them."""
         now = self.clock()
         with self._lock:
             if per_minute:
@@ -240,11 +262,27 @@ class Pacer:
             for kind, limit in per_minute.items():
                 if kind not in self._buckets:
                     per_second = limit / 60
-                    bucket = _Bucket(Limit(per_second, per_second, 1.0), now)
+                    bucket = _Bucket(Limit(per_second, 0.0, 1.0), now)
                     bucket.rate = bucket.key_rate = per_second
                     bucket.cap = _ASSUMED_BURST * per_second
-                    bucket.level, bucket.share = bucket.cap * share, share
+                    bucket.share = share
                     self._buckets[kind] = bucket
+
+    def reshare(self, share: float) -> None:
+        """This process now takes ``share`` of the assumed budgets (more or fewer processes
+        call the key); what it holds shrinks with a smaller share."""
+        now = self.clock()
+        with self._lock:
+            for bucket in self._buckets.values():
+                if not bucket.stated and share != bucket.share:
+                    bucket.refill(now)
+                    if bucket.level > 0 and share < bucket.share:
+                        bucket.level *= share / bucket.share
+                    bucket.share = share
+            woken, _ = self._drain(now)
+            if self._queue and self._queue[0] not in woken:
+                woken.append(self._queue[0])
+        _wake(woken)
 
     def ask(self, cost: Cost, record: Record | None = None) -> Ticket:
         """A request with this ``cost`` asks to start: it queues behind the others."""
@@ -254,31 +292,65 @@ class Pacer:
         return ticket
 
     def wait(self, ticket: Ticket) -> float:
-        """Seconds ``ticket`` has yet to wait; 0 once it may start (it then counts as drawn)."""
+        """Seconds ``ticket`` has yet to wait; 0 once it may start (it then counts as drawn).
+
+        The requests ahead of it that fit start on their behalf: their waiters are woken."""
         now = self.clock()
         with self._lock:
-            for bucket in self._buckets.values():
-                bucket.refill(now)
-            while self._queue and self._fits(self._queue[0].cost, now) == 0:
-                if (held := self._ramp.wait(now)) > 0:
-                    return held if ticket in self._queue else 0.0
-                self._start(self._queue.popleft(), now)
+            woken, held = self._drain(now)
             if ticket.admitted or ticket not in self._queue:
-                return 0.0
-            need: dict[str, float] = {}
-            for queued in self._queue:  # it waits for those ahead of it too
-                for kind, value in queued.cost.items():
-                    need[kind] = need.get(kind, 0.0) + value
-                if queued is ticket:
-                    break
-            return self._fits(need, now)
+                wait = 0.0
+            elif held > 0:
+                wait = held
+            else:
+                need: dict[str, float] = {}
+                for queued in self._queue:  # it waits for those ahead of it too
+                    for kind, value in queued.cost.items():
+                        need[kind] = need.get(kind, 0.0) + value
+                    if queued is ticket:
+                        break
+                wait = self._fits(need, now)
+        _wake(t for t in woken if t is not ticket)
+        return wait
 
     def force(self, ticket: Ticket) -> None:
         """Start ``ticket`` now, whatever the budgets say (it waited ``PATIENCE_SECONDS``)."""
+        self._leave(ticket, start=True)
+
+    def cancel(self, ticket: Ticket) -> None:
+        """``ticket`` will not be sent (its request was cancelled while it waited)."""
+        self._leave(ticket, start=False)
+
+    def _leave(self, ticket: Ticket, start: bool) -> None:
+        woken: list[Ticket] = []
         with self._lock:
-            if not ticket.admitted:
+            if not ticket.admitted and ticket in self._queue:
+                head = self._queue[0] is ticket
                 self._queue.remove(ticket)
-                self._start(ticket, self.clock())
+                if start:
+                    self._start(ticket, self.clock())
+                if head and self._queue:
+                    woken.append(self._queue[0])  # the next one's wait is its own now
+        _wake(woken)
+
+    def _drain(self, now: float) -> tuple[list[Ticket], float]:
+        """Start the requests at the head of the queue that fit now. Returns those to wake (the
+        ones started, and the new head, whose wait is its own now) and how long the slow start
+        holds the next one (0: it does not)."""
+        for bucket in self._buckets.values():
+            bucket.refill(now)
+        head = self._queue[0] if self._queue else None
+        woken: list[Ticket] = []
+        held = 0.0
+        while self._queue and self._fits(self._queue[0].cost, now) == 0:
+            if (held := self._ramp.wait(now)) > 0:
+                break
+            ticket = self._queue.popleft()
+            self._start(ticket, now)
+            woken.append(ticket)
+        if self._queue and self._queue[0] is not head:
+            woken.append(self._queue[0])
+        return woken, held
 
     def report(self, ticket: Ticket, stated: Mapping[str, Limit], refused: bool) -> None:
         """The answer to ``ticket`` stated these budgets (by kind); ``refused``: with a 429."""
@@ -288,7 +360,9 @@ class Pacer:
                 for kind, value in ticket.cost.items():
                     self._refused[kind] = self._refused.get(kind, 0.0) + value
             for kind, bucket in self._buckets.items():
-                if refused and kind not in stated:  # not drawn, and no answer says otherwise
+                # Refused and not stated: nothing was drawn from a stated budget. From an
+                # assumed one it stays drawn: the key is spent, and the shard slows by as much.
+                if refused and kind not in stated and bucket.stated:
                     bucket.level += ticket.cost.get(kind, 0.0)
             for kind, limit in stated.items():
                 if limit.limit <= 0:
@@ -300,6 +374,11 @@ class Pacer:
             budgets = {k: (b.key_rate, b.cap) for k, b in self._buckets.items()}
             measured = any(b.pairs >= _SHARE_PAIRS for b in self._buckets.values())
             self._ramp.answered(ticket, refused, over=measured or not self._buckets)
+            # The budgets changed: what fits now starts, and the head's wait is new.
+            woken, _ = self._drain(now)
+            if self._queue and self._queue[0] not in woken:
+                woken.append(self._queue[0])
+        _wake(woken)
         if ticket.record is not None:
             ticket.record.answered(now, budgets)
 
@@ -407,6 +486,12 @@ class Record:
                 self.drawn.get(k, 0.0) / (rate * seconds + full)
                 for k, (rate, full) in self._budgets.items()
             )
+
+
+def _wake(tickets: Iterable[Ticket]) -> None:
+    for ticket in tickets:
+        if ticket.wake is not None:
+            ticket.wake()
 
 
 _RECORD: contextvars.ContextVar[Record | None] = contextvars.ContextVar(

@@ -12,38 +12,45 @@ so a single refusal decides nothing:
   (seconds, an HTTP date, or ``retry-after-ms``), or after its own exponential back-off
   (``retry_delay_seconds`` doubled per refusal in a row) when the endpoint does not say.
 - **Concurrency follows the endpoint, judged over rounds.** A round is the next
-  ``max(16, 2 × limit)`` answered calls. When more of a round's calls were refused than is usual
-  for this endpoint (its background share) by more than chance explains, and such rounds at this
-  level add up to four refusals at least (with fewer, a round at the endpoint's own share would
-  as likely show none), the shard halves the calls it allows in flight for as many calls, a
-  trial. If the refusals went with the other half (to an eighth or fewer) and the endpoint
-  answers at least three quarters as many calls per second, the extra calls bought only
-  refusals: the shard is over a limit and stays there. If the refusals went and the answers
-  fell, the limit lies between the two levels, where the answers say (as many calls as were
-  answered per second before, times the time a call takes now). If the refusals stayed, they are
-  the endpoint's background, whatever the answers did (a client short of CPU answers about as
-  many calls with half of them in flight): concurrency goes back up, the background share is
-  learned so that it does not trigger again, and the next such rounds are taken as background
-  for longer each time a trial says so again. The share learned then follows the rounds that
-  were not refused more than usual, up and down, never above what the trials found (with what
-  chance hides in one round). Eight refusals in a row (fewer when fewer calls are allowed)
-  halve at once, unless the level is just past the last good one: then back to it.
-- **Growth probes, and steps back only as far as needed.** Clean rounds grow concurrency by a
-  quarter, up to ``max_concurrency``. While a level refused for concurrency less than 30 s ago
-  is remembered, a level is good after two clean rounds in a row, and growth goes half way to
-  the refused level at most, then one more; past it, once it passes, one, two, four... more
-  at a time. Calls refused past a limit wait holding their slots, an endpoint that queues
-  what it cannot take (a vLLM, a proxy) refuses only now and then, and so does one called by
-  a client short of CPU (answers wait in the client's own sockets, so the endpoint sees fewer
-  calls than the client has in flight): a shard a few calls over a limit sees few refusals,
-  and a round with more than usual, even too few to mean something alone, is no ground to
-  grow on. One with clearly more than usual above the last good level steps back to that
-  level (no trial), and tries again after twice as many rounds each time, within 2 s at most.
-  Refused at that good level itself, with a refused level within an eighth above it, the shard
-  steps an eighth lower once before any trial: the level a client holds against a limit drifts
-  with its own CPU (calls being sent or read count on its side only), and a trial would cost
-  half the answers of a round.
-  Limits that move back up are found again within seconds.
+  ``max(16, 2 × limit)`` answered calls.
+
+  - *When a trial starts.* A round may hold more refusals than is usual for this endpoint (its
+    background share), by more than chance explains. Once such rounds at this level add up to
+    four refusals at least, the shard halves the calls it allows in flight for as many calls:
+    a trial. With fewer refusals, a round at the endpoint's own share would as likely show none.
+  - *The refusals went, the answers held.* The refusals fell to an eighth or fewer, and the
+    endpoint answers at least three quarters as many calls per second. The extra calls bought
+    only refusals: the shard is over a limit and stays at the lower level.
+  - *The refusals went, the answers fell.* The limit lies between the two levels, where the
+    answers say. That is as many calls as were answered per second before, times the time a
+    call takes now.
+  - *The refusals stayed.* They are the endpoint's background, whatever the answers did. (A
+    client short of CPU answers about as many calls with half of them in flight.) Concurrency
+    goes back up. The background share is learned, so that it does not trigger again. The
+    next such rounds are taken as background for longer each time a trial says so again.
+  - *The learned share* then follows the rounds that were not refused more than usual, up and
+    down. It never goes above what the trials found, with what chance hides in one round.
+  - *A streak.* Eight refusals in a row (fewer when fewer calls are allowed) halve at once.
+    When the level is just past the last good one, the shard goes back to that one instead.
+- **Growth probes, and steps back only as far as needed.**
+
+  - Clean rounds grow concurrency by a quarter, up to ``max_concurrency``.
+  - A level refused for concurrency is remembered for 30 s. Meanwhile a level is good after
+    two clean rounds in a row. Growth goes half way to the refused level at most, then one
+    more. Past it, growth adds one, two, four... calls at a time.
+  - Over a limit, refusals can be rare. Calls refused past a limit wait holding their slots.
+    An endpoint that queues what it cannot take (a vLLM, a proxy) refuses only now and then.
+    So does one called by a client short of CPU: answers wait in the client's own sockets, so
+    the endpoint sees fewer calls than the client has in flight. So a shard a few calls over a
+    limit sees few refusals. A round with more than usual is no ground to grow on, even with
+    too few to mean something alone.
+  - A round with clearly more than usual above the last good level steps back to that level,
+    with no trial. It tries again after twice as many rounds each time, within 2 s at most.
+  - Refused at that good level itself, with a refused level within an eighth above it, the
+    shard steps an eighth lower once before any trial. The level a client holds against a
+    limit drifts with its own CPU (calls being sent or read count on its side only). A trial
+    would cost half the answers of a round.
+  - Limits that move back up are found again within seconds.
 - **The whole shard pauses only when it is over the limit as a whole**: when at least half the
   calls of a round (or of a streak) were refused, no call starts before the latest
   ``Retry-After``.
@@ -328,10 +335,11 @@ class Throttle(Gate):
         self._learned = min(self._found, self._learned + (share - self._learned) / 16)
 
     def _no_ground_to_grow(self) -> None:
-        """More refusals than usual, though too few to mean something alone. A shard a few
-        calls over a limit sees few refusals (refused calls wait holding their slots; a
-        server that queues, or a client short of CPU, refuses now and then): such a level is
-        not taken for good, and the shard does not grow past it."""
+        """More refusals than usual, though too few to mean something alone.
+
+        A shard a few calls over a limit sees few refusals: refused calls wait holding their
+        slots, and a server that queues, or a client short of CPU, refuses now and then. Such a
+        level is not taken for good, and the shard does not grow past it."""
         self._step = 1
         self._clean = (self.limit, 0)
 

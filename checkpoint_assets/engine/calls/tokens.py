@@ -1,10 +1,10 @@
 """Counting the tokens of a request before it is sent: a tokenizer where one is installed.
 
-:func:`counter` returns ``tiktoken``'s encoding of the model (``o200k_base`` for a model it does
-not know) when ``tiktoken`` is importable and its encoding loads, else bytes over 4, the rule
-of thumb for English text. :func:`text_of` is the text a provider bills as input in a request
-body: every string in it except the model's name and the roles (JSON punctuation and keys
-left out).
+- :func:`counter` returns ``tiktoken``'s encoding of the model when ``tiktoken`` is importable
+  and its encoding loads. A model it does not know gets ``o200k_base``. Otherwise it counts
+  bytes over 4, the rule of thumb for English text.
+- :func:`text_of` is the text a provider bills as input in a request body. That is every string
+  in it except the model's name and the roles, without JSON punctuation and keys.
 
 >>> count = Counter.bytes()
 >>> count.name, count.tokens(pl.Series(["abc abc abc abc ", "abc"])).to_list()

@@ -1,34 +1,38 @@
 """One writer per checkpoint: a lease in ``<name>.parquet.lock``.
 
 The lock file is created with a conditional create (``O_EXCL``-like link locally, ``If-None-Match``
-on S3), never check-then-write. It names its holder (run id, host, pid, the pid of the process
-that launched it, since) and carries a lease that a heartbeat thread renews every third of
+on S3), never check-then-write. It names its holder: run id, host, pid, the pid of the process
+that launched it, since. It carries a lease that a heartbeat thread renews every third of
 ``lease_seconds``.
 
-A second writer fails at once with ``LockHeldError`` naming the holder, unless the holder is dead
-by evidence that cannot be wrong while it lives: its lease expired (it stopped renewing), or its
-pid is gone on this host. A run that the caller reports over is no such evidence: a live
-process may still renew its lease and write. A dead holder's lock is taken over with a warning;
-the taker checks half a second later that no other taker replaced its lock, and the caller's
-``RunWatch`` hears of the dead holder (the Dagster layer reports its run failed).
+A second writer fails at once with ``LockHeldError`` naming the holder, unless the holder is
+dead. Only evidence that cannot be wrong while the holder lives counts:
 
-A holder trusts its lease only until a tenth of it before it expires, by its own clock (the
-tenth covers clocks that disagree and the request in flight). Past that, or once its heartbeat
-finds the lock taken over, it has lost the lock: it starts no more calls at once, and writes,
+- its lease expired (it stopped renewing);
+- its pid is gone on this host.
+
+A run that the caller reports over is no such evidence: a live process may still renew its lease
+and write. A dead holder's lock is taken over with a warning. The taker checks half a second
+later that no other taker replaced its lock. The caller's ``RunWatch`` hears of the dead holder
+(the Dagster layer reports its run failed).
+
+A holder trusts its lease only until a tenth of it before it expires, by its own clock. The
+tenth covers clocks that disagree and the request in flight. Past that, or once its heartbeat
+finds the lock taken over, it has lost the lock. It starts no more calls at once, and writes,
 compacts or deletes nothing more. It leaves the lock file alone, even its own expired one. Every
 write of a writer checks this first (``check``). A pause that lands between that check and the
 request itself is the one window left: storage offers no fencing token.
 
-A ``RunWatch`` also tells the heartbeat when this process should stop although it holds the lock
-(its run is over, or the process that launched it is gone): it then starts no more calls, keeps
-what is done and releases the lock (``stopped``). A writer that finds the lock held by a live
-holder whose run is over waits up to ``STOP_WAIT_SECONDS`` for it to stop itself.
+A ``RunWatch`` also tells the heartbeat when this process should stop although it holds the
+lock: its run is over, or the process that launched it is gone. The process then starts no more
+calls, keeps what is done and releases the lock (``stopped``). A writer that finds the lock held
+by a live holder whose run is over waits up to ``STOP_WAIT_SECONDS`` for it to stop itself.
 
-A lock file that cannot be read as a lease (garbage: our own writes are atomic, so something else
-wrote it) never lets two writers in: it counts as held by an unknown holder whose lease ends
-``lease_seconds`` after the file was last written (its modification time), and is taken over
-after that, with a warning; a live holder whose lock file turned to garbage finds on its next
-renewal that it is no longer its own and stops, like a holder whose lock was taken over.
+A lock file that cannot be read as a lease is garbage: our own writes are atomic, so something
+else wrote it. It never lets two writers in. It counts as held by an unknown holder whose lease
+ends ``lease_seconds`` after the file was last written (its modification time). After that it is
+taken over, with a warning. A live holder whose lock file turned to garbage finds on its next
+renewal that the lock is no longer its own. It stops, like a holder whose lock was taken over.
 """
 
 from __future__ import annotations

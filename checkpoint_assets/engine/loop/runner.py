@@ -1,20 +1,19 @@
 """The run loop: one checkpointed run, free of Dagster.
 
-``run()`` is the whole life of one run::
+``run()`` is the whole life of one run:
 
-    prepare()    validate ids and input columns, hash every input row, a slice at a time, keeping
-                 only each row's id and hash (inputs.py)
-    open_run()   take the lock, check the job, load what is stored, plan the rest (opening.py)
-    Run.work     read the rows to compute a slice at a time and call the function on batches of
-                 ``batch_size`` rows (threads, or asyncio for an
-                 ``async def``, up to ``max_concurrency`` in flight; rate limits in throttle.py;
-                 retries, poison rows, broken functions and outages in caller.py) and hand
-                 results to the sink, which flushes every ``checkpoint_interval`` rows without
-                 holding up the calls (sink.py); on any exception, SIGTERM or SIGINT, flush what
-                 is done before leaving; no call starts once the lock is lost or the run is over
-                 (lock.py)
-    Run.close    finalize through the sink, count the result, apply the stop rules (an outage,
-                 a broken function, a spent quota, too many failed rows)
+1. ``prepare()`` (inputs.py): validate ids and input columns. Hash every input row, a slice at
+   a time, keeping only each row's id and hash.
+2. ``open_run()`` (opening.py): take the lock, check the job, load what is stored, plan the rest.
+3. ``Run.work``: read the rows to compute a slice at a time. Call the function on batches of
+   ``batch_size`` rows, in threads or asyncio (for an ``async def``). Up to
+   ``max_concurrency`` calls are in flight. Rate limits are throttle.py's; retries, poison rows,
+   broken functions and outages are caller.py's. Results go to the sink (sink.py). It flushes
+   every ``checkpoint_interval`` rows without holding up the calls. On any exception, SIGTERM
+   or SIGINT, the run flushes what is done before leaving. No call starts once the lock is lost
+   or the run is over (lock.py).
+4. ``Run.close``: finalize through the sink, count the result, apply the stop rules (an outage,
+   a broken function, a spent quota, too many failed rows).
 
 Here: ``run()`` and ``Run``, the work loop that calls the function. What every
 work loop shares (the hand-over of rows done to the sink, progress, ``close``) is ``ShardRun``'s,
@@ -75,9 +74,9 @@ def run(
     ``context``: where and how the shard runs (its rule, lock watch, log, global resume rows,
     function fingerprint, spend, work loop; see :class:`RunContext`). Rows ``imported`` whose
     id and input hash match a row of ``inputs`` are copied into this checkpoint and skipped.
-    When the checkpoint recorded another function fingerprint under the same job, the run
-    warns (once its stored results are reused) and reports it in ``stats``; when it finishes,
-    the checkpoint records this one. No call starts once ``spend`` reaches a limit
+    The checkpoint may hold another function fingerprint under the same job. The run then
+    warns (once its stored results are reused) and reports it in ``stats``. When the run
+    finishes, the checkpoint records this one. No call starts once ``spend`` reaches a limit
     (see engine/calls/budget.py).
     """
     context = context or RunContext()
@@ -158,7 +157,7 @@ class _Shard:
             self.inputs,
             self.settings,
             checkpoint,
-            job=Job(dict(self.job), dict(printed) if printed else None),
+            job=Job(dict(self.job), dict(printed) if printed else None, context.parse),
             scheme=context.scheme,
             imported=context.imported if checkpoint is not None else None,
             log=context.log,
@@ -173,7 +172,7 @@ class _Shard:
             return None
         return Contribution(
             results,
-            Job(dict(self.job), dict(printed)).scope,
+            Job(dict(self.job), dict(printed), self.context.parse).scope,
             self.inputs.keys,
             id_column=self.settings.id_column,
             hi=DEDUPE_KEY,
@@ -258,8 +257,11 @@ class Run(ShardRun):
         return BudgetExceededError(self.label, over.name, over.limit, over.spent, self.done_rows)
 
     def _outcomes(self, caller: Caller, todo: pl.DataFrame) -> Iterator[list[Outcome]]:
-        """The outcomes of the batches, as many at a time as are ready; the input rows of
-        ``todo`` are read a slice at a time as the batches are taken (inputs.py)."""
+        """The outcomes of the batches, as many at a time as are ready.
+
+        The input rows of ``todo`` are read a slice at a time as the batches are taken
+        (inputs.py).
+        """
         size = self.s.batch_rows
         batches = (
             batch for rows in self.prepared.todo(todo, size) for batch in caller.batches(rows, size)
@@ -299,8 +301,11 @@ class Run(ShardRun):
             handoff.leave()  # on an exception or a stop: finish the calls in flight, take no more
 
     def _poll_seconds(self) -> float:
-        """How long to wait for a call before looking at the sink again: briefly while rows
-        wait for the writer to be free, else until a time-based flush could be due."""
+        """How long to wait for a call before looking at the sink again.
+
+        Briefly while rows wait for the writer to be free, else until a time-based flush could
+        be due.
+        """
         waiting = self.pending_rows or self.sink.buffered_rows
         return 0.05 if waiting else self.s.flush_seconds
 
@@ -327,8 +332,11 @@ class Run(ShardRun):
             self.suspect = []
 
     def _settle(self) -> None:
-        """Hand the rows done to the sink when a flush of them is due, and the first result at
-        once: its output columns must be storable before more calls are paid for."""
+        """Hand the rows done to the sink when a flush of them is due.
+
+        The first result goes at once: its output columns must be storable before more calls
+        are paid for.
+        """
         if self.sink.due(self.pending_rows):
             self._commit()
             self.sink.flush()

@@ -38,6 +38,7 @@ from checkpoint_assets.engine.loop.lock import RunWatch
 from checkpoint_assets.engine.loop.sink import Logger, Sink
 from checkpoint_assets.engine.plan.inputs import Prepared
 from checkpoint_assets.engine.plan.opening import Opened
+from checkpoint_assets.engine.plan.reparse import Parse
 from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.rows import ERROR, NO_RESULT, outputs_of
 from checkpoint_assets.engine.settings import RunStats, Settings
@@ -57,6 +58,7 @@ class RunContext:
     when the settings have a budget. ``loop``: the work loop, ``runner.Run`` when None.
     ``results``: the result store the shard takes results from and adds its own to (``reuse/``);
     its rows must be prepared with their content key (``prepare(..., content=True)``).
+    ``parse``: a request/parse job that keeps its answers has it (``opening.Job.parse``).
     """
 
     scheme: Scheme | None = None
@@ -69,6 +71,7 @@ class RunContext:
     spend: Spend | None = None
     loop: type[ShardRun] | None = None
     results: ResultStore | None = None
+    parse: Parse | None = None
 
     @property
     def log(self) -> Logger:

@@ -6,8 +6,9 @@
                    what would stop the run (another job's checkpoint, a changed shard rule)
     plan_rows      what resume leaves to compute (resume.py); global resume's rows count as done
     reparsed       with a changed ``parse``, rows left whose answer is stored: parsed again, no call
+    reuse          rows the result store holds, when the run would ask it (``from_store.py``,
+                   read only): with reuse on, resume, and no changed ``parse`` to re-derive
     submitted      rows in provider batches sent and not collected yet: collected, not sent again
-    reuse          rows the result store holds: none yet (``_reused``)
     dedupe         one row per distinct input, with ``dedupe``
     tokens         the rows left read again, a slice at a time: their request bodies
                    (``Requests.body``), or their input columns' text; input tokens by
@@ -32,11 +33,14 @@ from checkpoint_assets.engine import rows
 from checkpoint_assets.engine.calls import tokens
 from checkpoint_assets.engine.calls.budget import Budget
 from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
+from checkpoint_assets.engine.checkpoints.meta import Meta
 from checkpoint_assets.engine.fields import setting
+from checkpoint_assets.engine.plan import from_store
 from checkpoint_assets.engine.plan.function_fingerprint import parse_changed
 from checkpoint_assets.engine.plan.inputs import Prepared
 from checkpoint_assets.engine.plan.opening import Job, importable, plan_rows, read_stored
 from checkpoint_assets.engine.plan.resume import dedupe
+from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.rows import ANSWER, INPUT_HASH
 from checkpoint_assets.engine.settings import Settings
 from checkpoint_assets.engine.sharding.scheme import Scheme
@@ -148,22 +152,24 @@ def estimate(
     imported: pl.DataFrame | None,
     requests: Requests,
     submitted: pl.DataFrame | None = None,
+    results: ResultStore | None = None,
 ) -> Estimate:
     """What a run of ``inputs`` on ``checkpoint`` (None: checkpointing off) would compute and
     cost (see the module docstring); raises what would stop that run before its first call.
 
     ``submitted``: the id and ``_input_hash`` of the rows in the checkpoint's open provider
-    batch submissions."""
+    batch submissions. ``results``: the result store the run would take results from; its
+    rows must be prepared with their content key (``prepare(..., content=True)``)."""
     id_column = settings.id_column
     stored, meta, reparse = rows.empty(id_column), None, False
     if checkpoint is not None:
         found = read_stored(
             inputs.keys, settings, checkpoint, job, scheme, importing=imported is not None
         )
-        meta = found.meta
-        used = meta is not None and settings.resume and found.same_job
+        used = found.meta is not None and settings.resume and found.same_job
+        meta = found.meta if used else None
         stored = found.loaded.rows if used else stored
-        recorded = meta.function_fingerprint if used and meta is not None else None
+        recorded = meta.function_fingerprint if meta is not None else None
         reparse = bool(recorded and job.function) and parse_changed(
             recorded or {}, job.function or {}
         )
@@ -177,14 +183,15 @@ def estimate(
         answered = _matching(todo, stored.filter(pl.col(ANSWER).is_not_null()), id_column)
         out.rows_reparsed = answered.height
         todo = todo.join(answered, on=id_column, how="anti")
+    if results is not None and checkpoint is not None and settings.resume:
+        rederives = reparse and stored.height > 0  # such a run takes nothing from the store
+        reused = todo.clear() if rederives else _reused(todo, results, job, settings, meta)
+        out.rows_reused = reused.height
+        todo = todo.join(reused.select(id_column), on=id_column, how="anti")
     if submitted is not None and submitted.height:
         sent = _matching(todo, submitted, id_column)
         out.rows_submitted = sent.height
         todo = todo.join(sent, on=id_column, how="anti")
-    reused = _reused(todo)
-    out.rows_reused = reused.height
-    if reused.height:
-        todo = todo.join(reused.select(id_column), on=id_column, how="anti")
     if settings.dedupe and todo.height:
         todo, copies = dedupe(todo, id_column)
         out.rows_deduped = copies.rows.height
@@ -201,10 +208,23 @@ def _matching(todo: pl.DataFrame, rows: pl.DataFrame, id_column: str) -> pl.Data
     return todo.join(wanted, on=[id_column, INPUT_HASH], how="semi").select(id_column)
 
 
-def _reused(todo: pl.DataFrame) -> pl.DataFrame:
-    """The rows of ``todo`` whose results the result store holds (``engine/reuse/``): none
-    until the estimate asks it."""
-    return todo.clear()
+def _reused(
+    todo: pl.DataFrame, results: ResultStore, job: Job, settings: Settings, meta: Meta | None
+) -> pl.DataFrame:
+    """The ids of ``todo`` that the run would take from ``results``, as ``opening.py`` does:
+    the rows it holds in the job's scope, whose outputs fit the checkpoint's (``meta``)."""
+    id_column = settings.id_column
+    if not job.function:
+        return todo.clear().select(id_column)  # the run does not ask the store
+    answered = job.parse is not None
+    held = from_store.held(todo, results, job.scope, id_column, answered=answered)
+    if held is None:
+        return todo.clear().select(id_column)
+    # Rows parsed again get the current parse's columns, which a dry run does not compute.
+    known = None if answered or meta is None else meta.output_schema
+    if not from_store.fits(held, known, id_column):
+        return todo.clear().select(id_column)
+    return held.select(id_column)
 
 
 def _count_tokens(

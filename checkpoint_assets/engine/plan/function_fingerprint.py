@@ -101,6 +101,11 @@ def request_changed(recorded: Mapping[str, str], current: Mapping[str, str]) -> 
     return any(not _is_parse(k) for k in _changed(recorded, current))
 
 
+def request_part(fingerprint: Mapping[str, str]) -> dict[str, str]:
+    """The parts of ``fingerprint`` that change the answers: all but the parse part."""
+    return {k: v for k, v in fingerprint.items() if not _is_parse(k)}
+
+
 def _changed(recorded: Mapping[str, str], current: Mapping[str, str]) -> list[str]:
     recorded = _as_split(recorded, current)
     return [k for k in set(recorded) | set(current) if recorded.get(k) != current.get(k)]

@@ -115,9 +115,11 @@ class Prepared:
         return self.columns[0]
 
     def todo(self, todo: pl.DataFrame, size: int) -> Iterator[pl.DataFrame]:
-        """The input rows of ``todo`` (rows of ``keys`` in their order, with ``_attempts``)
-        with their ``_input_hash`` and ``_attempts``, read a slice at a time; every frame but
-        the last holds a multiple of ``size`` rows, so calls take ``size`` rows each."""
+        """The input rows of ``todo`` with their ``_input_hash`` and ``_attempts``, read a
+        slice at a time.
+
+        ``todo`` holds rows of ``keys`` in their order, with ``_attempts``. Every frame but the
+        last holds a multiple of ``size`` rows, so calls take ``size`` rows each."""
         held: pl.DataFrame | None = None
         for rows in self._todo(todo):
             rows = rows if held is None else pl.concat([held, rows])
@@ -144,23 +146,12 @@ class Prepared:
             stop = int(positions.search_sorted(end, side="left"))
             if stop > taken:
                 these = wanted.slice(taken, stop - taken)
-                found = _canonical(rows, self.id_column)
-                found = found.gather(these.get_column(POSITION) - start)
+                found = _take(_canonical(rows, self.id_column), these.get_column(POSITION) - start)
                 self._check(found, these)
                 yield found, these
             taken, start = stop, end
         if taken < wanted.height:
             raise self._changed(f"it ended after {start:,} rows")
-
-    def whole(self, todo: pl.DataFrame) -> pl.DataFrame:
-        """Every input row of ``todo`` in one frame (a provider batch sends them all at once)."""
-        frames = list(self._todo(todo))
-        if frames:
-            return pl.concat(frames)
-        empty = _canonical(
-            pl.DataFrame(schema=self.rows.schema).select(self.columns), self.id_column
-        )
-        return empty.hstack(todo.clear().select(INPUT_HASH, ATTEMPTS).get_columns())
 
     def earlier_hashes(self, rows: pl.DataFrame) -> np.ndarray:
         """The input hashes of ``rows`` (rows of ``keys``, in order) in hash format 1, from
@@ -241,6 +232,15 @@ def _validate(ids: pl.DataFrame, rows: Inputs, id_column: str) -> None:
     if column.null_count() or distinct_count(column) != column.len():
         ids = rows.numbered(ids)
     validate_ids(ids, id_column)
+
+
+def _take(frame: pl.DataFrame, rows: pl.Series) -> pl.DataFrame:
+    """The ``rows`` of ``frame`` (ascending positions): a slice when they follow each other,
+    which copies nothing (a fresh run takes every row)."""
+    first, last = rows.first(), rows.last()
+    if isinstance(first, int) and isinstance(last, int) and last - first + 1 == rows.len():
+        return frame.slice(first, rows.len())
+    return frame.gather(rows)
 
 
 def _canonical(frame: pl.DataFrame, id_column: str) -> pl.DataFrame:

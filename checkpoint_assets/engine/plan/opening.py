@@ -29,6 +29,7 @@ from checkpoint_assets.engine.errors import (
 from checkpoint_assets.engine.plan import from_store, function_fingerprint
 from checkpoint_assets.engine.plan.global_resume import FUNCTION
 from checkpoint_assets.engine.plan.inputs import Prepared
+from checkpoint_assets.engine.plan.reparse import Parse
 from checkpoint_assets.engine.plan.resume import Copies, Plan, dedupe, plan
 from checkpoint_assets.engine.reuse import layout as reuse
 from checkpoint_assets.engine.reuse.store import ResultStore
@@ -84,10 +85,14 @@ class Opened(Start):
 class Job:
     """The job a run belongs to: its result-changing settings and their fingerprint; and the
     fingerprint of its function (``function_fingerprint.py``), which is not part of the job: a
-    change of it alone is reported, and stored results are kept."""
+    change of it alone is reported, and stored results are kept.
+
+    ``parse``: a request/parse job that keeps its answers (``_answer``) has it; rows it takes
+    from the result store get their outputs from their answer parsed by it."""
 
     settings: dict[str, object]
     function: dict[str, str] | None = None
+    parse: Parse | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -95,8 +100,13 @@ class Job:
 
     @property
     def scope(self) -> str:
-        """The scope of its results in the result store (``reuse/layout.py``)."""
-        return reuse.scope(self.function or {}, self.settings)
+        """The scope of its results in the result store (``reuse/layout.py``). With ``parse``,
+        the request part of the function's fingerprint only: a changed parse reads the stored
+        answers again."""
+        function = self.function or {}
+        if self.parse is not None:
+            function = function_fingerprint.request_part(function)
+        return reuse.scope(function, self.settings)
 
 
 def open_run(
@@ -410,7 +420,9 @@ def _from_store(
         )
         return todo, None
     id_column = settings.id_column
-    taken = from_store.take(todo, results, job.scope, id_column, settings.budget)
+    taken = from_store.take(
+        todo, results, job.scope, id_column, settings.budget, parse=job.parse, label=label
+    )
     for path in results.unreadable:
         log.warning(
             "%s: the result store file %s is unreadable; its rows are computed again. Delete "
@@ -423,13 +435,13 @@ def _from_store(
     assert start.meta is not None
     outputs = {c: str(taken.rows.schema[c]) for c in rows.outputs_of(taken.rows, id_column)}
     known = start.meta.output_schema
-    if known and sorted(known) != sorted(outputs):
+    if not from_store.fits(taken.rows, known, id_column):
         log.warning(
             "%s: the result store holds results with the output columns %s, but the checkpoint "
             "holds %s; they are not taken.",
             label,
             sorted(outputs),
-            sorted(known),
+            sorted(known or {}),
         )
         return todo, None
     if not known:
@@ -437,14 +449,26 @@ def _from_store(
         checkpoint.meta_file.write(start.meta)
     _write_found(start, taken.rows, id_column, checkpoint)
     start.from_store, start.cost_saved = taken.rows.height, taken.cost_saved
+    _log_taken(taken.rows, results.url, log, label)
+    ids = taken.rows.get_column(id_column)
+    return todo.filter(~pl.col(id_column).is_in(ids.implode())), ids
+
+
+def _log_taken(taken: pl.DataFrame, url: str, log: Logger, label: str) -> None:
     log.info(
         "%s: took %d result(s) from the result store %s instead of computing them.",
         label,
-        taken.rows.height,
-        results.url,
+        taken.height,
+        url,
     )
-    ids = taken.rows.get_column(id_column)
-    return todo.filter(~pl.col(id_column).is_in(ids.implode())), ids
+    failed = int(taken.get_column(ERROR).is_not_null().sum())
+    if failed:
+        log.warning(
+            "%s: parse() raised for %d stored answer(s) taken from the result store: they are "
+            "failed rows, with parse()'s error. Fix parse(); the next run parses them again.",
+            label,
+            failed,
+        )
 
 
 def importable(

@@ -1,7 +1,7 @@
 """Resume: compare the input with what a checkpoint holds and decide what is left to do.
 
-Everything is by id, never by position, and vectorised: the stored ids are a polars column, joined
-against the input's, so 10**8 finished ids need no Python objects per row.
+Everything is by id, never by position, and vectorised. The stored ids are a polars column,
+joined against the input's, so 10**8 finished ids need no Python objects per row.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _FIT_INT64 = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32)
 
 
-# A row's position in the source as its producer returned it (counted from 0), when ``df`` is a
-# copy of other rows or order (a shard's rows, a stored source ordered by shard key). Null where
-# unknown. Without it, positions are ``df``'s own.
+# A row's position in the source as its producer returned it, counted from 0. It is set when
+# ``df`` holds other rows or another order (a shard's rows, a stored source ordered by shard key).
+# Null where unknown. Without it, positions are ``df``'s own.
 SOURCE_ROW = "_source_row"
 # The hash of a row's input columns (its id left out), when the run dedupes: equal inputs share it.
 DEDUPE_KEY = "__dedupe_key"
@@ -127,10 +127,9 @@ def plan(
     compute and rows already done.
 
     ``earlier_hashes``: the hash format 1 of some of ``inputs``' rows, when the stored hashes
-    may be of that format. A stored row whose hash differs from its input's but equals the
-    format-1 hash of it may or may not have another input (format 1 wrote NaN, infinities and
-    null inside nested values alike): it is recomputed, and counted in ``rehashed``, not as
-    changed.
+    may be of that format. Format 1 wrote NaN, infinities and null inside nested values alike.
+    So a stored row whose hash differs from its input's but equals its format-1 hash may or may
+    not have another input. It is recomputed, and counted in ``rehashed``, not as changed.
     """
     total = inputs.height
     if not resume or stored.height == 0:
@@ -209,8 +208,10 @@ def _align(ids: pl.Series, prior: pl.DataFrame, id_column: str) -> pl.DataFrame:
     """``prior``'s other columns for each of ``ids``, in their order (nulls where absent).
 
     Both sides have unique ids. The common cases skip the hash join, which costs seconds at
-    10**7 rows: a checkpoint stored in the input's order (a finished run) is used as it is, and
-    two id-sorted sides are matched with a linear sorted merge (``join_asof``).
+    10**7 rows:
+
+    - a checkpoint stored in the input's order (a finished run) is used as it is;
+    - two id-sorted sides are matched with a linear sorted merge (``join_asof``).
     """
     stored_ids = prior.get_column(id_column)
     if stored_ids.dtype == ids.dtype and stored_ids.equals(ids):

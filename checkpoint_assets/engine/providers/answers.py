@@ -9,58 +9,43 @@ has none (its words are in ``_error``). ``ProviderJob.keep_answers`` False store
 Re-deriving. When the parse part of the function's fingerprint changed
 (``function_fingerprint.py``), ``opening.py`` hands the stored rows over (``Rederive``), and the
 work loop calls :func:`rederive` before anything else. It writes a new generation of the
-checkpoint holding every stored row: those with an answer passed through the new ``parse``
-(:func:`reparse`: outputs replaced; id, input hash, attempts and answer kept; a ``parse`` that
-raises makes the row failed with its text, as at collection), the others as they are. Nothing is
-sent and nothing is priced. Finished rows without an answer keep their outputs, unless the run
-asks to compute them again. Until the new generation begins, the rows written are the newest of
-the current one: a run killed meanwhile leaves the next run to parse them all again.
+checkpoint holding every stored row:
+
+- rows with an answer, passed through the new ``parse`` (``plan/reparse.py``). Their outputs
+  are replaced; id, input hash, attempts and answer are kept. A ``parse`` that raises makes the
+  row failed with its text, as at collection.
+- the other rows as they are.
+
+Nothing is sent and nothing is priced. Finished rows without an answer keep their outputs,
+unless the run asks to compute them again. Until the new generation begins, the rows written are
+the newest of the current one: a run killed meanwhile leaves the next run to parse them all again.
+
+Rows taken from the result store are parsed again too, whatever parse stored them
+(``plan/from_store.py``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine.calls.batches import Broken, Check, RowResult, build
-from checkpoint_assets.engine.errors import FunctionError
+from checkpoint_assets.engine.calls.batches import Check, build
 from checkpoint_assets.engine.loop.shard_run import ShardRun
 from checkpoint_assets.engine.loop.sink import PartWriter
 from checkpoint_assets.engine.plan.inputs import POSITION
 from checkpoint_assets.engine.plan.opening import Rederive
-from checkpoint_assets.engine.rows import ANSWER, ATTEMPTS, ERROR, INPUT_HASH
+from checkpoint_assets.engine.plan.reparse import Parse, parse_error, reparse
+from checkpoint_assets.engine.rows import ANSWER
 
-__all__ = ["ANSWER", "Reparsed", "dumps", "parse_error", "rederive", "reparse"]
-
-Parse = Callable[[dict[str, Any]], Mapping[str, Any]]
-
-_ROWS_PER_CHUNK = 16_384  # answers parsed between two hand-overs to the sink
+__all__ = ["ANSWER", "dumps", "parse_error", "rederive"]
 
 
 def dumps(body: Mapping[str, Any]) -> str:
     """A response body as stored in ``_answer``: compact JSON text."""
     return json.dumps(body, separators=(",", ":"))
-
-
-def parse_error(e: Exception) -> str:
-    """The ``_error`` of a row whose ``parse`` raised."""
-    return f"parse() raised {type(e).__name__}: {e}"
-
-
-@dataclass(frozen=True)
-class Reparsed:
-    """The rows of one chunk of answers passed through ``parse``: outputs, and failures."""
-
-    ok: list[RowResult]  # each ``out`` holds the answer under ``ANSWER``
-    failed: pl.DataFrame  # id, ``_input_hash``, ``_error``, ``_attempts``, ``_answer``
-
-    @property
-    def height(self) -> int:
-        return len(self.ok) + self.failed.height
 
 
 def rederive(
@@ -113,45 +98,4 @@ def _new_generation(run: ShardRun, r: Rederive, parse: Parse, check: Check) -> N
         run.label,
         again,
         failed,
-    )
-
-
-def reparse(stored: pl.DataFrame, parse: Parse, check: Check, label: str) -> Iterator[Reparsed]:
-    """``parse`` over the answers of ``stored`` (id, ``_input_hash``, ``_attempts``,
-    ``_answer``), a chunk at a time. A result that is no dict of the same columns raises
-    :class:`FunctionError`, as at collection."""
-    id_column = check.id_column
-    columns = [id_column, INPUT_HASH, ATTEMPTS, ANSWER]
-    done = 0
-    for start in range(0, stored.height, _ROWS_PER_CHUNK):
-        chunk = stored.select(columns).slice(start, _ROWS_PER_CHUNK)
-        ok: list[RowResult] = []
-        failed: list[tuple[Any, int, str, int, str]] = []
-        for row_id, input_hash, attempts, answer in chunk.iter_rows():
-            try:
-                out = parse(json.loads(answer))
-            except Exception as e:
-                failed.append((row_id, input_hash, parse_error(e), attempts, answer))
-                continue
-            try:
-                checked = check.row(out, row_id)
-            except Broken as e:
-                raise FunctionError(label, f"parse(): {e}", done) from None
-            ok.append(RowResult({**checked, ANSWER: answer}, row_id, input_hash, attempts))
-        done += chunk.height
-        yield Reparsed(ok, _failures(failed, id_column, stored.schema[id_column]))
-
-
-def _failures(
-    failed: list[tuple[Any, int, str, int, str]], id_column: str, id_dtype: pl.DataType
-) -> pl.DataFrame:
-    ids, hashes, errors, attempts, answers = zip(*failed, strict=True) if failed else ((),) * 5
-    return pl.DataFrame(
-        {
-            id_column: pl.Series(list(ids), dtype=id_dtype),
-            INPUT_HASH: pl.Series(list(hashes), dtype=pl.UInt64),
-            ERROR: pl.Series(list(errors), dtype=pl.String),
-            ATTEMPTS: pl.Series(list(attempts), dtype=pl.Int32),
-            ANSWER: pl.Series(list(answers), dtype=pl.String),
-        }
     )

@@ -1,19 +1,19 @@
 """The online way of a request/parse job: each row's request sent at once, its answer parsed.
 
 A request/parse job (``provider_batch_asset``) is ``request(row) -> body`` and ``parse(answer)
--> outputs``. ``provider_batches.ProviderRun`` sends it as provider batches; here it runs per
+-> outputs``. ``provider_batches.ProviderRun`` sends it as provider batches. Here it runs per
 row through the endpoint resource's ``send``, on the engine's ``Run`` loop (``PerRow``:
 concurrency, rate limits, retries, flushes):
 
 - :class:`Online` holds the per-row ``async`` function (``one_row``): build the row's body,
   send it, parse the answer. It keeps each answer (``answers.dumps``) until the loop takes the
   row's result.
-- :func:`finish` runs it over some rows of a ``ProviderRun`` on the shard's own sink, counts,
-  throttle and spend: every row of an online run, and the rows a hybrid run's batches left
-  without a result. Its loop adds each answer to its row as ``_answer`` (``keep_answers``), the
-  failed rows whose ``parse`` raised included, as in a batch.
+- :func:`finish` runs it over some rows of a ``ProviderRun``, with the shard's own sink,
+  counts, throttle and spend. An online run gives it every row. A hybrid run gives it the rows
+  its batches left without a result. Its loop adds each answer to its row as ``_answer``
+  (``keep_answers``), as in a batch. This includes the failed rows whose ``parse`` raised.
 
-A row whose ``parse`` raised fails at once with its text (``RowFailed``), as in a batch: its
+As in a batch, a row whose ``parse`` raised fails at once with its text (``RowFailed``). Its
 request was answered, so it is neither asked again nor counted towards an outage. A ``request``
 that raises stops the shard (``Broken``), as in a batch.
 """
@@ -99,9 +99,12 @@ class _OnlineRun(Run):
 
 
 def finish(shard: ShardRun, online: Online, keys: pl.DataFrame) -> CheckpointError | None:
-    """Run ``online.one_row`` over the rows of ``keys`` (rows of the shard's keys, in order,
-    with ``_attempts``) on the ``Run`` loop, storing through ``shard``'s sink; returns why it
-    stopped early, or None. The rows done count as ``shard``'s."""
+    """Run ``online.one_row`` over the rows of ``keys`` on the ``Run`` loop.
+
+    ``keys`` are rows of the shard's keys, in order, with ``_attempts``. Results are stored
+    through ``shard``'s sink, and the rows done count as ``shard``'s. Returns why it stopped
+    early, or None.
+    """
     settings = dataclasses.replace(shard.s, batch_size=1)  # one request per call
     context = RunContext(logger=shard.log, label=shard.label, spend=shard.spend)
     fn = PerRow(online.one_row)

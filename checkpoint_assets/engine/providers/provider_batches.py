@@ -1,62 +1,75 @@
 """Running a shard through a provider's batch API: submit its rows, wait or end, collect.
 
 The user's per-row logic is two functions: ``request(row) -> dict`` (the request body) and
-``parse(body) -> dict`` (output columns, usage columns among them). :class:`ProviderRun` is a
-work loop beside :class:`~checkpoint_assets.engine.loop.runner.Run`, both a ``ShardRun``: the lock,
-the plan (what is done, ``retry_failed``, dedupe), the sink's parts, finalize, usage and the stop
-rules are the same as for computed rows. Its steps::
+``parse(body) -> dict`` (output columns, usage columns among them).
 
-    re-attach    the open submission records of the checkpoint (submission_records.py): poll
-                 those with a batch id, find the others on the provider by their tag
-    submit       the rows to do that no open submission holds, split within the provider's
-                 limits; each submission recorded (intent) before its upload, its file and batch
-                 ids recorded as they come
-    collect      poll with backoff (``poll_seconds`` doubling up to ``max_poll_seconds``); a
-                 submission that ended is downloaded, parsed and stored as one part, then marked
-                 collected, or returned when some of its rows are sent again (below)
-    send again   the rows whose request failed in a transient way (the adapter's
-                 ``Result.retry``: a server error, an overload, a rate limit) or that an expiry
-                 or a cancel left without a result, while their attempt is below
-                 ``max_attempts``: each submission records its attempt (1 for fresh rows), and
-                 its rows sent again go in a new submission of the next attempt, recorded after
-                 the part of the results it had is durable and the old one is marked returned.
-                 Other per-request errors (an invalid request) are failed rows at once, as are
-                 transient ones at the last attempt (computed again by the next run while
-                 ``retry_failed`` is on)
-    end          with ``wait`` off, as soon as every submission is created and what had ended is
-                 collected: the run ends with :class:`BatchesPendingError`, the shard unfinished
+:class:`ProviderRun` is a work loop beside :class:`~checkpoint_assets.engine.loop.runner.Run`,
+both a ``ShardRun``. The lock, the plan (what is done, ``retry_failed``, dedupe), the sink's
+parts, finalize, usage and the stop rules are the same as for computed rows. Its steps:
+
+1. **Re-attach** the open submission records of the checkpoint (``submission_records.py``).
+   Those with a batch id are polled; the others are found on the provider by their tag.
+2. **Submit** the rows to do that no open submission holds, split within the provider's limits.
+   Each submission is recorded (intent) before its upload; its file and batch ids are recorded
+   as they come.
+3. **Collect**, polling with backoff (``poll_seconds`` doubling up to ``max_poll_seconds``). A
+   submission that ended is downloaded, parsed and stored as one part. It is then marked
+   collected, or returned when some of its rows are sent again (below).
+4. **Send again** the rows left without a result while their attempt is below ``max_attempts``:
+   - rows whose request failed in a transient way (the adapter's ``Result.retry``: a server
+     error, an overload, a rate limit);
+   - rows that an expiry or a cancel left without a result.
+
+   Each submission records its attempt (1 for fresh rows). Its rows sent again go in a new
+   submission of the next attempt. That one is recorded after the part of the results it had
+   is durable and the old one is marked returned. Other per-request errors (an invalid
+   request) are failed rows at once. So are transient ones at the last attempt; the next run
+   computes them again while ``retry_failed`` is on.
+5. **End**, with ``wait`` off, as soon as every submission is created and what had ended is
+   collected. The run ends with :class:`BatchesPendingError`, the shard unfinished.
 
 Answers. Each collected row keeps its response body in ``_answer`` (``keep_answers``). When
 ``parse`` changed since the stored rows were computed, the run first parses their answers again,
-with no request (``answers.py``); finished rows without one keep their outputs unless
+with no request (``answers.py``). Finished rows without one keep their outputs unless
 ``recompute_unanswered``.
 
-Modes (``ProviderJob.mode``): ``batch`` is the above. ``hybrid`` submits the same way, but sends
-no row again as a batch: the rows of an expired, cancelled or failed batch and the requests that
-failed in a transient way are finished online (``online.py``) while the other batches wait. At
-``deadline_seconds`` after the run's start it cancels every open submission; each is collected
-once it has ended, and its rows without a result go online. ``online`` submits nothing: it
-cancels the open submissions of earlier runs (collected likewise), and every other row goes
-online. No row goes online while a batch that holds it may still answer, so no row is paid
-twice. A batch result whose row is stored already (after a crash, a submission collected again)
-is dropped and counted (``RunStats.batch_results_dropped``).
+Modes (``ProviderJob.mode``):
+
+- ``batch`` is the above.
+- ``hybrid`` submits the same way, but sends no row again as a batch. The rows of an expired,
+  cancelled or failed batch, and the requests that failed in a transient way, are finished
+  online (``online.py``) while the other batches wait. At ``deadline_seconds`` after the run's
+  start it cancels every open submission. Each is collected once it has ended, and its rows
+  without a result go online.
+- ``online`` submits nothing. It cancels the open submissions of earlier runs (collected
+  likewise), and every other row goes online.
+
+No row goes online while a batch that holds it may still answer, so no row is paid twice. A
+batch result whose row is stored already (after a crash, a submission collected again) is
+dropped and counted (``RunStats.batch_results_dropped``).
 
 Spend budget. Before a submission is recorded or sent, its cost is estimated and reserved in the
-run's spend (``Spend.reserve``, at the batch price): input tokens are the bytes the provider
-counts for each request (``size()``: its JSONL line, or its entry in the create's body) divided
-by 4, output tokens each body's ``max_tokens``, ``max_completion_tokens`` or
-``max_output_tokens`` (the adapter's defaults filled in; 0 when it names none, as an embedding
-request), priced by the body's ``model`` when the budget has a ``model_column``. When it does
-not fit, nothing more is submitted: the submissions made are collected (a waiting run) or left
-for the next run, and the run ends with :class:`BudgetExceededError`. When a submission's
-results are stored, its reservation is replaced by what its rows cost at the batch price.
+run's spend (``Spend.reserve``, at the batch price):
 
-Loss bound. A hard kill loses no paid request: every submission is recorded before anything is
+- input tokens: the bytes the provider counts for each request, divided by 4 (``size()``: its
+  JSONL line, or its entry in the create's body);
+- output tokens: each body's ``max_tokens``, ``max_completion_tokens`` or
+  ``max_output_tokens``, the adapter's defaults filled in (0 when it names none, as an
+  embedding request);
+- priced by the body's ``model`` when the budget has a ``model_column``.
+
+When it does not fit, nothing more is submitted. The submissions made are collected (a waiting
+run) or left for the next run, and the run ends with :class:`BudgetExceededError`. When a
+submission's results are stored, its reservation is replaced by what its rows cost at the batch
+price.
+
+Loss bound. A hard kill loses no paid request. Every submission is recorded before anything is
 sent, and its results stay on the provider (OpenAI: 30 days; Anthropic: 29) until a run stores
-them. What a kill costs is the work of the step that was under way: one upload again (a kill
-between the upload and its record), or one download again (a kill before a collected part is
-durable, or before its submission is marked collected: then only the rows not stored yet are
-stored).
+them. A kill costs the work of the step that was under way:
+
+- one upload again, after a kill between the upload and its record;
+- one download again, after a kill before a collected part is durable or before its submission
+  is marked collected. Then only the rows not stored yet are stored.
 """
 
 from __future__ import annotations
@@ -203,9 +216,7 @@ class ProviderRun(ShardRun):
         if self.opened.rederive is not None:
             again = self.job.recompute_unanswered
             todo = rederive(self, self.opened.rederive, self.job.parse, self.check, todo, again)
-        self.keys_todo = todo  # online calls read their rows a slice at a time
-        if self.job.mode is not Mode.online:
-            todo = self.prepared.whole(todo)  # a submission sends its rows at once
+        # Keys (id, input hash, position): rows are read as submissions or online calls take them.
         self.todo = todo
         # The rows to do that no collected result covers yet, with their calls so far.
         self.attempts: dict[Any, int] = dict(
@@ -314,12 +325,15 @@ class ProviderRun(ShardRun):
             pending=rows,
         )
 
-    def _requests_of(self, rows: pl.DataFrame) -> Iterator[tuple[dict[str, Any], int]]:
-        visible = rows.select([c for c in rows.columns if c not in BOOKKEEPING])
-        for start in range(0, rows.height, _ROWS_PER_CHUNK):
-            dicts = visible.slice(start, _ROWS_PER_CHUNK).to_dicts()
-            hashes = rows.get_column(INPUT_HASH).slice(start, _ROWS_PER_CHUNK).to_list()
-            yield from zip(dicts, hashes, strict=True)
+    def _requests_of(self, keys: pl.DataFrame) -> Iterator[tuple[dict[str, Any], int]]:
+        """The input rows of ``keys`` (rows of the shard's keys, in order) as dicts, with their
+        input hashes, read a slice at a time as the splits take them."""
+        for frame in self.prepared.todo(keys, _ROWS_PER_CHUNK):
+            visible = frame.select([c for c in frame.columns if c not in BOOKKEEPING])
+            for start in range(0, frame.height, _ROWS_PER_CHUNK):
+                dicts = visible.slice(start, _ROWS_PER_CHUNK).to_dicts()
+                hashes = frame.get_column(INPUT_HASH).slice(start, _ROWS_PER_CHUNK).to_list()
+                yield from zip(dicts, hashes, strict=True)
 
     def _body(self, row: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -462,9 +476,9 @@ class ProviderRun(ShardRun):
         rows, self.online = self.online, {}
         calls = pl.DataFrame(
             {self.id: list(rows), ATTEMPTS: list(rows.values())},
-            schema={self.id: self.keys_todo.schema[self.id], ATTEMPTS: pl.Int32},
+            schema={self.id: self.todo.schema[self.id], ATTEMPTS: pl.Int32},
         )
-        keys = self.keys_todo.drop(ATTEMPTS).join(calls, on=self.id, maintain_order="left")
+        keys = self.todo.drop(ATTEMPTS).join(calls, on=self.id, maintain_order="left")
         job = self.job
         assert job.send is not None
         asking = online.Online(job.request, job.parse, job.send, self.id, job.keep_answers)

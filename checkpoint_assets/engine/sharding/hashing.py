@@ -37,7 +37,7 @@ them):
   inputs per row.
 - A row's *content key* is 128 bits: two folds of its input columns alone, in order, the id left
   out. The high half folds ``xxh3_64`` (seed 0) of each value, the low half ``xxh3_64`` with seed
-  1; both fold as the input hash does, from the same start, a null as ``0x6E756C6C``. It names
+  1. Both fold as the input hash does, from the same start, a null as ``0x6E756C6C``. It names
   what was asked, wherever the row is stored, so the result store keys by it (``engine/reuse/``).
   The high half is also the dedupe key: equal inputs share it.
 - A partition's input fingerprint is BLAKE3 over the row count and the sum and xor of its row

@@ -1,0 +1,80 @@
+"""How many processes of this machine call one key now: a file each in a directory of the key.
+
+For limits the user states (``requests_per_minute``, ``tokens_per_minute``), each process that
+calls the key takes an equal share. A process touches its file when it sends a request, at most
+every ``INTERVAL_SECONDS`` (every ``FIRST_INTERVAL_SECONDS`` while it starts), and counts the
+files touched in the last ``LIVE_SECONDS``. So the shares grow when shards finish and shrink
+when more start, with no coordination service. A process leaving removes its file; the file of
+one that was killed stops counting after ``LIVE_SECONDS`` and is removed later.
+
+The directory is ``checkpoint-assets-keys/<digest of the URL and key>`` under the system's
+temporary directory: it holds no key. Processes on other machines are not seen; for those, set
+the resource's ``shards_at_once``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+INTERVAL_SECONDS: Final = 1.0
+FIRST_INTERVAL_SECONDS: Final = 0.1  # while the process starts: shards often start together
+FIRST_SECONDS: Final = 2.0
+LIVE_SECONDS: Final = 3.0  # a file touched this recently is a process calling the key
+FORGET_SECONDS: Final = 600.0  # a file left this long (a killed process) is removed
+
+
+def directory_of(identity: str, root: Path | None = None) -> Path:
+    """The directory of the key named by ``identity`` (its URL and key)."""
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:20]
+    return (root or Path(tempfile.gettempdir()) / "checkpoint-assets-keys") / digest
+
+
+class Peers:
+    """This process's file in the key's directory, and the count of those calling the key."""
+
+    def __init__(
+        self, directory: Path, name: str | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.directory = directory
+        self.clock = clock
+        self.mine = directory / (name or f"{os.getpid()}")
+        self._began: float | None = None
+        self._next = -float("inf")
+        self.count = 1
+
+    def poll(self) -> int | None:
+        """The processes calling the key now, this one included, when due to count again
+        (None when not): this process's file is touched first."""
+        now = self.clock()
+        if now < self._next:
+            return None
+        if self._began is None:
+            self._began = now
+            self.directory.mkdir(parents=True, exist_ok=True)
+            atexit.register(self.leave)
+        first = now - self._began < FIRST_SECONDS
+        self._next = now + (FIRST_INTERVAL_SECONDS if first else INTERVAL_SECONDS)
+        self.mine.touch()
+        os.utime(self.mine, (now, now))
+        self.count = max(1, sum(self._live(entry, now) for entry in os.scandir(self.directory)))
+        return self.count
+
+    def _live(self, entry: os.DirEntry[str], now: float) -> bool:
+        try:
+            age = now - entry.stat().st_mtime
+            if age > FORGET_SECONDS:
+                os.unlink(entry.path)
+        except FileNotFoundError:  # another process removed it
+            return False
+        return age <= LIVE_SECONDS
+
+    def leave(self) -> None:
+        """Remove this process's file: it calls the key no more."""
+        self.mine.unlink(missing_ok=True)
