@@ -2,9 +2,9 @@
 
 ``clean`` deletes whole files, oldest first (a file's age is in its name: ``layout.py``).
 ``merge`` replaces the files of a bucket by one: the merged file is written under a new name
-first, with a key filter of all its rows (``store.py``), then the small ones are deleted. A reader that listed them and finds one gone lists again
-(``store.py``), so nothing is rewritten under a reader. A merged file takes the time of its
-newest result.
+first, with a key filter of all its rows (``key_filter.py``), then the small ones are deleted.
+A reader that listed them and finds one gone lists again (``store.py``), so nothing is
+rewritten under a reader. A merged file takes the time of its newest result.
 """
 
 from __future__ import annotations
