@@ -26,25 +26,14 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and ``examples`
 
 import polars as pl
 
+from bench.batches import ID, TEXT, parse, request
 from checkpoint_assets import OpenAIResource
 from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
 from checkpoint_assets.engine.providers.provider_batches import Mode, ProviderJob, ProviderRun
 from examples.llm_batch import jobs
 from examples.llm_batch.online import serve
 
-ID, TEXT = "id", "text"
 TEXTS = ("my invoice was charged twice", "the app crashes on start", "hello there")
-
-
-def request(row: dict[str, Any]) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": row[TEXT]}]}
-
-
-def parse(body: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "department": body["choices"][0]["message"]["content"],
-        "prompt_tokens": body["usage"]["prompt_tokens"],
-    }
 
 
 def one_mode(mode: Mode, rows: pl.DataFrame, delay: float, deadline: float) -> dict[str, Any]:

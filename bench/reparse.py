@@ -31,24 +31,13 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and ``examples`
 import polars as pl
 import pyarrow.parquet as pq
 
+from bench.batches import ID, TEXT, parse, request
 from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
 from checkpoint_assets.engine.plan import function_fingerprint
 from checkpoint_assets.engine.providers.provider_batches import ProviderJob, ProviderRun
 from examples.llm_batch.provider import serve_process, stats
 
-ID, TEXT = "id", "text"
 TEXTS = ("my invoice was charged twice", "the app crashes on start", "hello there")
-
-
-def request(row: dict[str, Any]) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": row[TEXT]}]}
-
-
-def parse(body: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "department": body["choices"][0]["message"]["content"],
-        "prompt_tokens": body["usage"]["prompt_tokens"],
-    }
 
 
 def parse_changed(body: dict[str, Any]) -> dict[str, Any]:
