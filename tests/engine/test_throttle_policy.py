@@ -238,6 +238,41 @@ def test_a_limit_that_drops_and_returns_is_found_again_through_the_endpoints_own
     assert max(back) <= worst, back
 
 
+@pytest.mark.parametrize("latency", [0.05, 0.25])
+def test_a_limit_that_returns_is_found_again_within_a_few_seconds_of_slow_answers(
+    latency: float,
+) -> None:
+    # Slow answers give fewer of them per second to learn from. Once the level refused at the
+    # lower limit passes, the limit moved: each clean round probes twice as far as the last.
+    # At 250 ms that is 13 answers' time (3.25 s); at 50 ms the wait before a refused level is
+    # tried again (2 s at most) takes most of the 40.
+    sim = _simulated(32, capacity=lambda t: 8 if 10 <= t < 20 else 32, latency=latency)
+    sim.run(20)
+    refused = sim.refused
+
+    back = sim.run(10)
+
+    answers = next(i for i, limit in enumerate(back) if limit >= 0.8 * 32)
+    assert answers <= 13 if latency == 0.25 else answers <= 40, answers  # answers' time
+    assert sim.refused - refused <= 1  # a call sent at the lower limit at most
+    assert back[-1] == 32
+
+
+def test_a_streak_in_a_trial_is_a_limit_below_half_not_the_endpoints_refusals() -> None:
+    # The limit drops while a trial runs at half the calls: most of the trial's calls are
+    # refused, in a row. That is no background share to learn (a learned share of 1 would
+    # take every later refusal for the endpoint's own); the streak halves again.
+    gate, _ = _gate(32)
+    _refused_round(gate)  # 9 of 64 refused at a clean level: a trial at 16
+    assert gate.limit == 16
+    for _ in range(16):
+        gate.acquire()
+    for _ in range(16):
+        gate.throttle(Throttled(0.0, "HTTP 429"))
+
+    assert gate.limit == 8 and gate.background == 0.0
+
+
 def test_a_level_held_for_the_endpoints_refusals_is_not_held_below_a_limit_found_later() -> None:
     # A trial said the refusals were the endpoint's own: the level holds for a few rounds. A
     # streak then shows a limit below it. The hold was for that level, not for half of it:
@@ -325,15 +360,16 @@ def test_growth_stops_below_a_refused_level_until_it_is_forgotten_after_30_secon
     assert gate.limit == 32  # ... then one more, while it is remembered.
     # A level refused that passes now: probed past one, then two, then four more at a time,
     # not a quarter (a server that queues refuses a few calls over its limit only seldom).
+    # The refused level took two clean rounds; once it passed, the limit moved: one each.
     probed = []
-    for _ in range(6):
+    for _ in range(5):
         _clean_round(gate)
         probed.append(gate.limit)
-    assert probed == [32, 33, 33, 35, 35, 39]
+    assert probed == [32, 33, 35, 39, 47]
     # Forgotten 30 s after the refusal: a quarter more per clean round again.
     clock[0] = 31.0
     _clean_round(gate)
-    assert gate.limit == 39 + 39 // 4
+    assert gate.limit == 47 + 47 // 4
 
 
 def test_most_calls_of_a_round_refused_pause_the_whole_shard() -> None:

@@ -32,12 +32,14 @@ so a single refusal decides nothing:
     down. It never goes above what the trials found, with what chance hides in one round.
   - *A streak.* Eight refusals in a row (fewer when fewer calls are allowed) halve at once.
     When the level is just past the last good one, the shard goes back to that one instead.
+    A streak in a trial ends it: the limit is below even half, and nothing is learned.
 - **Growth probes, and steps back only as far as needed.**
 
   - Clean rounds grow concurrency by a quarter, up to ``max_concurrency``.
   - A level refused for concurrency is remembered for 30 s. Meanwhile a level is good after
     two clean rounds in a row. Growth goes half way to the refused level at most, then one
-    more. Past it, growth adds one, two, four... calls at a time.
+    more. Past it, growth adds one, two, four... calls at a time, each after one clean round:
+    the refused level passed, so the limit moved. Growth is counted in answers, not seconds.
   - Over a limit, refusals can be rare. Calls refused past a limit wait holding their slots.
     An endpoint that queues what it cannot take (a vLLM, a proxy) refuses only now and then.
     So does one called by a client short of CPU: answers wait in the client's own sockets, so
@@ -206,8 +208,11 @@ class Throttle(Gate):
     def _adapt(self, share: float, rate: float, answered: int, over: bool, now: float) -> None:
         """Lower, keep or raise the limit after a round: the cases of the module docstring."""
         self._forget_an_old_refused_level(now)
-        if self._trial is not None and self._judge_the_trial(share, rate, answered, now):
-            return
+        if self._trial is not None:
+            if over:  # refused in a row with half the calls: a limit below even half, no
+                self._trial = None  # background (the streak lowers at once, below)
+            elif self._judge_the_trial(share, rate, answered, now):
+                return
         if over:
             self._refused_in_a_row(now)
             return
@@ -346,10 +351,12 @@ class Throttle(Gate):
     def _clean_round(self, now: float) -> None:
         """A clean round. Past a refusal (a refused level is remembered), a level is good after
         ``_CONFIRM`` clean rounds in a row: one clean round a few calls over a limit proves
-        little. A good level grows, unless a hold keeps it."""
+        little. Once a probe past the refused level passed (``_step`` > 1), the limit moved
+        up: one clean round makes the next level good. A good level grows, unless a hold
+        keeps it."""
         clean = self._clean[1] + 1 if self._clean[0] == self.limit else 1
         self._clean = (self.limit, clean)
-        if self._ceiling is not None and clean < _CONFIRM:
+        if self._ceiling is not None and clean < (_CONFIRM if self._step == 1 else 1):
             return
         self._good = self.limit
         if self._hold and now < self._probe_by:
