@@ -18,7 +18,8 @@ from pydantic import Field, model_validator
 
 from checkpoint_assets.engine.fields import required, setting
 from checkpoint_assets.engine.plan import function_fingerprint
-from checkpoint_assets.engine.providers.provider_batches import Mode, ProviderJob, ProviderRun
+from checkpoint_assets.engine.providers.job import Mode, ProviderJob
+from checkpoint_assets.engine.providers.provider_batches import ProviderRun
 from checkpoint_assets.engine.providers.submissions import BatchProvider
 from checkpoint_assets.engine.settings import AssetSettings
 from checkpoint_assets.integration import metadata as md
