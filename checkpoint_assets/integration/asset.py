@@ -48,6 +48,7 @@ from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkp
 from checkpoint_assets.integration.pending import end_pending
 from checkpoint_assets.integration.run_config import CheckpointRunConfig
 from checkpoint_assets.integration.run_watch import DagsterRunWatch
+from checkpoint_assets.integration.saved import saved_on_failure
 from checkpoint_assets.integration.source import (
     ShardRows,
     as_lazy,
@@ -352,7 +353,7 @@ class _AssetRun:
         checkpoint = self.io_manager.checkpoint(
             self.context.asset_key, self.config.checkpoint_tag, key, self.store
         )
-        saved = md.saved_on_failure(
+        saved = saved_on_failure(
             self.context, checkpoint, key, self.settings.id_column, self.config.checkpointing
         )
         with saved:
