@@ -9,17 +9,22 @@ the id column, so a shard's lookup reads only the row groups of its key range. A
 rows with the same id, input hash and job. It copies them into its checkpoint and skips them.
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 import dagster as dg
+import polars as pl
 from pydantic import Field
 
 from checkpoint_assets.engine.checkpoints.layout import DEFAULT_TAG, asset_folder
 from checkpoint_assets.engine.errors import CheckpointError
-from checkpoint_assets.engine.plan.global_resume import Found, tags, write_table
+from checkpoint_assets.engine.plan.global_resume import JOB, Found, shard_rows, tags, write_table
+from checkpoint_assets.engine.sharding import hashing
+from checkpoint_assets.engine.sharding.scheme import Shard, rows_in
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
+from checkpoint_assets.integration.source import scan, without_shard_keys
 
 
 class GlobalResumeConfig(dg.Config):
@@ -112,3 +117,53 @@ def global_resume_asset(
         return dg.MaterializeResult(metadata=details)
 
     return _global_resume
+
+
+def global_rows(
+    io_manager: CheckpointIOManager,
+    store: Store,
+    context: dg.AssetExecutionContext,
+    job: dict[str, Any],
+    keys: Sequence[str | None],
+    tag: str | None,
+) -> pl.DataFrame:
+    """Finished rows of this job from other checkpoints, for the shards ``keys``.
+
+    Range shards read only the overlapping checkpoints of earlier shard counts. Storage may hold
+    checkpoints that cannot be narrowed down (unpartitioned, other partition keys, the mod rule).
+    Then the rows come from the asset's global resume table of the run's tag.
+    """
+    asset_key = context.asset_key
+    fingerprint = hashing.job_fingerprint(job)
+    shards = [Shard.parse(k) for k in keys if k is not None]
+    if shards and len(shards) == len(keys) and all(shards):
+        folder = asset_folder(asset_key.path, tag or DEFAULT_TAG)
+        ranged = [s for s in shards if s is not None]
+        found = shard_rows(store, folder, job["id_column"], fingerprint, ranged)
+        if found is not None:
+            table, read = found
+            context.log.info(
+                "Global resume: %d finished row(s) of these shards in %d overlapping "
+                "checkpoint(s) of earlier shard counts (%s).",
+                table.height,
+                len(read.checkpoints),
+                ", ".join(sorted(set(read.schemes))) or "none found",
+            )
+            return table
+    key = global_resume_key(asset_key)
+    path = table_path(io_manager, store, asset_key, tag)  # this tag's: tags never mix
+    if not store.exists(path):
+        raise CheckpointError(
+            f"`global_resume: true` needs the table of {key.to_user_string()} for checkpoint "
+            f"tag {tag or DEFAULT_TAG!r} at {store.display(path)}, which does not exist (storage "
+            "holds checkpoints that are not range shards: unpartitioned, other partition keys, "
+            "or shards written by the earlier mod rule).",
+            f"Add global_resume_asset({asset_key.path[-1]}) to your Definitions and materialize "
+            "it first (it builds a table for every tag on storage).",
+        )
+    stored = scan(store, path)
+    if JOB not in stored.collect_schema():
+        return pl.DataFrame()  # no finished rows anywhere
+    # Stored in the keyed layout: the shards' filter reads only their row groups.
+    mine = rows_in(stored, job["id_column"], keys).filter(pl.col(JOB) == fingerprint).drop(JOB)
+    return without_shard_keys(mine).collect(engine="streaming")
