@@ -89,34 +89,45 @@ def global_resume_asset(
     def _global_resume(
         context: dg.AssetExecutionContext, config: GlobalResumeConfig
     ) -> dg.MaterializeResult:
-        io_manager = checkpoint_io_manager(context, io_manager_key)
-        store = io_manager.store()
-        built = [config.checkpoint_tag] if config.checkpoint_tag else tags(store, key.path)
-        found, rows = Found(), 0
-        for tag in built:  # one table in memory at a time
-            with store.put_file(table_path(io_manager, store, key, tag)) as local:
-                height, read = write_table(store, asset_folder(key.path, tag), id_column, local)
-            context.log.info(
-                "Tag %r: reconciled %d finished rows from %d checkpoints (%s).",
-                tag,
-                height,
-                len(read.checkpoints),
-                ", ".join(sorted(set(read.schemes))) or "none found",
-            )
-            found.checkpoints += read.checkpoints
-            found.schemes += read.schemes
-            found.rows_read += read.rows_read
-            rows += height
-        details: dict[str, Any] = {
-            "tags": built,
-            "checkpoints": len(found.checkpoints),
-            "schemes": sorted(set(found.schemes)),
-            "rows_read": found.rows_read,
-            "rows_finished": rows,
-        }
-        return dg.MaterializeResult(metadata=details)
+        return _build_tables(context, config, io_manager_key, key, id_column)
 
     return _global_resume
+
+
+def _build_tables(
+    context: dg.AssetExecutionContext,
+    config: GlobalResumeConfig,
+    io_manager_key: str,
+    key: dg.AssetKey,
+    id_column: str,
+) -> dg.MaterializeResult:
+    """Write the global resume table of each tag of ``key``'s checkpoints (the asset's body)."""
+    io_manager = checkpoint_io_manager(context, io_manager_key)
+    store = io_manager.store()
+    built = [config.checkpoint_tag] if config.checkpoint_tag else tags(store, key.path)
+    found, rows = Found(), 0
+    for tag in built:  # one table in memory at a time
+        with store.put_file(table_path(io_manager, store, key, tag)) as local:
+            height, read = write_table(store, asset_folder(key.path, tag), id_column, local)
+        context.log.info(
+            "Tag %r: reconciled %d finished rows from %d checkpoints (%s).",
+            tag,
+            height,
+            len(read.checkpoints),
+            ", ".join(sorted(set(read.schemes))) or "none found",
+        )
+        found.checkpoints += read.checkpoints
+        found.schemes += read.schemes
+        found.rows_read += read.rows_read
+        rows += height
+    details: dict[str, Any] = {
+        "tags": built,
+        "checkpoints": len(found.checkpoints),
+        "schemes": sorted(set(found.schemes)),
+        "rows_read": found.rows_read,
+        "rows_finished": rows,
+    }
+    return dg.MaterializeResult(metadata=details)
 
 
 def global_rows(
