@@ -15,7 +15,9 @@ The rules of a :class:`Pacer` (one per key and process):
   sleeping one is sent at once, not when that one's own estimate ends.
 - **What is left, as stated.** An answer sets a budget's level to the remaining it states, less
   what this process started after the answered request (the endpoint had not counted those yet).
-  Until the next answer, the level refills at the stated rate, up to the limit. That rate is
+  The endpoint stated it during the request's round trip: once the share is measured, half of
+  that trip counts as refilled. Until the next answer, the level refills at the stated rate, up
+  to the limit. That rate is
   what is missing, over the time to the reset. A window that refills all at once
   (``steady=False``) is full again at its reset.
 - **Shards share a key through the headers.** Every shard on the key sees what all of them
