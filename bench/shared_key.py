@@ -19,8 +19,9 @@ server's ``429`` over its answers.
 Shards end apart, so the run's tail has fewer shards calling. Beside the issue's figure, the
 bench samples the server's charges every ``SAMPLE_SECONDS``. "Rate while all ran" is what it
 charged per second from its first charge until the first shard's process ended, over the key's
-rate; the full bucket drawn at the start is in it, so it may pass 1. "Seconds after the first ended" is how long the last process ran after that (a process
-ends seconds after its last call, once Dagster has stored its run).
+rate; the full bucket drawn at the start is in it, so it may pass 1. "Seconds after the first
+ended" is how long the last process ran after that. A process ends seconds after its last call,
+once Dagster has stored its run.
 
     python -m bench.shared_key                        # 4 and 16 shards, every scenario
     python -m bench.shared_key --shards 4 --only tokens --tickets 1200
