@@ -18,10 +18,10 @@ server's ``429`` over its answers.
 
 Shards end apart, so the run's tail has fewer shards calling. Beside the issue's figure, the
 bench samples the server's charges every ``SAMPLE_SECONDS``. "Rate while all ran" is what it
-charged per second from its first charge until the first shard's process ended, over the key's
-rate; the full bucket drawn at the start is in it, so it may pass 1. "Seconds after the first
-ended" is how long the last process ran after that. A process ends seconds after its last call,
-once Dagster has stored its run.
+charged per second from its first charge until the first shard's process ended (or its last
+charge, if earlier), over the key's rate. The full bucket drawn at the start is in it, so it may
+pass 1. "Seconds after the first ended" is how long the last process ran after that. A process
+ends seconds after its last call, once Dagster has stored its run.
 
     python -m bench.shared_key                        # 4 and 16 shards, every scenario
     python -m bench.shared_key --shards 4 --only tokens --tickets 1200
@@ -99,9 +99,11 @@ def watch(
 
 def while_all_run(samples: list[tuple[float, int]], ended: list[float]) -> tuple[float, float]:
     """What the server charged per second while every shard's process ran (from the first
-    sample with a charge to the first process that ended), and those seconds."""
+    sample with a charge to the first process that ended, or the last charge if earlier), and
+    those seconds."""
     first = next((t, c) for t, c in samples if c > 0)
-    last = max((s for s in samples if s[0] <= min(ended)), default=first)
+    final = next(t for t, c in samples if c == samples[-1][1])  # the last charge, sampled
+    last = max((s for s in samples if s[0] <= min(min(ended), final)), default=first)
     seconds = last[0] - first[0]
     return ((last[1] - first[1]) / seconds if seconds > 0 else math.nan), seconds
 
