@@ -48,7 +48,8 @@ import polars as pl
 
 from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
 from checkpoint_assets.engine.errors import BatchesPendingError, TooManyFailuresError
-from checkpoint_assets.engine.providers.provider_batches import ProviderJob, ProviderRun
+from checkpoint_assets.engine.providers.job import ProviderJob
+from checkpoint_assets.engine.providers.provider_batches import ProviderRun
 from checkpoint_assets.engine.providers.submission_records import Records
 from checkpoint_assets.engine.providers.submissions import State
 from examples.llm_batch.jobs import Settings as ProviderSettings

@@ -29,7 +29,8 @@ import polars as pl
 from bench.batches import ID, TEXT, parse, request
 from checkpoint_assets import OpenAIResource
 from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
-from checkpoint_assets.engine.providers.provider_batches import Mode, ProviderJob, ProviderRun
+from checkpoint_assets.engine.providers.job import Mode, ProviderJob
+from checkpoint_assets.engine.providers.provider_batches import ProviderRun
 from examples.llm_batch import jobs
 from examples.llm_batch.online import serve
 

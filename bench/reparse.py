@@ -34,7 +34,8 @@ import pyarrow.parquet as pq
 from bench.batches import ID, TEXT, parse, request
 from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
 from checkpoint_assets.engine.plan import function_fingerprint
-from checkpoint_assets.engine.providers.provider_batches import ProviderJob, ProviderRun
+from checkpoint_assets.engine.providers.job import ProviderJob
+from checkpoint_assets.engine.providers.provider_batches import ProviderRun
 from examples.llm_batch.provider import serve_process, stats
 
 TEXTS = ("my invoice was charged twice", "the app crashes on start", "hello there")

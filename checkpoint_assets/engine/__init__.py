@@ -12,7 +12,7 @@ Its rooms, top to bottom (a room imports only those below it; ARCHITECTURE.md sa
 - ``storage/``: the five operations on any fsspec filesystem, one file per backend;
 - ``rows.py``: the columns every stored row carries; ``fields.py``: a declared field's default
   and meaning;
-- ``errors.py``: what can go wrong.
+- ``errors/``: what can go wrong.
 """
 
 from checkpoint_assets.engine.calls.batches import PerRow

@@ -14,7 +14,7 @@ import polars as pl
 
 from checkpoint_assets.engine.calls.budget import Spend
 from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
-from checkpoint_assets.engine.checkpoints.layout import DEFAULT_TAG, asset_folder
+from checkpoint_assets.engine.checkpoints.layout import DEFAULT_TAG
 from checkpoint_assets.engine.errors import (
     BatchesPendingError,
     CheckpointError,
@@ -25,13 +25,11 @@ from checkpoint_assets.engine.loop import runner
 from checkpoint_assets.engine.loop.shard_run import ShardRun
 from checkpoint_assets.engine.plan import function_fingerprint
 from checkpoint_assets.engine.plan.estimate import Estimate, Requests, estimate
-from checkpoint_assets.engine.plan.global_resume import JOB, shard_rows
 from checkpoint_assets.engine.plan.inputs import Inputs, Limited
 from checkpoint_assets.engine.plan.opening import Job
 from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.settings import RunStats, Settings
-from checkpoint_assets.engine.sharding import hashing
-from checkpoint_assets.engine.sharding.scheme import Scheme, Shard, rows_in
+from checkpoint_assets.engine.sharding.scheme import Scheme
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.engine.storage.base import Usage
 from checkpoint_assets.integration import dry_run, run_config
@@ -43,17 +41,16 @@ from checkpoint_assets.integration.arguments import (
     keyword_arguments_of,
 )
 from checkpoint_assets.integration.function import Signature
-from checkpoint_assets.integration.global_resume import global_resume_key, table_path
+from checkpoint_assets.integration.global_resume import global_rows
 from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
 from checkpoint_assets.integration.pending import end_pending
 from checkpoint_assets.integration.run_config import CheckpointRunConfig
 from checkpoint_assets.integration.run_watch import DagsterRunWatch
+from checkpoint_assets.integration.saved import saved_on_failure
 from checkpoint_assets.integration.source import (
     ShardRows,
     as_lazy,
-    scan,
     user_columns,
-    without_shard_keys,
 )
 from checkpoint_assets.integration.spend import AssetSpend
 
@@ -243,7 +240,7 @@ class _AssetRun:
         imported = None
         if config.global_resume:
             tag = config.checkpoint_tag
-            imported = _global_rows(io_manager, store, context, job, keys, tag)
+            imported = global_rows(io_manager, store, context, job, keys, tag)
         return cls(
             context=context,
             config=config,
@@ -352,7 +349,7 @@ class _AssetRun:
         checkpoint = self.io_manager.checkpoint(
             self.context.asset_key, self.config.checkpoint_tag, key, self.store
         )
-        saved = md.saved_on_failure(
+        saved = saved_on_failure(
             self.context, checkpoint, key, self.settings.id_column, self.config.checkpointing
         )
         with saved:
@@ -412,56 +409,6 @@ def _results(
     asset's, else the IO manager's ``reuse_results``; never without checkpointing."""
     chosen = next(r for r in (config.reuse, a.reuse, io_manager.reuse_results) if r is not None)
     return io_manager.results() if chosen and config.checkpointing else None
-
-
-def _global_rows(
-    io_manager: CheckpointIOManager,
-    store: Store,
-    context: dg.AssetExecutionContext,
-    job: dict[str, Any],
-    keys: Sequence[str | None],
-    tag: str | None,
-) -> pl.DataFrame:
-    """Finished rows of this job from other checkpoints, for the shards ``keys``.
-
-    Range shards read only the overlapping checkpoints of earlier shard counts. Storage may hold
-    checkpoints that cannot be narrowed down (unpartitioned, other partition keys, the mod rule).
-    Then the rows come from the asset's global resume table of the run's tag.
-    """
-    asset_key = context.asset_key
-    fingerprint = hashing.job_fingerprint(job)
-    shards = [Shard.parse(k) for k in keys if k is not None]
-    if shards and len(shards) == len(keys) and all(shards):
-        folder = asset_folder(asset_key.path, tag or DEFAULT_TAG)
-        ranged = [s for s in shards if s is not None]
-        found = shard_rows(store, folder, job["id_column"], fingerprint, ranged)
-        if found is not None:
-            table, read = found
-            context.log.info(
-                "Global resume: %d finished row(s) of these shards in %d overlapping "
-                "checkpoint(s) of earlier shard counts (%s).",
-                table.height,
-                len(read.checkpoints),
-                ", ".join(sorted(set(read.schemes))) or "none found",
-            )
-            return table
-    key = global_resume_key(asset_key)
-    path = table_path(io_manager, store, asset_key, tag)  # this tag's: tags never mix
-    if not store.exists(path):
-        raise CheckpointError(
-            f"`global_resume: true` needs the table of {key.to_user_string()} for checkpoint "
-            f"tag {tag or DEFAULT_TAG!r} at {store.display(path)}, which does not exist (storage "
-            "holds checkpoints that are not range shards: unpartitioned, other partition keys, "
-            "or shards written by the earlier mod rule).",
-            f"Add global_resume_asset({asset_key.path[-1]}) to your Definitions and materialize "
-            "it first (it builds a table for every tag on storage).",
-        )
-    stored = scan(store, path)
-    if JOB not in stored.collect_schema():
-        return pl.DataFrame()  # no finished rows anywhere
-    # Stored in the keyed layout: the shards' filter reads only their row groups.
-    mine = rows_in(stored, job["id_column"], keys).filter(pl.col(JOB) == fingerprint).drop(JOB)
-    return without_shard_keys(mine).collect(engine="streaming")
 
 
 def _source_key(source: SourceSpec) -> dg.AssetKey:

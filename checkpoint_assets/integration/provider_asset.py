@@ -9,6 +9,7 @@ No ``from __future__ import annotations`` here: Dagster reads the run config's a
 """
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,7 +19,8 @@ from pydantic import Field, model_validator
 
 from checkpoint_assets.engine.fields import required, setting
 from checkpoint_assets.engine.plan import function_fingerprint
-from checkpoint_assets.engine.providers.provider_batches import Mode, ProviderJob, ProviderRun
+from checkpoint_assets.engine.providers.job import Mode, ProviderJob
+from checkpoint_assets.engine.providers.provider_batches import ProviderRun
 from checkpoint_assets.engine.providers.submissions import BatchProvider
 from checkpoint_assets.engine.settings import AssetSettings
 from checkpoint_assets.integration import metadata as md
@@ -220,52 +222,61 @@ def provider_batch_asset(
         def ticket_routing(row: dict) -> dict:
             return {"messages": [{"role": "user", "content": row["body"]}]}
     """
-    a = arguments
-    provider = a.provider
+    a, provider = arguments, arguments.provider
     # The sensor reads the provider and endpoint from here (provider_batches_sensor).
     said = {md.PROVIDER: provider} | ({} if a.endpoint is None else {md.ENDPOINT: a.endpoint})
     declared = dataclasses.replace(a, metadata={**(a.metadata or {}), **said})
 
     def decorator(request: Callable[[dict[str, Any]], dict[str, Any]]) -> dg.AssetsDefinition:
-        def bind(context: dg.AssetExecutionContext, config: ProviderBatchRunConfig) -> ProviderJob:
-            resource = getattr(context.resources, provider)
-            api = resource.batch_provider(a.endpoint)
-            if not isinstance(api, BatchProvider):
-                raise TypeError(f"resource {provider!r}: batch_provider() is no BatchProvider")
-            waits = a.wait if config.wait is None else config.wait
-            mode = mode_of(a.mode if config.mode is None else config.mode)
-            deadline = seconds_of(a.deadline if config.deadline is None else config.deadline)
-            if config.deadline is not None and mode is not Mode.hybrid:
-                raise ValueError(
-                    f"Run config sets a deadline, which only mode hybrid follows, but this run's "
-                    f"mode is {mode.value}: add mode: hybrid, or drop the deadline."
-                )
-            send = None
-            if mode is not Mode.batch:
-                if not hasattr(resource, "sender"):
-                    raise TypeError(
-                        f"mode {mode.value} sends rows online, but resource {provider!r} has no "
-                        "sender(endpoint): use OpenAIResource or AnthropicResource, or mode batch."
-                    )
-                send = resource.sender(a.endpoint)
-            return ProviderJob(
-                api,
-                request,
-                a.parse,
-                waits,
-                a.poll_seconds,
-                a.max_poll_seconds,
-                mode=mode,
-                deadline_seconds=deadline,
-                send=send,
-                keep_answers=a.keep_answers,
-                recompute_unanswered=config.recompute_unanswered,
-            )
-
         # The request part, then the parse part (the resources add theirs to the request's).
         code = function_fingerprint.of_function(request) | function_fingerprint.of_parse(a.parse)
         parse = a.parse if a.keep_answers else None  # reads the answers of rows reused
+        bind = functools.partial(_job, a, request)
         calls = Calls((provider,), code, bind, ProviderRun, ProviderBatchRunConfig, request, parse)
         return define(request, calls, declared, kinds={"polars", "parquet", provider})
 
     return decorator
+
+
+def _job(
+    a: ProviderArguments,
+    request: Callable[[dict[str, Any]], dict[str, Any]],
+    context: dg.AssetExecutionContext,
+    config: ProviderBatchRunConfig,
+) -> ProviderJob:
+    """The job of one run: the provider's adapter and sender from its resource, with the asset's
+    arguments and the run config."""
+    provider = a.provider
+    resource = getattr(context.resources, provider)
+    api = resource.batch_provider(a.endpoint)
+    if not isinstance(api, BatchProvider):
+        raise TypeError(f"resource {provider!r}: batch_provider() is no BatchProvider")
+    waits = a.wait if config.wait is None else config.wait
+    mode = mode_of(a.mode if config.mode is None else config.mode)
+    deadline = seconds_of(a.deadline if config.deadline is None else config.deadline)
+    if config.deadline is not None and mode is not Mode.hybrid:
+        raise ValueError(
+            f"Run config sets a deadline, which only mode hybrid follows, but this run's "
+            f"mode is {mode.value}: add mode: hybrid, or drop the deadline."
+        )
+    send = None
+    if mode is not Mode.batch:
+        if not hasattr(resource, "sender"):
+            raise TypeError(
+                f"mode {mode.value} sends rows online, but resource {provider!r} has no "
+                "sender(endpoint): use OpenAIResource or AnthropicResource, or mode batch."
+            )
+        send = resource.sender(a.endpoint)
+    return ProviderJob(
+        api,
+        request,
+        a.parse,
+        waits,
+        a.poll_seconds,
+        a.max_poll_seconds,
+        mode=mode,
+        deadline_seconds=deadline,
+        send=send,
+        keep_answers=a.keep_answers,
+        recompute_unanswered=config.recompute_unanswered,
+    )

@@ -1,8 +1,9 @@
 """The built wheel installs beside the Dagster a team already runs.
 
-A fresh venv gets the newest or the oldest Dagster of the package's range; the wheel then goes in.
-pip must change no Dagster package, no command may warn of a version mismatch, and a
-checkpointed asset must materialize there from the `dagster` CLI.
+A fresh venv gets the newest or the oldest Dagster of the package's range (installed by uv, which
+is faster); pip then installs the wheel, as a user does. pip must change no Dagster package, no
+command may warn of a version mismatch, and a checkpointed asset must materialize there from the
+`dagster` CLI.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from helpers.venvs import venv_with
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
-# Three pip installs and two Dagster runs in a fresh venv: past the default 300 s on a busy machine.
+# Two installs and two Dagster runs in a fresh venv: past the default 300 s on a busy machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 DEFS = """
@@ -80,18 +82,14 @@ def test_the_wheel_installs_beside_dagster_at_either_end_of_its_range_and_change
     tmp_path: Path, end: str, wheel: Path
 ) -> None:
     venv = tmp_path / "venv"
-    _run(sys.executable, "-m", "venv", venv)
-    python = venv / "bin" / "python"
-    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    _run(*pip, "--upgrade", "pip")
     requirement = _dagster_requirement()
     oldest = next(s.version for s in requirement.specifier if s.operator == ">=")
-    _run(*pip, str(requirement) if end == "newest" else f"dagster=={oldest}")
+    python = venv_with(venv, str(requirement) if end == "newest" else f"dagster=={oldest}")
     before = _dagster_versions(python)
     assert before["dagster"] in requirement.specifier
     assert (before["dagster"] == oldest) == (end == "oldest")
 
-    _run(*pip, wheel)
+    _run(python, "-m", "pip", "install", "-q", "--disable-pip-version-check", wheel)
     assert _dagster_versions(python) == before
 
     project = tmp_path / "project"

@@ -16,7 +16,8 @@ import polars as pl
 import pytest
 
 from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
-from checkpoint_assets.engine.providers.provider_batches import ProviderJob, ProviderRun
+from checkpoint_assets.engine.providers.job import ProviderJob
+from checkpoint_assets.engine.providers.provider_batches import ProviderRun
 from checkpoint_assets.engine.providers.submission_records import Records
 from checkpoint_assets.engine.providers.submissions import BatchProvider, Limits, Request, custom_id
 from checkpoint_assets.resources import anthropic_batches

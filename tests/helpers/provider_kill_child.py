@@ -20,7 +20,8 @@ import openai
 import polars as pl
 
 from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
-from checkpoint_assets.engine.providers.provider_batches import ProviderJob, ProviderRun
+from checkpoint_assets.engine.providers.job import ProviderJob
+from checkpoint_assets.engine.providers.provider_batches import ProviderRun
 from checkpoint_assets.engine.providers.submissions import BatchProvider, Result
 from checkpoint_assets.engine.settings import RunStats
 from checkpoint_assets.resources.anthropic_batches import AnthropicBatches

@@ -21,7 +21,8 @@ import polars as pl
 from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
 from checkpoint_assets.engine.loop.sink import PartWriter
 from checkpoint_assets.engine.plan import function_fingerprint
-from checkpoint_assets.engine.providers.provider_batches import ProviderJob, ProviderRun
+from checkpoint_assets.engine.providers.job import ProviderJob
+from checkpoint_assets.engine.providers.provider_batches import ProviderRun
 from checkpoint_assets.engine.settings import RunStats
 from checkpoint_assets.resources.openai_batches import OpenAIBatches
 

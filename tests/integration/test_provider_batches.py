@@ -40,7 +40,7 @@ from checkpoint_assets import (
     shard_partitions,
 )
 from checkpoint_assets.engine import Checkpoint, open_store
-from checkpoint_assets.engine.providers.provider_batches import ProviderJob
+from checkpoint_assets.engine.providers.job import ProviderJob
 from checkpoint_assets.engine.providers.submissions import Limits, Request
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.arguments import CommonArguments

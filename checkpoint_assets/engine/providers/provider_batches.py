@@ -33,35 +33,15 @@ Answers. Each collected row keeps its response body in ``_answer`` (``keep_answe
 with no request (``answers.py``). Finished rows without one keep their outputs unless
 ``recompute_unanswered``.
 
-Modes (``ProviderJob.mode``):
-
-- ``batch`` is the above.
-- ``hybrid`` submits the same way, but sends no row again as a batch. The rows of an expired,
-  cancelled or failed batch, and the requests that failed in a transient way, are finished
-  online (``online.py``) while the other batches wait. At ``deadline_seconds`` after the run's
-  start it cancels every open submission. Each is collected once it has ended, and its rows
-  without a result go online.
-- ``online`` submits nothing. It cancels the open submissions of earlier runs (collected
-  likewise), and every other row goes online.
+Modes (``ProviderJob.mode``, ``job.py``): ``hybrid`` and ``online`` hand rows to ``online.py``
+(``handoff.py``).
 
 No row goes online while a batch that holds it may still answer, so no row is paid twice. A
 batch result whose row is stored already (after a crash, a submission collected again) is
 dropped and counted (``RunStats.batch_results_dropped``).
 
-Spend budget. Before a submission is recorded or sent, its cost is estimated and reserved in the
-run's spend (``Spend.reserve``, at the batch price):
-
-- input tokens: the bytes the provider counts for each request, divided by 4 (``size()``: its
-  JSONL line, or its entry in the create's body);
-- output tokens: each body's ``max_tokens``, ``max_completion_tokens`` or
-  ``max_output_tokens``, the adapter's defaults filled in (0 when it names none, as an
-  embedding request);
-- priced by the body's ``model`` when the budget has a ``model_column``.
-
-When it does not fit, nothing more is submitted. The submissions made are collected (a waiting
-run) or left for the next run, and the run ends with :class:`BudgetExceededError`. When a
-submission's results are stored, its reservation is replaced by what its rows cost at the batch
-price.
+Spend budget. Before a submission is recorded or sent, its estimated cost is reserved in the
+run's spend (``splits.py`` says how it is estimated and what a refusal does).
 
 Loss bound. A hard kill loses no paid request. Every submission is recorded before anything is
 sent, and its results stay on the provider (OpenAI: 30 days; Anthropic: 29) until a run stores
@@ -74,16 +54,12 @@ them. A kill costs the work of the step that was under way:
 
 from __future__ import annotations
 
-import enum
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
 
 from checkpoint_assets.engine.calls.batches import Broken, Check, RowResult
-from checkpoint_assets.engine.calls.budget import Budget
 from checkpoint_assets.engine.errors import (
     BatchesPendingError,
     BudgetExceededError,
@@ -92,109 +68,25 @@ from checkpoint_assets.engine.errors import (
 )
 from checkpoint_assets.engine.loop.shard_run import ShardRun
 from checkpoint_assets.engine.loop.sink import PartWriter
-from checkpoint_assets.engine.providers import online
 from checkpoint_assets.engine.providers.answers import ANSWER, dumps, parse_error, rederive
-from checkpoint_assets.engine.providers.submission_records import Records, Submission, new_tag
+from checkpoint_assets.engine.providers.handoff import Handoff
+from checkpoint_assets.engine.providers.job import Mode, ProviderJob
+from checkpoint_assets.engine.providers.splits import Split, rows_of, splits
+from checkpoint_assets.engine.providers.submission_records import Records, Submission
 from checkpoint_assets.engine.providers.submissions import (
     WINDOW_SECONDS,
-    BatchProvider,
-    Request,
     Result,
     State,
     Status,
-    custom_id,
     index_of,
 )
-from checkpoint_assets.engine.rows import ATTEMPTS, BOOKKEEPING, ERROR, INPUT_HASH
+from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH
 
-_ROWS_PER_CHUNK = 4096  # input rows turned into dicts at a time
 _FIND_MARGIN_SECONDS = 600.0  # clocks differ: look for batches created a little before the intent
-_BYTES_PER_TOKEN = 4  # a request's input tokens, estimated from its bytes (see the docstring)
-_MAX_OUTPUT = ("max_tokens", "max_completion_tokens", "max_output_tokens")  # a body's cap
-
-
-class Mode(enum.StrEnum):
-    """How a request/parse job runs (see the module docstring)."""
-
-    online = "online"
-    batch = "batch"
-    hybrid = "hybrid"
-
-
-@dataclass(frozen=True)
-class ProviderJob:
-    """What a shard sends through a provider's batch API, and how it waits.
-
-    ``request(row)`` gets the id and input columns of one row as a dict and returns its request
-    body; ``parse(body)`` gets the provider's response body of that row and returns a dict of
-    output columns (the same keys for every row). ``wait`` False ends the run once its rows are
-    submitted (see the module docstring). ``keep_answers`` stores each response body in
-    ``_answer``; ``recompute_unanswered`` sends the finished rows without one again when
-    ``parse`` changed. ``mode``, ``deadline_seconds``: see the module docstring; ``send(body)``
-    sends one body online and returns the response body (the endpoint resource's ``sender``),
-    needed by ``online`` and ``hybrid``.
-    """
-
-    provider: BatchProvider
-    request: Callable[[dict[str, Any]], dict[str, Any]]
-    parse: Callable[[dict[str, Any]], Mapping[str, Any]]
-    wait: bool = True
-    poll_seconds: float = 10.0
-    max_poll_seconds: float = 300.0
-    mode: Mode = Mode.batch
-    deadline_seconds: float | None = None
-    send: online.Send | None = None
-    keep_answers: bool = True
-    recompute_unanswered: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "mode", Mode(self.mode))
-        if self.mode is not Mode.batch and self.send is None:
-            raise ValueError(f"mode {self.mode.value} sends rows online: it needs send")
-        if self.mode is Mode.hybrid and not self.wait:
-            raise ValueError(
-                "mode hybrid finishes rows online in the run, so it waits for its batches: "
-                "drop wait: false, or use mode batch to submit and end."
-            )
-        if self.deadline_seconds is not None and self.deadline_seconds < 0:
-            raise ValueError(f"deadline must be at least 0 seconds, got {self.deadline_seconds}")
-
-
-@dataclass
-class _Split:
-    """The rows of one submission, before it is sent: their requests, the bytes of each (as the
-    provider counts them), ids and input hashes."""
-
-    tag: str
-    requests: list[Request] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-    ids: list[Any] = field(default_factory=list)
-    hashes: list[int] = field(default_factory=list)
-
-    def add(self, request: Request, size: int, row_id: Any, input_hash: int) -> None:
-        self.requests.append(request)
-        self.sizes.append(size)
-        self.ids.append(row_id)
-        self.hashes.append(input_hash)
-
-    def estimate(self, budget: Budget, defaults: Mapping[str, Any]) -> float:
-        """USD the submission may cost at the batch price (see the module docstring)."""
-        tokens: dict[str | None, list[float]] = {}  # model -> [input, output]
-        for request, size in zip(self.requests, self.sizes, strict=True):
-            body = {**defaults, **request.body}
-            model = body.get("model") if budget.model_column else None
-            counted = tokens.setdefault(None if model is None else str(model), [0.0, 0.0])
-            counted[0] += size / _BYTES_PER_TOKEN
-            counted[1] += next((body[k] for k in _MAX_OUTPUT if _is_count(body.get(k))), 0)
-        return sum(budget.cost(m, i, o, batch=True) for m, (i, o) in tokens.items())
 
 
 # A failed row: id, input hash, error, attempts, answer (None: none kept).
 _Failed = tuple[Any, int, str, int, str | None]
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class ProviderRun(ShardRun):
@@ -226,13 +118,12 @@ class ProviderRun(ShardRun):
         )
         self.reserved: dict[str, float] = {}  # the estimates of this run's submissions, by tag
         self.refused: BudgetExceededError | None = None  # a submission the budget did not take
-        self.online: dict[Any, int] = {}  # rows to finish online, with their calls so far
-        self.cancelled: set[str] = set()  # tags of the submissions this run cancelled
+        self.handoff = Handoff(self, self.job)  # rows finished online, batches cancelled
         waiting = [s for s in self.records.load() if s.open and self._attach(s)]
         sent = {i for s in waiting for i in s.ids}
         fresh = todo.filter(~pl.col(self.id).is_in(list(sent))) if sent else todo
         if self.job.mode is Mode.online:
-            self._go_online(fresh.get_column(self.id).to_list())
+            self.handoff.take(self.attempts, fresh.get_column(self.id).to_list())
         else:
             waiting += self._submit(fresh)
         pending = self._collect_all(waiting)
@@ -265,31 +156,13 @@ class ProviderRun(ShardRun):
         """Submit ``rows`` in as many submissions as the provider's limits take, until the
         spend budget refuses one (then nothing more is submitted)."""
         made = []
-        for split in self._split(rows):
+        for split in splits(self.provider, rows_of(self.prepared, rows), self._body, self.id):
             if self.refused is not None or not self._reserve(split):
                 break
             made.append(self._send(split, attempt))
         return made
 
-    def _split(self, rows: pl.DataFrame) -> Iterator[_Split]:
-        limits = self.provider.limits
-        split, size = _Split(new_tag()), 0
-        for row, input_hash in self._requests_of(rows):
-            request = Request(custom_id(split.tag, len(split.requests)), self._body(row))
-            request_size = self.provider.size(request)
-            grown = size + request_size
-            full = len(split.requests) >= limits.max_requests or grown > limits.max_bytes
-            if split.requests and full:
-                yield split
-                split = _Split(new_tag())
-                request = Request(custom_id(split.tag, 0), request.body)
-                grown = request_size = self.provider.size(request)
-            split.add(request, request_size, row[self.id], input_hash)
-            size = grown
-        if split.requests:
-            yield split
-
-    def _reserve(self, split: _Split) -> bool:
+    def _reserve(self, split: Split) -> bool:
         """Reserve the estimated cost of ``split`` in the spend budget; False when it does not
         fit (``refused`` says why)."""
         if self.spend is None:
@@ -325,16 +198,6 @@ class ProviderRun(ShardRun):
             pending=rows,
         )
 
-    def _requests_of(self, keys: pl.DataFrame) -> Iterator[tuple[dict[str, Any], int]]:
-        """The input rows of ``keys`` (rows of the shard's keys, in order) as dicts, with their
-        input hashes, read a slice at a time as the splits take them."""
-        for frame in self.prepared.todo(keys, _ROWS_PER_CHUNK):
-            visible = frame.select([c for c in frame.columns if c not in BOOKKEEPING])
-            for start in range(0, frame.height, _ROWS_PER_CHUNK):
-                dicts = visible.slice(start, _ROWS_PER_CHUNK).to_dicts()
-                hashes = frame.get_column(INPUT_HASH).slice(start, _ROWS_PER_CHUNK).to_list()
-                yield from zip(dicts, hashes, strict=True)
-
     def _body(self, row: dict[str, Any]) -> dict[str, Any]:
         try:
             body = self.job.request(row)
@@ -346,7 +209,7 @@ class ProviderRun(ShardRun):
             raise FunctionError(self.label, problem, self.done_rows)
         return body
 
-    def _send(self, split: _Split, attempt: int) -> Submission:
+    def _send(self, split: Split, attempt: int) -> Submission:
         tag, requests = split.tag, split.requests
         s = Submission(tag, self.provider.name, split.ids, split.hashes, attempt=attempt)
         self.records.record_intent(s)
@@ -382,13 +245,13 @@ class ProviderRun(ShardRun):
                     delay = self.job.poll_seconds  # new batches: poll them from the start
                 left += again
             waiting = left
-            if self.online:
-                stopped = self._finish_online()
+            if self.handoff.rows:
+                stopped = self.handoff.finish(self.todo)
                 if stopped is not None:
                     return stopped  # open submissions stay recorded: the next run re-attaches
             if not waiting:
                 return None
-            if self._past_deadline() and self._cancel(waiting):
+            if self.handoff.past_deadline() and self.handoff.cancel(waiting):
                 delay = self.job.poll_seconds  # cancelled batches end soon
             rows = sum(len(s.ids) for s in waiting)
             if not self.job.wait and self.job.mode is Mode.batch:
@@ -450,7 +313,7 @@ class ProviderRun(ShardRun):
             self.log.info(
                 "%s: provider batch %s: %s; finishing them online.", self.label, s.batch_id, note
             )
-            self._go_online(back)
+            self.handoff.take(self.attempts, back)
             return []
         self.records.advance(s, "returned", note=note)
         self.log.warning(
@@ -462,56 +325,6 @@ class ProviderRun(ShardRun):
             self.s.max_attempts,
         )
         return self._submit(self.todo.filter(pl.col(self.id).is_in(back)), s.attempt + 1)
-
-    # -- online (hybrid, online) ---------------------------------------------------------
-    def _go_online(self, ids: list[Any]) -> None:
-        """Take the rows ``ids`` off the batches: they are finished online."""
-        for row_id in ids:
-            attempts = self.attempts.pop(row_id, None)
-            if attempts is not None:
-                self.online[row_id] = attempts
-
-    def _finish_online(self) -> CheckpointError | None:
-        """Send the rows gone online, each as its own request (``online.finish``)."""
-        rows, self.online = self.online, {}
-        calls = pl.DataFrame(
-            {self.id: list(rows), ATTEMPTS: list(rows.values())},
-            schema={self.id: self.todo.schema[self.id], ATTEMPTS: pl.Int32},
-        )
-        keys = self.todo.drop(ATTEMPTS).join(calls, on=self.id, maintain_order="left")
-        job = self.job
-        assert job.send is not None
-        asking = online.Online(job.request, job.parse, job.send, self.id, job.keep_answers)
-        self.log.info("%s: %d row(s) go online.", self.label, keys.height)
-        return online.finish(self, asking, keys)
-
-    def _past_deadline(self) -> bool:
-        if self.job.mode is Mode.online:
-            return True
-        deadline = self.job.deadline_seconds
-        if self.job.mode is not Mode.hybrid or deadline is None:
-            return False
-        return time.monotonic() - self.started >= deadline
-
-    def _cancel(self, waiting: list[Submission]) -> bool:
-        """Ask the provider to cancel the submissions not cancelled yet; whether any was."""
-        fresh = [s for s in waiting if s.tag not in self.cancelled]
-        for s in fresh:
-            assert s.batch_id is not None
-            self.cancelled.add(s.tag)
-            try:
-                self.provider.cancel(s.batch_id)
-            except Exception as e:  # it may have ended meanwhile: it is collected as it is
-                self.log.warning("%s: cancelling batch %s: %s", self.label, s.batch_id, e)
-        if fresh:
-            self.log.info(
-                "%s: %s: cancelled %d provider batch(es); their rows without a result go "
-                "online once each has ended.",
-                self.label,
-                "online" if self.job.mode is Mode.online else "the deadline passed",
-                len(fresh),
-            )
-        return bool(fresh)
 
     def _no_result(self, s: Submission, status: Status) -> str:
         """Why a request of the ended submission ``s`` is a failed row without a result."""
