@@ -100,6 +100,7 @@ class CountingMotoServer:
         self.bytes_read: Counter[str] = Counter()  # bytes of successful GETs, per bucket
         self.largest: Counter[str] = Counter()  # the largest request body, per bucket
         self._lock = threading.Lock()
+        self._conditional = threading.Lock()
         app = self._counting(DomainDispatcherApplication(create_backend_app))
         # What moto's ThreadedMotoServer does, with the counting wrapper around its app.
         self._server = make_server("127.0.0.1", 0, app, True, request_handler=MotoRequestHandler)
@@ -134,7 +135,13 @@ class CountingMotoServer:
                 status.append(code)
                 return start_response(code, *args)
 
-            body = app(environ, respond)
+            if "HTTP_IF_NONE_MATCH" in environ or "HTTP_IF_MATCH" in environ:
+                # S3 makes a conditional write atomic; moto checks, then stores, unlocked, so
+                # two racing writers could both win. One at a time here, as on S3.
+                with self._conditional:
+                    body = app(environ, respond)
+            else:
+                body = app(environ, respond)
             if kind != "GET":
                 return body  # type: ignore[no-any-return]
             return self._sent(bucket, body, status)

@@ -1,11 +1,16 @@
 """How many processes of this machine call one key now: a file each in a directory of the key.
 
 For limits the user states (``requests_per_minute``, ``tokens_per_minute``), each process that
-calls the key takes an equal share. A process touches its file when it sends a request, at most
-every ``INTERVAL_SECONDS`` (every ``FIRST_INTERVAL_SECONDS`` while it starts), and counts the
-files touched in the last ``LIVE_SECONDS``. So the shares grow when shards finish and shrink
-when more start, with no coordination service. A process leaving removes its file; the file of
-one that was killed stops counting after ``LIVE_SECONDS`` and is removed later.
+calls the key takes an equal share. A process touches its file while it sends requests or they
+wait, at most every ``INTERVAL_SECONDS`` (every ``FIRST_INTERVAL_SECONDS`` while it starts), and
+counts the files touched in the last ``LIVE_SECONDS``. So the shares grow when shards finish
+and shrink when more start, with no coordination service. A process leaving removes its file;
+the file of one that was killed stops counting after ``LIVE_SECONDS`` and is removed later.
+
+A process that joins sends nothing for ``JOIN_SECONDS`` after it first counts. The others
+count it in that time and take their smaller shares. Otherwise, while shards start seconds
+apart, the early ones would still take the larger shares of fewer peers, and the key would be
+overdrawn.
 
 The directory is ``checkpoint-assets-keys/<digest of the URL and key>`` under the system's
 temporary directory: it holds no key. Processes on other machines are not seen; for those, set
@@ -23,7 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-INTERVAL_SECONDS: Final = 1.0
+INTERVAL_SECONDS: Final = 0.5
+JOIN_SECONDS: Final = 1.5  # a joining process's wait: the others' interval and a request's gap
 FIRST_INTERVAL_SECONDS: Final = 0.1  # while the process starts: shards often start together
 FIRST_SECONDS: Final = 2.0
 LIVE_SECONDS: Final = 3.0  # a file touched this recently is a process calling the key
@@ -48,6 +54,7 @@ class Peers:
         self._began: float | None = None
         self._next = -float("inf")
         self.count = 1
+        self.joined = False  # the last poll was this process's first
 
     def poll(self) -> int | None:
         """The processes calling the key now, this one included, when due to count again
@@ -55,6 +62,7 @@ class Peers:
         now = self.clock()
         if now < self._next:
             return None
+        self.joined = self._began is None
         if self._began is None:
             self._began = now
             self.directory.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from checkpoint_assets.engine.calls import pacing
-from checkpoint_assets.resources.peers import Peers
+from checkpoint_assets.resources.peers import INTERVAL_SECONDS, JOIN_SECONDS, Peers
 
 #: The paths of model requests, which are paced; every other request passes.
 _PACED: Final = ("/chat/completions", "/completions", "/embeddings", "/responses", "/messages")
@@ -232,23 +232,32 @@ class Hooks:
         else:
             self.event_hooks = {"request": [self._before], "response": [self._after]}
 
+    def _recount(self) -> None:
+        """Count the processes calling the key again, when due; a joining one holds."""
+        if self.peers is not None and (count := self.peers.poll()) is not None:
+            self.pacer.reshare(1 / count)
+            if self.peers.joined:
+                self.pacer.hold(JOIN_SECONDS)
+
     def _ticket(self, request: Any) -> pacing.Ticket | None:
         if request.method != "POST" or not request.url.path.endswith(_PACED):
             return None
-        if self.peers is not None and (count := self.peers.poll()) is not None:
-            self.pacer.reshare(1 / count)
+        self._recount()
         ticket = self.pacer.ask(pacing.cost(*estimate(request.content)), pacing.current())
         request.extensions[_TICKET] = ticket
         return ticket
 
     def _next_wait(self, ticket: pacing.Ticket, began: float) -> float:
         """Seconds ``ticket`` sleeps next (0: it goes now). A request that would wait past
-        ``PATIENCE_SECONDS`` in all goes anyway."""
+        ``PATIENCE_SECONDS`` in all goes anyway. A process whose requests wait still calls
+        the key: it counts again at least every ``INTERVAL_SECONDS``."""
+        if self.peers is not None:
+            self._recount()
         wait = self.pacer.wait(ticket)
         if wait > 0 and self.pacer.clock() - began + wait > pacing.PATIENCE_SECONDS:
             self.pacer.force(ticket)
             return 0.0
-        return wait
+        return min(wait, INTERVAL_SECONDS) if self.peers is not None else wait
 
     def _before(self, request: Any) -> None:
         ticket = self._ticket(request)

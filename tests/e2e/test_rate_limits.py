@@ -225,6 +225,28 @@ def test_a_shard_takes_a_larger_share_of_assumed_limits_when_others_finish(
     assert pacer.share("tokens") == 1.0
 
 
+def test_a_shard_that_joins_others_sends_nothing_until_they_counted_it(tmp_path: Path) -> None:
+    clock = _Clock()
+    directory = tmp_path / "key"
+    other = peers.Peers(directory, "other", clock)
+    other.poll()
+    pacer = Pacer(clock)
+    pacer.assume({"tokens": 6_000})  # 100 a second for the key
+    hooks = Hooks(pacer, peers.Peers(directory, "this", clock), asynchronous=False)
+    ticket = hooks._ticket(_chat_request(1))
+    assert ticket is not None
+    # Half of the key, 50 tokens a second: its one token after the join's wait.
+    assert pacer.wait(ticket) == pytest.approx(peers.JOIN_SECONDS + 1 / 50)
+
+    peers.Peers(directory, "third", clock).poll()  # another joins before this one sent
+    clock.now += peers.FIRST_INTERVAL_SECONDS
+    hooks._ticket(_chat_request(1))
+    assert pacer.share("tokens") == pytest.approx(1 / 3)
+    # The join's wait lasts as long at the smaller share; the token takes longer.
+    wait = peers.JOIN_SECONDS - peers.FIRST_INTERVAL_SECONDS + 1 / (100 / 3)
+    assert pacer.wait(ticket) == pytest.approx(wait)
+
+
 # -- through the real clients ---------------------------------------------------------------
 def endpoint(kind: str, base_url: str, **settings: Any) -> OpenAIResource | AnthropicResource:
     # A key of its own: a process keeps one pacer per key, and a test's servers may reuse a port.

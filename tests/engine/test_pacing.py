@@ -107,6 +107,24 @@ def test_requests_started_after_the_answered_one_count_against_what_is_left() ->
     assert len(later) == 3
 
 
+def test_the_key_refilled_while_a_late_answer_came_back() -> None:
+    # The endpoint stated the key somewhere between the request's start and its answer: half
+    # that time counts as refilled. Left out, answers slower than the key's window would keep
+    # the shards drawing less than its rate.
+    clock = Clock()
+    pacer = Pacer(clock)
+    for remaining in (540, 480, 420, 360, 300):  # answers in a row: the share is measured
+        pacer.report(started(pacer, 60), tokens(remaining), refused=False)
+    answered = started(pacer, 60)
+    clock.now = 2.0  # the answer comes 2 s later, stating the key spent (600 a second)
+    pacer.report(answered, tokens(remaining=0), refused=False)
+    share = pacer.share("tokens")
+    assert share is not None
+
+    assert pacer.wait(pacer.ask(pacing.cost(share * 600 - 1, 0))) == 0  # 1 s of refill
+    assert pacer.wait(pacer.ask(pacing.cost(2, 0))) > 0
+
+
 def test_the_emptier_the_key_the_less_of_what_is_left_is_taken_at_once() -> None:
     # Shards that start apart measure shares adding up past 1 for a while: each taking its
     # share of all that is left, together they would take more than is left, and be refused.

@@ -15,7 +15,9 @@ The rules of a :class:`Pacer` (one per key and process):
   sleeping one is sent at once, not when that one's own estimate ends.
 - **What is left, as stated.** An answer sets a budget's level to the remaining it states, less
   what this process started after the answered request (the endpoint had not counted those yet).
-  Until the next answer, the level refills at the stated rate, up to the limit. That rate is
+  The endpoint stated it during the request's round trip: once the share is measured, half of
+  that trip counts as refilled. Until the next answer, the level refills at the stated rate, up
+  to the limit. That rate is
   what is missing, over the time to the reset. A window that refills all at once
   (``steady=False``) is full again at its reset.
 - **Shards share a key through the headers.** Every shard on the key sees what all of them
@@ -52,17 +54,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+
+from checkpoint_assets.engine.calls.shares import SHARE_PAIRS, Bucket, Started
+from checkpoint_assets.engine.calls.shares import Limit as Limit  # the resources' name for it
 
 #: The budgets a key may have: requests, tokens (input and output together), and input and
 #: output tokens counted apart (Anthropic).
 KINDS = ("requests", "tokens", "input_tokens", "output_tokens")
 PATIENCE_SECONDS = 120.0  # the longest a request waits for budget before it is sent anyway
-_SHARE_SECONDS = 2.0  # the share of the key's draw is measured over about this long
-_SHARE_PAIRS = 4  # answers in a row, at least, before the share is measured
-_MIN_SHARE, _MAX_SHARE = 1 / 64, 1.0
-_MARGIN = 0.95  # of the measured share taken: measurements that add up past 1 cost refusals
-_DEFAULT_WINDOW = 60.0  # the window of a full budget whose answer gave no reset
 _ASSUMED_BURST = 0.9  # seconds' worth of an assumed budget that may go at once
 FIRST_CALLS = 2  # requests in flight before the first answer
 RAMP_CALLS = 64  # the slow start ends when this many may be in flight
@@ -70,24 +69,6 @@ FIRST_HOLD_SECONDS = 10.0  # the longest a request counts in flight without an a
 _RAMP_POLL = 0.02  # seconds a request held by the slow start waits before it looks again
 
 Cost = Mapping[str, float]
-
-
-@dataclass(frozen=True)
-class Limit:
-    """One budget of a key as one answer states it.
-
-    Attributes:
-        limit: what the budget holds when full (per window).
-        remaining: what is left of it now.
-        reset_seconds: seconds until it is full again.
-        steady: it refills steadily until the reset (OpenAI, Anthropic); False: all at once at
-            the reset (a fixed window, as the IETF ``RateLimit`` fields describe).
-    """
-
-    limit: float
-    remaining: float
-    reset_seconds: float
-    steady: bool = True
 
 
 def cost(input_tokens: float, output_tokens: float) -> dict[str, float]:
@@ -120,117 +101,6 @@ class Ticket:
         self.wake: Callable[[], None] | None = None
 
 
-class _Bucket:
-    """One budget of the key, as this process sees it."""
-
-    def __init__(self, stated: Limit, now: float) -> None:
-        self.cap = stated.limit
-        self.steady = stated.steady
-        self.rate = 0.0  # what the key regains per second (steady budgets)
-        self.key_rate = 0.0  # the key's whole budget per second, for the record
-        self.level = stated.remaining
-        self.at = now
-        self.reset_at = math.inf  # a fixed window's next reset
-        self.share = 1.0
-        self.stated = False  # an answer stated it (else the user did, and it is never reported)
-        self.last: tuple[int, float, float, float, float] | None = None  # seq, at, R, own, refused
-        self.own_sum = self.key_sum = 0.0
-        self.first_at: float | None = None  # when the first answered request started
-        self.pairs = 0
-        self._restate(stated, now)
-
-    def _restate(self, stated: Limit, now: float) -> None:
-        self.cap, self.steady = stated.limit, stated.steady
-        missing = stated.limit - stated.remaining
-        if stated.steady:
-            if missing > 0 and stated.reset_seconds > 0:
-                self.rate = missing / stated.reset_seconds
-            elif self.rate == 0:
-                self.rate = stated.limit / _DEFAULT_WINDOW
-            self.key_rate = self.rate
-        else:
-            self.reset_at = now + stated.reset_seconds
-            self.key_rate = stated.limit / max(stated.reset_seconds, 1.0)
-
-    @property
-    def top(self) -> float:
-        """The most this process holds: the budget when full, or its share of an assumed one."""
-        return self.cap if self.stated else self.share * self.cap
-
-    def refill(self, now: float) -> None:
-        if now <= self.at:
-            return
-        if self.steady:
-            self.level = min(self.top, self.level + self.share * self.rate * (now - self.at))
-        elif now >= self.reset_at:
-            self.level = max(self.level, self.share * self.cap)
-            self.reset_at = math.inf  # the next one comes with the next answer
-        self.at = now
-
-    def wait(self, need: float, now: float) -> float:
-        """Seconds until ``need`` fits (with :meth:`refill` done to ``now``)."""
-        need = min(need, self.top)
-        if self.level >= need:
-            return 0.0
-        if self.steady and self.rate > 0:
-            return (need - self.level) / (self.share * self.rate)
-        if self.reset_at < math.inf:
-            return max(self.reset_at - now, 0.0)
-        return 1.0  # a spent fixed window whose reset no answer stated yet: look again soon
-
-    def report(
-        self, stated: Limit, ticket: Ticket, kind: str, own: float, refused: float, now: float
-    ) -> None:
-        """An answer to ``ticket`` stated this budget; ``own`` / ``refused``: the pacer's draw
-        so far (refused requests drew nothing from the endpoint)."""
-        if self.stated and self.last is not None and ticket.seq <= self.last[0]:
-            return  # an older statement than the one applied
-        self.stated = True
-        self._measure(stated, ticket, kind, refused)
-        self._restate(stated, now)
-        # What this process started after the answered request, the endpoint had not counted.
-        # It refills from now on: what came back while the answer travelled is left as a margin
-        # for the clocks of the two sides (the endpoint counted from a later moment).
-        pending = own - ticket.drawn.get(kind, 0.0)
-        left = min(stated.remaining, self.cap)
-        if self.steady:
-            left *= left / self.cap  # the emptier the key, the less of it is taken at once
-        self.level = self.share * left - pending
-        self.at = now
-
-    def _measure(self, stated: Limit, ticket: Ticket, kind: str, refused: float) -> None:
-        """This pacer's share of the key's draw, between the last answer applied and this one."""
-        own_now = ticket.drawn.get(kind, 0.0)
-        refused_now = refused
-        last, self.last = self.last, (ticket.seq, ticket.at, stated.remaining, own_now, refused)
-        if not (self.steady and stated.steady) or self.rate <= 0:
-            return
-        if self.first_at is None:
-            self.first_at = ticket.at
-        if self.pairs < _SHARE_PAIRS:
-            # Too few answers to measure: take the key as full when this pacer began, so what
-            # it lacks since is what all drew (shards started together share it at once).
-            drew = self.cap - stated.remaining + self.rate * (ticket.at - self.first_at)
-            if drew > 0:
-                share = _MARGIN * (own_now - refused_now) / drew
-                self.share = min(_MAX_SHARE, max(_MIN_SHARE, share))
-        if last is None:
-            return
-        _, at, remaining, own, refused_then = last
-        dt = max(ticket.at - at, 0.0)
-        regained = self.rate * dt
-        if remaining + regained >= self.cap:
-            return  # full in between: what the key drew is hidden by the cap
-        key_drew = remaining + regained - stated.remaining
-        own_drew = (own_now - own) - (refused_now - refused_then)
-        decay = math.exp(-dt / _SHARE_SECONDS)
-        self.key_sum = self.key_sum * decay + max(key_drew, 0.0)
-        self.own_sum = self.own_sum * decay + max(own_drew, 0.0)
-        self.pairs += 1
-        if self.pairs >= _SHARE_PAIRS and self.key_sum > 0:
-            self.share = min(_MAX_SHARE, max(_MIN_SHARE, _MARGIN * self.own_sum / self.key_sum))
-
-
 class Pacer:
     """The budgets of one key in this process; requests wait in :meth:`wait` until they fit.
 
@@ -240,7 +110,7 @@ class Pacer:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._lock = threading.Lock()
-        self._buckets: dict[str, _Bucket] = {}
+        self._buckets: dict[str, Bucket] = {}
         self._queue: deque[Ticket] = deque()
         self._seq = 0
         self._own = dict.fromkeys(KINDS, 0.0)  # cost of every request started
@@ -262,7 +132,7 @@ class Pacer:
             for kind, limit in per_minute.items():
                 if kind not in self._buckets:
                     per_second = limit / 60
-                    bucket = _Bucket(Limit(per_second, 0.0, 1.0), now)
+                    bucket = Bucket(Limit(per_second, 0.0, 1.0), now)
                     bucket.rate = bucket.key_rate = per_second
                     bucket.cap = _ASSUMED_BURST * per_second
                     bucket.share = share
@@ -270,19 +140,30 @@ class Pacer:
 
     def reshare(self, share: float) -> None:
         """This process now takes ``share`` of the assumed budgets (more or fewer processes
-        call the key); what it holds shrinks with a smaller share."""
+        call the key). What it holds shrinks with a smaller share; what it owes (a hold, a
+        refusal) takes as long to repay at the new share."""
         now = self.clock()
         with self._lock:
             for bucket in self._buckets.values():
                 if not bucket.stated and share != bucket.share:
                     bucket.refill(now)
-                    if bucket.level > 0 and share < bucket.share:
+                    if bucket.level < 0 or share < bucket.share:
                         bucket.level *= share / bucket.share
                     bucket.share = share
             woken, _ = self._drain(now)
             if self._queue and self._queue[0] not in woken:
                 woken.append(self._queue[0])
         _wake(woken)
+
+    def hold(self, seconds: float) -> None:
+        """Start nothing from the assumed budgets for ``seconds`` from now (this process joins
+        others on the key, which have yet to count it)."""
+        now = self.clock()
+        with self._lock:
+            for bucket in self._buckets.values():
+                if not bucket.stated:
+                    bucket.refill(now)
+                    bucket.level = min(bucket.level, -bucket.share * bucket.rate * seconds)
 
     def ask(self, cost: Cost, record: Record | None = None) -> Ticket:
         """A request with this ``cost`` asks to start: it queues behind the others."""
@@ -369,10 +250,11 @@ class Pacer:
                     continue
                 known = self._buckets.get(kind)
                 if known is None or not known.stated:  # a stated budget replaces an assumed one
-                    known = self._buckets[kind] = _Bucket(limit, now)
-                known.report(limit, ticket, kind, self._own[kind], self._refused[kind], now)
+                    known = self._buckets[kind] = Bucket(limit, now)
+                started = Started(ticket.seq, ticket.at, ticket.drawn.get(kind, 0.0))
+                known.report(limit, started, self._own[kind], self._refused[kind], now)
             budgets = {k: (b.key_rate, b.cap) for k, b in self._buckets.items()}
-            measured = any(b.pairs >= _SHARE_PAIRS for b in self._buckets.values())
+            measured = any(b.pairs >= SHARE_PAIRS for b in self._buckets.values())
             self._ramp.answered(ticket, refused, over=measured or not self._buckets)
             # The budgets changed: what fits now starts, and the head's wait is new.
             woken, _ = self._drain(now)

@@ -36,9 +36,10 @@ from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.checkpoints.meta import Meta
 from checkpoint_assets.engine.fields import setting
 from checkpoint_assets.engine.plan import from_store
+from checkpoint_assets.engine.plan.found import importable
 from checkpoint_assets.engine.plan.function_fingerprint import parse_changed
 from checkpoint_assets.engine.plan.inputs import Prepared
-from checkpoint_assets.engine.plan.opening import Job, importable, plan_rows, read_stored
+from checkpoint_assets.engine.plan.opening import Job, plan_rows, read_stored
 from checkpoint_assets.engine.plan.resume import dedupe
 from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.rows import ANSWER, INPUT_HASH
@@ -211,7 +212,7 @@ def _matching(todo: pl.DataFrame, rows: pl.DataFrame, id_column: str) -> pl.Data
 def _reused(
     todo: pl.DataFrame, results: ResultStore, job: Job, settings: Settings, meta: Meta | None
 ) -> pl.DataFrame:
-    """The ids of ``todo`` that the run would take from ``results``, as ``opening.py`` does:
+    """The ids of ``todo`` that the run would take from ``results``, as ``found.py`` does:
     the rows it holds in the job's scope, whose outputs fit the checkpoint's (``meta``)."""
     id_column = settings.id_column
     if not job.function:

@@ -2,7 +2,7 @@
 
 Asked after resume and before dedupe, before any call: of the rows left to compute, those whose
 content key the store holds in the run's scope take their stored outputs. They keep their own id
-and input hash, with no error and no attempts; ``opening.py`` writes them into the checkpoint as
+and input hash, with no error and no attempts; ``found.py`` writes them into the checkpoint as
 one part, like computed rows, and leaves them out of what is computed. A dry run counts them
 (``estimate.py``): ``held`` reads the store and writes nothing.
 

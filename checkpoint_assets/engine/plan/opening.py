@@ -1,6 +1,6 @@
 """Opening a run: check the stored job, load what is stored, start a generation, import finished
 rows of other checkpoints (global resume), plan what is left to compute, and take what the result
-store holds of it (``from_store.py``).
+store holds of it (both taken by ``found.py``).
 
 When only how answers are read changed (a request/parse job's ``parse``, see
 ``function_fingerprint.py``), the stored rows with an answer are not computed again: ``Rederive``
@@ -11,7 +11,6 @@ hands them to the work loop, which parses them again (``providers/answers.py``).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 
@@ -26,8 +25,8 @@ from checkpoint_assets.engine.errors import (
     JobChangedError,
     JobMismatchError,
 )
-from checkpoint_assets.engine.plan import from_store, function_fingerprint
-from checkpoint_assets.engine.plan.global_resume import FUNCTION
+from checkpoint_assets.engine.plan import found as found_rows
+from checkpoint_assets.engine.plan import function_fingerprint
 from checkpoint_assets.engine.plan.inputs import Prepared
 from checkpoint_assets.engine.plan.reparse import Parse
 from checkpoint_assets.engine.plan.resume import Copies, Plan, dedupe, plan
@@ -131,7 +130,9 @@ def open_run(
         importing = imported is not None
         start, stored, reshard = _load(keys, settings, checkpoint, job, scheme, importing, log)
         if imported is not None and settings.resume:
-            stored = _import(start, stored, imported, keys, settings, checkpoint, log, label)
+            stored = found_rows.take_imported(
+                start, stored, imported, keys, settings, checkpoint, log, label
+            )
         if reshard and start.meta is not None:
             start.meta.scheme = scheme  # its rows are resharded now: record the current rule
             checkpoint.meta_file.write(start.meta)
@@ -150,7 +151,9 @@ def open_run(
     # A run that re-derives a changed parse starts a new generation after its first parts: it
     # takes nothing from the store (rows it wrote before that generation would be left out).
     if results is not None and checkpoint is not None and settings.resume and rederive is None:
-        todo, taken = _from_store(start, todo, results, job, settings, checkpoint, log, label)
+        todo, taken = found_rows.take_from_store(
+            start, todo, results, job, settings, checkpoint, log, label
+        )
         if taken is not None:
             found.todo = found.todo.filter(~pl.col(settings.id_column).is_in(taken.implode()))
     if settings.dedupe and todo.height:
@@ -350,149 +353,6 @@ def _check_stored_columns(stored: pl.DataFrame, outputs: list[str], where: str) 
         raise CorruptCheckpointError(where, f"lacks the output columns {missing}")
 
 
-def _import(
-    opened: Start,
-    stored: pl.DataFrame,
-    imported: pl.DataFrame,
-    inputs: pl.DataFrame,
-    settings: Settings,
-    checkpoint: Checkpoint,
-    log: Logger,
-    label: str,
-) -> pl.DataFrame:
-    """Copy matching finished rows of other checkpoints into this one (one part)."""
-    id_column = settings.id_column
-    wanted = importable(stored, imported, inputs, id_column)
-    if wanted.height == 0:
-        return stored
-    wanted = _note_imported_functions(opened, wanted)
-    assert opened.meta is not None
-    outputs = {c: str(wanted.schema[c]) for c in rows.outputs_of(wanted, id_column)}
-    if not opened.meta.output_schema:
-        opened.meta.output_schema = outputs
-        checkpoint.meta_file.write(opened.meta)
-    elif list(outputs) != list(opened.meta.output_schema):
-        raise JobMismatchError(
-            checkpoint.url,
-            f"The global resume table holds the output columns {list(outputs)}, but the "
-            f"checkpoint {checkpoint.url} holds results with {list(opened.meta.output_schema)}.",
-        )
-    found = wanted.with_columns(
-        pl.lit(None, pl.String).alias(ERROR), pl.col(ATTEMPTS).fill_null(0).cast(pl.Int32)
-    )
-    _write_found(opened, found, id_column, checkpoint)
-    opened.imported = found.height
-    log.info(
-        "%s: global resume took %d finished row(s) from other checkpoints.", label, found.height
-    )
-    merged = rows.concat([stored, found], checkpoint.url) if stored.height else found
-    return rows.pick_winners(merged, id_column)
-
-
-def _write_found(start: Start, found: pl.DataFrame, id_column: str, checkpoint: Checkpoint) -> None:
-    """Write rows found elsewhere (global resume, the result store) as one part."""
-    seq = start.next_seq
-    part = checkpoint.write_part(
-        found.with_columns(pl.lit(seq, pl.Int64).alias(SEQ)), seq, id_column=id_column
-    )
-    start.next_seq += 1
-    start.known = None
-    start.parts = checkpoint.compact([*start.parts, part], id_column)
-
-
-def _from_store(
-    start: Start,
-    todo: pl.DataFrame,
-    results: ResultStore,
-    job: Job,
-    settings: Settings,
-    checkpoint: Checkpoint,
-    log: Logger,
-    label: str,
-) -> tuple[pl.DataFrame, pl.Series | None]:
-    """Take the rows of ``todo`` the result store holds into the checkpoint; the rest of
-    ``todo``, in its order, and the ids taken (None: none)."""
-    if not job.function:
-        log.warning(
-            "%s: the function has no fingerprint (no readable source or bytecode), so the "
-            "result store is not used: it could hand over another function's results.",
-            label,
-        )
-        return todo, None
-    id_column = settings.id_column
-    taken = from_store.take(
-        todo, results, job.scope, id_column, settings.budget, parse=job.parse, label=label
-    )
-    for path in results.unreadable:
-        log.warning(
-            "%s: the result store file %s is unreadable; its rows are computed again. Delete "
-            "it (`checkpoint-assets clean --results`) or move it away.",
-            label,
-            path,
-        )
-    if taken is None:
-        return todo, None
-    assert start.meta is not None
-    outputs = {c: str(taken.rows.schema[c]) for c in rows.outputs_of(taken.rows, id_column)}
-    known = start.meta.output_schema
-    if not from_store.fits(taken.rows, known, id_column):
-        log.warning(
-            "%s: the result store holds results with the output columns %s, but the checkpoint "
-            "holds %s; they are not taken.",
-            label,
-            sorted(outputs),
-            sorted(known or {}),
-        )
-        return todo, None
-    if not known:
-        start.meta.output_schema = outputs
-        checkpoint.meta_file.write(start.meta)
-    _write_found(start, taken.rows, id_column, checkpoint)
-    start.from_store, start.cost_saved = taken.rows.height, taken.cost_saved
-    _log_taken(taken.rows, results.url, log, label)
-    ids = taken.rows.get_column(id_column)
-    return todo.filter(~pl.col(id_column).is_in(ids.implode())), ids
-
-
-def _log_taken(taken: pl.DataFrame, url: str, log: Logger, label: str) -> None:
-    log.info(
-        "%s: took %d result(s) from the result store %s instead of computing them.",
-        label,
-        taken.height,
-        url,
-    )
-    failed = int(taken.get_column(ERROR).is_not_null().sum())
-    if failed:
-        log.warning(
-            "%s: parse() raised for %d stored answer(s) taken from the result store: they are "
-            "failed rows, with parse()'s error. Fix parse(); the next run parses them again.",
-            label,
-            failed,
-        )
-
-
-def importable(
-    stored: pl.DataFrame, imported: pl.DataFrame, inputs: pl.DataFrame, id_column: str
-) -> pl.DataFrame:
-    """The rows of ``imported`` (other checkpoints' finished rows) that the input ``inputs``
-    has, with the same input hash, and that ``stored`` does not hold as done."""
-    if id_column not in imported.columns or imported.height == 0:
-        return imported.clear()
-    imported = imported.with_columns(pl.col(id_column).cast(inputs.schema[id_column]))
-    # Membership tests hold a third of what a join on both columns does (130 against 370 MB at
-    # 2M rows).
-    key = pl.struct(id_column, INPUT_HASH)
-    wanted = imported.filter(key.is_in(_keys(inputs, key)))
-    if stored.height:
-        wanted = wanted.filter(~key.is_in(_keys(stored.filter(pl.col(ERROR).is_null()), key)))
-    return wanted
-
-
-def _keys(frame: pl.DataFrame, key: pl.Expr) -> pl.Series:
-    """``key`` of every row of ``frame``, as one list for ``is_in``."""
-    return frame.select(key.alias("__key")).get_column("__key").implode()
-
-
 def _log_function_changed(changed: list[str], resumed: int, log: Logger, label: str) -> None:
     log.warning(
         "%s: the function changed since its stored results were computed (%s), but the job's "
@@ -505,22 +365,6 @@ def _log_function_changed(changed: list[str], resumed: int, log: Logger, label: 
         ", ".join(changed),
         resumed,
     )
-
-
-def _note_imported_functions(opened: Start, wanted: pl.DataFrame) -> pl.DataFrame:
-    """Add what differs between the functions that computed the imported rows (recorded by
-    their checkpoints) and this run's to ``opened.function_changed``; drop their column."""
-    if FUNCTION not in wanted.columns:
-        return wanted  # a global resume table of an earlier version
-    if opened.function_fingerprint:
-        # Distinct first: one text per checkpoint, not one per row.
-        for text in wanted.get_column(FUNCTION).unique().cast(pl.String).drop_nulls().sort():
-            recorded = json.loads(text)
-            found = function_fingerprint.changes(recorded, opened.function_fingerprint)
-            opened.function_changed += [c for c in found if c not in opened.function_changed]
-            changed = function_fingerprint.request_changed(recorded, opened.function_fingerprint)
-            opened.request_changed = opened.request_changed or changed
-    return wanted.drop(FUNCTION)
 
 
 def _log_plan(p: Plan, log: Logger, label: str) -> None:
