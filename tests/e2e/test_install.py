@@ -1,7 +1,8 @@
 """The built wheel installs beside the Dagster a team already runs.
 
-A fresh venv gets the newest or the oldest Dagster of the package's range (installed by uv, which
-is faster); pip then installs the wheel, as a user does. pip must change no Dagster package, no
+A fresh venv gets the newest or the oldest Dagster of the package's range and the package's other
+requirements (installed by uv, which is faster); pip then installs the wheel, as a user does, and
+resolves every requirement again. pip must change no Dagster package, no
 command may warn of a version mismatch, and a checkpointed asset must materialize there from the
 `dagster` CLI.
 """
@@ -84,7 +85,8 @@ def test_the_wheel_installs_beside_dagster_at_either_end_of_its_range_and_change
     venv = tmp_path / "venv"
     requirement = _dagster_requirement()
     oldest = next(s.version for s in requirement.specifier if s.operator == ">=")
-    python = venv_with(venv, str(requirement) if end == "newest" else f"dagster=={oldest}")
+    dagster = str(requirement) if end == "newest" else f"dagster=={oldest}"
+    python = venv_with(venv, dagster, *_other_requirements())
     before = _dagster_versions(python)
     assert before["dagster"] in requirement.specifier
     assert (before["dagster"] == oldest) == (end == "oldest")
@@ -99,10 +101,10 @@ def test_the_wheel_installs_beside_dagster_at_either_end_of_its_range_and_change
     home.mkdir()
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     env = {**os.environ, "DAGSTER_HOME": str(home)}
-    dagster = venv / "bin" / "dagster"
+    cli = venv / "bin" / "dagster"
 
     def materialize(*args: str) -> str:
-        cmd = [dagster, "asset", "materialize", "-f", "defs.py", *args]
+        cmd = [cli, "asset", "materialize", "-f", "defs.py", *args]
         return _run(*cmd, cwd=project, env=env)
 
     logs = [
@@ -115,7 +117,15 @@ def test_the_wheel_installs_beside_dagster_at_either_end_of_its_range_and_change
     assert list((tmp_path / "checkpoints").rglob("*.parquet"))
 
 
-def _dagster_requirement() -> Requirement:
-    """The package's own `dagster` requirement, read from pyproject.toml."""
+def _requirements() -> list[Requirement]:
+    """The package's own requirements, read from pyproject.toml."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return next(r for r in map(Requirement, project["dependencies"]) if r.name == "dagster")
+    return [Requirement(r) for r in project["dependencies"]]
+
+
+def _dagster_requirement() -> Requirement:
+    return next(r for r in _requirements() if r.name == "dagster")
+
+
+def _other_requirements() -> list[str]:
+    return [str(r) for r in _requirements() if r.name != "dagster"]
