@@ -186,7 +186,8 @@ class EndpointResource(dg.ConfigurableResource):
 
     def _pacer(self) -> tuple[pacing.Pacer, peers.Peers | None]:
         """The pacer of this key and these limits in this process (inside ``_LOCK``), and the
-        count of the processes sharing assumed limits (None: not counted)."""
+        count of the processes of this machine calling the key (None: ``shards_at_once`` says
+        it)."""
         key = (self._package, self.base_url, self.api_key, *self._limits())
         found = _PACERS.get(key)
         if found is None:
@@ -195,7 +196,7 @@ class EndpointResource(dg.ConfigurableResource):
             per_minute = {k: float(v) for k, v in assumed.items() if v is not None}
             pacer.assume(per_minute, share=1 / (self.shards_at_once or 1))
             counted = None
-            if per_minute and self.shards_at_once is None:
+            if self.shards_at_once is None:
                 counted = peers.Peers(peers.directory_of(f"{self.base_url}\n{self.api_key}"))
             found = _PACERS[key] = (pacer, counted)
         return found

@@ -1,11 +1,13 @@
 """How many processes of this machine call one key now: a file each in a directory of the key.
 
 For limits the user states (``requests_per_minute``, ``tokens_per_minute``), each process that
-calls the key takes an equal share. A process touches its file while it sends requests or they
-wait, at most every ``INTERVAL_SECONDS`` (every ``FIRST_INTERVAL_SECONDS`` while it starts), and
-counts the files touched in the last ``LIVE_SECONDS``. So the shares grow when shards finish
-and shrink when more start, with no coordination service. A process leaving removes its file;
-the file of one that was killed stops counting after ``LIVE_SECONDS`` and is removed later.
+calls the key takes an equal share. For limits the endpoint states, each file holds the shares
+of the key's draw its process measured; each process takes their mean (``pacing.py``). A
+process rewrites its file while it sends requests or they wait, at most every
+``INTERVAL_SECONDS`` (every ``FIRST_INTERVAL_SECONDS`` while it starts), and counts the files
+written in the last ``LIVE_SECONDS``. So the shares grow when shards finish and shrink when
+more start, with no coordination service. A process leaving removes its file; the file of one
+that was killed stops counting after ``LIVE_SECONDS`` and is removed later.
 
 A process that joins sends nothing for ``JOIN_SECONDS`` after it first counts. The others
 count it in that time and take their smaller shares. Otherwise, while shards start seconds
@@ -24,7 +26,7 @@ import hashlib
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Final
 
@@ -55,10 +57,12 @@ class Peers:
         self._next = -float("inf")
         self.count = 1
         self.joined = False  # the last poll was this process's first
+        self.shares: dict[str, list[float]] = {}  # what the live processes measured, by budget
 
-    def poll(self) -> int | None:
+    def poll(self, measured: Callable[[], Mapping[str, float]] = dict) -> int | None:
         """The processes calling the key now, this one included, when due to count again
-        (None when not): this process's file is touched first."""
+        (None when not). This process's file is written first, with the shares of the key's
+        draw it ``measured`` (by budget); :attr:`shares` then holds those of every process."""
         now = self.clock()
         if now < self._next:
             return None
@@ -69,9 +73,18 @@ class Peers:
             atexit.register(self.leave)
         first = now - self._began < FIRST_SECONDS
         self._next = now + (FIRST_INTERVAL_SECONDS if first else INTERVAL_SECONDS)
-        self.mine.touch()
-        os.utime(self.mine, (now, now))
-        self.count = max(1, sum(self._live(entry, now) for entry in os.scandir(self.directory)))
+        # Written aside, then renamed over the file: a reader sees the old shares or the new.
+        aside = self.directory / f".{self.mine.name}"
+        aside.write_text("".join(f"{kind} {share:.6f}\n" for kind, share in measured().items()))
+        os.utime(aside, (now, now))
+        os.replace(aside, self.mine)
+        count = 0
+        self.shares = {}
+        for entry in os.scandir(self.directory):
+            if not entry.name.startswith(".") and self._live(entry, now):
+                count += 1
+                self._read(entry.path)
+        self.count = max(1, count)
         return self.count
 
     def _live(self, entry: os.DirEntry[str], now: float) -> bool:
@@ -82,6 +95,19 @@ class Peers:
         except FileNotFoundError:  # another process removed it
             return False
         return age <= LIVE_SECONDS
+
+    def _read(self, path: str) -> None:
+        try:
+            with open(path, "rb") as file:
+                text = file.read(4096).decode(errors="replace")
+        except FileNotFoundError:  # the process left
+            return
+        for line in text.splitlines():
+            kind, _, value = line.partition(" ")
+            try:
+                self.shares.setdefault(kind, []).append(float(value))
+            except ValueError:  # not a share: not this package's file
+                continue
 
     def leave(self) -> None:
         """Remove this process's file: it calls the key no more."""

@@ -216,8 +216,8 @@ def _wake_future(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]) 
 
 class Hooks:
     """The event hooks of one client's HTTP client: pace model requests by ``pacer``, report
-    what their answers state. ``peers``: the processes sharing the pacer's assumed limits,
-    counted again as requests go (``peers.py``)."""
+    what their answers state. ``peers``: the processes of this machine sharing the key, counted
+    again as requests go (``peers.py``)."""
 
     def __init__(
         self, pacer: pacing.Pacer, peers: Peers | None = None, *, asynchronous: bool
@@ -233,9 +233,13 @@ class Hooks:
             self.event_hooks = {"request": [self._before], "response": [self._after]}
 
     def _recount(self) -> None:
-        """Count the processes calling the key again, when due; a joining one holds."""
-        if self.peers is not None and (count := self.peers.poll()) is not None:
+        """Count the processes calling the key again, when due, and share what they measured;
+        a joining one holds."""
+        if self.peers is None:
+            return
+        if (count := self.peers.poll(self.pacer.measured)) is not None:
             self.pacer.reshare(1 / count)
+            self.pacer.pool(count, self.peers.shares)
             if self.peers.joined:
                 self.pacer.hold(JOIN_SECONDS)
 

@@ -29,6 +29,7 @@ import httpx
 
 from checkpoint_assets import AnthropicResource, OpenAIResource
 from checkpoint_assets.engine.calls.pacing import Limit, Pacer
+from checkpoint_assets.engine.calls.shares import SHARE_PAIRS, Bucket
 from checkpoint_assets.resources import peers
 from checkpoint_assets.resources.rate_limits import Hooks, duration_seconds, estimate, stated
 from examples.llm_openai.server import Settings, serve, serve_process, stats
@@ -189,6 +190,40 @@ def test_processes_calling_a_key_count_each_other_as_they_start_and_finish(
     clock.now += peers.FIRST_INTERVAL_SECONDS
     assert first.poll() == 1
     assert directory.parent == tmp_path and "key" not in directory.name  # a digest
+
+
+def test_each_process_reads_the_shares_the_others_measured(tmp_path: Path) -> None:
+    clock = _Clock()
+    directory = tmp_path / "key"
+    first, second = peers.Peers(directory, "first", clock), peers.Peers(directory, "second", clock)
+    first.poll(lambda: {"tokens": 0.7, "requests": 0.6})
+    assert second.poll(lambda: {"tokens": 0.25}) == 2
+
+    assert sorted(second.shares["tokens"]) == [0.25, 0.7]
+    assert second.shares["requests"] == [0.6]
+    assert sorted(p.name for p in directory.iterdir()) == ["first", "second"]  # none left aside
+
+
+def test_shards_on_one_key_take_the_mean_of_what_they_measured(tmp_path: Path) -> None:
+    # Two shards measured 0.7 and 0.25 of the key's draw: each takes 0.475, and the key's
+    # refill between them stays 0.95 of its rate.
+    clock = _Clock()
+    directory = tmp_path / "key"
+    pacers = [Pacer(clock), Pacer(clock)]
+    for pacer, drew_before in zip(pacers, [0.7, 0.25], strict=True):
+        bucket = pacer._buckets["tokens"] = Bucket(Limit(600, 600, 1.0), clock.now)
+        bucket.stated, bucket.pairs, bucket.measured = True, SHARE_PAIRS, drew_before
+    names = ("a", "b")
+    hooks = [
+        Hooks(pacer, peers.Peers(directory, name, clock), asynchronous=False)
+        for pacer, name in zip(pacers, names, strict=True)
+    ]
+    for _ in range(2):  # each writes its share, then reads the other's
+        for hook in hooks:
+            hook._ticket(_chat_request(1))
+        clock.now += peers.FIRST_INTERVAL_SECONDS
+
+    assert [p.share("tokens") for p in pacers] == [pytest.approx(0.475)] * 2
 
 
 def test_a_killed_process_stops_counting_and_its_file_goes_later(tmp_path: Path) -> None:

@@ -337,6 +337,7 @@ class Endpoint:
     settled_at: float = 2.0  # refusals after this count apart: the shares are measured by then
     refused_settled: int = 0
     drawn_settled: float = 0.0
+    by_shard: dict[int, float] = field(default_factory=dict)  # tokens answered, by shard
 
     def __post_init__(self) -> None:
         self.level = self.limit
@@ -370,16 +371,33 @@ def run_shards(
     concurrency: int = 8,
     others_end: float = math.inf,
     settled_at: float = 2.0,
+    apart: float = 0.0,
+    pooled: bool = True,
 ) -> Endpoint:
     """``shards`` pacers on one key, each keeping ``concurrency`` requests of 50 tokens going,
-    50 ms per answer; all but the first stop asking at ``others_end``."""
+    50 ms per answer; shard i starts at ``i * apart``; all but the first stop asking at
+    ``others_end``. With ``pooled``, every 0.5 s each takes the mean share they measured, as
+    the processes of one machine do (``resources/peers.py``)."""
     clock = Clock()
     endpoint = Endpoint(limit=3_000, per_second=500, settled_at=settled_at)  # 10 a second fit
     clients = [Shard(Pacer(clock)) for _ in range(shards)]
     answers: list[tuple[float, int, int, pacing.Ticket, bool, dict]] = []  # a heap
-    step, n = 0.002, 0
+    step, n, next_pool = 0.002, 0, 0.0
     while clock.now < seconds:
+        calling = [
+            c
+            for i, c in enumerate(clients)
+            if i * apart <= clock.now < (others_end if i else math.inf)
+        ]
+        if pooled and clock.now >= next_pool:
+            measured = [c.pacer.measured().get("tokens") for c in calling]
+            shares = {"tokens": [m for m in measured if m is not None]}
+            for shard in calling:
+                shard.pacer.pool(len(calling), shares)
+            next_pool += 0.5
         for i, shard in enumerate(clients):
+            if clock.now < i * apart:
+                continue
             if i > 0 and clock.now >= others_end:
                 shard.waiting.clear()
             while (i == 0 or clock.now < others_end) and (
@@ -397,6 +415,7 @@ def run_shards(
             _, _, i, ticket, fits, stated = heapq.heappop(answers)
             clients[i].pacer.report(ticket, stated, refused=not fits)
             clients[i].in_flight -= 1
+            endpoint.by_shard[i] = endpoint.by_shard.get(i, 0.0) + (50 if fits else 0)
         clock.now += step
     return endpoint
 
@@ -418,3 +437,19 @@ def test_a_shard_left_alone_on_the_key_takes_all_of_it() -> None:
     endpoint = run_shards(4, seconds=20.0, others_end=6.0, settled_at=8.0)
 
     assert endpoint.drawn_settled >= 0.9 * 500 * (20.0 - 8.0), endpoint
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_shards_that_start_apart_draw_alike_when_they_pool_their_shares(pooled: bool) -> None:
+    # Four shards start 1 s apart; the first takes most of the key before the others come.
+    # Measured shares are measured back as they are taken: alone, they would stay apart.
+    early = run_shards(4, seconds=6.0, apart=1.0, pooled=pooled)
+    endpoint = run_shards(4, seconds=16.0, apart=1.0, pooled=pooled)
+
+    late = [endpoint.by_shard[i] - early.by_shard.get(i, 0.0) for i in range(4)]
+    spread = max(late) / min(late)
+    if pooled:
+        assert spread <= 1.25, late
+        assert endpoint.refused_settled <= max(2, 0.02 * endpoint.answered), endpoint
+    else:
+        assert spread > 1.25, late  # what the pooling is for

@@ -29,6 +29,11 @@ The rules of a :class:`Pacer` (one per key and process):
   left. Shares measured while shards start apart add up past 1 for a while; the key then keeps
   some of what it holds. Alone, the share is about 1. A token estimate that falls short of the
   endpoint's count lowers it to match.
+- **Shards of one machine take equal shares** (:meth:`Pacer.pool`). Measured shares that add
+  up to the key are measured back as they are, so shards that start unequal would stay so and
+  end far apart. The processes calling a key count each other and publish what they measured
+  (``resources/peers.py``). Each takes the mean, at most one over their count. The mean keeps
+  the sum of the shares, so what other machines draw stays out of it.
 - **A slow start** (:class:`Ramp`). Until answers say what the key has left and what other
   shards draw, a pacer keeps ``FIRST_CALLS`` requests in flight, one more per answer. One answer
   is not enough: it states the key as it was when its request arrived, before the requests of
@@ -154,6 +159,25 @@ class Pacer:
             if self._queue and self._queue[0] not in woken:
                 woken.append(self._queue[0])
         _wake(woken)
+
+    def measured(self) -> dict[str, float]:
+        """The shares of the key's draw this pacer has measured, by stated budget."""
+        with self._lock:
+            return {
+                kind: bucket.measured
+                for kind, bucket in self._buckets.items()
+                if bucket.stated and bucket.pairs >= SHARE_PAIRS
+            }
+
+    def pool(self, count: int, measured: Mapping[str, list[float]]) -> None:
+        """``count`` processes of this machine call the key; ``measured``: the shares they
+        measured, by budget (this one's too). Each stated budget takes their mean, at most
+        ``1 / count``."""
+        with self._lock:
+            for kind, bucket in self._buckets.items():
+                if bucket.stated:
+                    shares = measured.get(kind)
+                    bucket.pool(1 / count, sum(shares) / len(shares) if shares else None)
 
     def hold(self, seconds: float) -> None:
         """Start nothing from the assumed budgets for ``seconds`` from now (this process joins

@@ -57,7 +57,10 @@ class Bucket:
         self.level = stated.remaining
         self.at = now
         self.reset_at = math.inf  # a fixed window's next reset
-        self.share = 1.0
+        self.share = 1.0  # of the key's draw and refill this process takes
+        self.measured = 1.0  # its share of the key's draw, as this process measured it
+        self.pooled: float | None = None  # the mean measured share of the key's processes
+        self.most = 1.0  # the largest share this process may take: 1 / the processes counted
         self.stated = False  # an answer stated it (else the user did, and it is never reported)
         self.last: tuple[int, float, float, float, float] | None = None  # seq, at, R, own, refused
         self.own_sum = self.key_sum = 0.0
@@ -142,8 +145,8 @@ class Bucket:
             # it lacks since is what all drew (shards started together share it at once).
             drew = self.cap - stated.remaining + self.rate * (ticket.at - self.first_at)
             if drew > 0:
-                share = MARGIN * (own_now - refused_now) / drew
-                self.share = min(MAX_SHARE, max(MIN_SHARE, share))
+                self.measured = MARGIN * (own_now - refused_now) / drew
+                self._take()
         if last is None:
             return
         _, at, remaining, own, refused_then = last
@@ -158,4 +161,29 @@ class Bucket:
         self.own_sum = self.own_sum * decay + max(own_drew, 0.0)
         self.pairs += 1
         if self.pairs >= SHARE_PAIRS and self.key_sum > 0:
-            self.share = min(MAX_SHARE, max(MIN_SHARE, MARGIN * self.own_sum / self.key_sum))
+            self.measured = MARGIN * self.own_sum / self.key_sum
+            self._take()
+
+    def pool(self, most: float, pooled: float | None) -> None:
+        """The processes of this machine that call the key: ``most`` is 1 over their count,
+        ``pooled`` the mean of the shares they measured (None: none measured yet)."""
+        self.most, self.pooled = most, pooled
+        self._take()
+
+    def _take(self) -> None:
+        """The share taken, never more than an equal part of the processes counted: the mean
+        the processes measured, once this one measured its own. Until then, an equal part less
+        the margin; alone, its own estimate.
+
+        Any shares that add up to the key are measured back as they are, so measured shares
+        that start unequal stay unequal, and the shards end far apart. The mean makes them
+        equal; it keeps their sum, which holds what processes of other machines draw. A shard
+        that joins others takes an equal part at once: its own estimate counts what the others
+        drew before it came as drawn by the key, and stays small."""
+        if self.pooled is not None and self.pairs >= SHARE_PAIRS:
+            share = self.pooled
+        elif self.most < 1:
+            share = MARGIN * self.most
+        else:
+            share = self.measured
+        self.share = min(MAX_SHARE, max(MIN_SHARE, min(share, self.most)))
