@@ -25,6 +25,7 @@ import atexit
 import hashlib
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -58,11 +59,21 @@ class Peers:
         self.count = 1
         self.joined = False  # the last poll was this process's first
         self.shares: dict[str, list[float]] = {}  # what the live processes measured, by budget
+        self._polling = threading.Lock()
 
     def poll(self, measured: Callable[[], Mapping[str, float]] = dict) -> int | None:
         """The processes calling the key now, this one included, when due to count again
         (None when not). This process's file is written first, with the shares of the key's
-        draw it ``measured`` (by budget); :attr:`shares` then holds those of every process."""
+        draw it ``measured`` (by budget); :attr:`shares` then holds those of every process.
+        While one thread polls, the others get None: its count serves them all."""
+        if not self._polling.acquire(blocking=False):
+            return None
+        try:
+            return self._poll(measured)
+        finally:
+            self._polling.release()
+
+    def _poll(self, measured: Callable[[], Mapping[str, float]]) -> int | None:
         now = self.clock()
         if now < self._next:
             return None

@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -202,6 +204,30 @@ def test_each_process_reads_the_shares_the_others_measured(tmp_path: Path) -> No
     assert sorted(second.shares["tokens"]) == [0.25, 0.7]
     assert second.shares["requests"] == [0.6]
     assert sorted(p.name for p in directory.iterdir()) == ["first", "second"]  # none left aside
+
+
+def test_the_threads_of_one_process_poll_its_file_without_racing(tmp_path: Path) -> None:
+    # The sync client's threads all count peers through one Peers; each poll is due.
+    ticks = itertools.count()
+    counted = peers.Peers(tmp_path / "key", "threads", lambda: float(next(ticks)))
+    errors: list[BaseException] = []
+
+    def poll() -> None:
+        try:
+            for _ in range(300):
+                counted.poll(lambda: {"tokens": 0.5})
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=poll) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert errors == []
+    assert [p.name for p in (tmp_path / "key").iterdir()] == ["threads"]
+    assert counted.shares == {"tokens": [0.5]}
 
 
 def test_shards_on_one_key_take_the_mean_of_what_they_measured(tmp_path: Path) -> None:
