@@ -1,6 +1,8 @@
 """The `checkpoint-assets` operator CLI, run as users run it: its console script, in a subprocess,
 on checkpoints made by real runs: finished, with failed rows (tolerated or not), held by a live
-writer, and left as parts by a run killed with SIGKILL."""
+writer, and left as parts by a run killed with SIGKILL. What a test reads only to compare with
+(the counts before and after a command) comes from `status --json` in this process. The live
+writer is this process too: a lease with its heartbeat, held while the CLI's process runs."""
 
 from __future__ import annotations
 
@@ -20,14 +22,17 @@ from typing import Any
 
 import polars as pl
 import pytest
+from click.testing import CliRunner
 from helpers.jobs import build_job, tickets
 
 from checkpoint_assets import shard_partitions
+from checkpoint_assets.cli import cli as cli_group
 from checkpoint_assets.engine.checkpoints.layout import part_range
+from checkpoint_assets.engine.loop.lock import Lease
+from checkpoint_assets.engine.storage import open_store
 
 TESTS = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "checkpoint-assets")
-HOLD_LOCK = TESTS / "helpers" / "hold_lock.py"
 CRASH_CHILD = TESTS / "helpers" / "crash_child.py"
 
 LOCKED = "routed/scratch/1-of-2"
@@ -52,6 +57,13 @@ def status_json(base: str, *options: str) -> dict[str, dict[str, Any]]:
     return {f"{c['asset']}/{c['tag']}/{c['partition']}": c for c in json.loads(done.stdout)}
 
 
+def stored(base: Path) -> dict[str, dict[str, Any]]:
+    """`status --json` run in this process: what a test compares a command's effect with."""
+    done = CliRunner().invoke(cli_group, ["status", str(base), "--json"])
+    assert done.exit_code == 0, done.output
+    return {f"{c['asset']}/{c['tag']}/{c['partition']}": c for c in json.loads(done.stdout)}
+
+
 def table(out: str) -> dict[str, dict[str, str]]:
     """The rows of the `status` table by checkpoint name, cut at the header's column starts."""
     header, *lines = out.strip("\n").splitlines()
@@ -73,18 +85,14 @@ def files_of(base: Path, name: str) -> set[Path]:
 
 @contextmanager
 def holding(base: Path, name: str, run_id: str) -> Iterator[None]:
-    """A live writer (another process) holds the lock of checkpoint ``name``."""
-    child = subprocess.Popen(
-        [sys.executable, str(HOLD_LOCK), str(base), "{}", f"{name}.parquet.lock", run_id],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    """A live writer holds the lock of checkpoint ``name``: this process, as run ``run_id``."""
+    store = open_store(str(base))
+    lease = Lease(store, store.path(f"{name}.parquet.lock"), run_id=run_id, lease_seconds=60.0)
+    lease.acquire()
     try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "held"
         yield
     finally:
-        child.communicate(timeout=30)  # closing its stdin makes it release the lock
+        lease.release()
 
 
 def refuse(batch: pl.DataFrame) -> pl.DataFrame:
@@ -295,14 +303,14 @@ def test_compact_merges_parts_and_skips_a_checkpoint_a_live_run_holds(
     copy_of: Callable[[], Path],
 ) -> None:
     base = copy_of()
-    before = status_json(str(base))[KILLED]
+    before = stored(base)[KILLED]
     with holding(base, LOCKED, "another-run"):
         done = cli("compact", str(base))
     assert done.returncode == 1  # the held one was skipped, and said so
     assert f"{LOCKED}: skipped: " in done.stderr and "another-run" in done.stderr
     assert f"{KILLED}: merged {before['parts']} part(s)" in done.stderr
 
-    after = status_json(str(base))[KILLED]
+    after = stored(base)[KILLED]
     assert after["parts"] == 0
     assert list((base / f"{KILLED}.parquet.parts").glob("part-*.parquet")) == []
     assert (after["rows_ok"], after["rows_failed"]) == (before["rows_ok"], 0)
@@ -368,7 +376,7 @@ def test_clean_deletes_a_tags_checkpoints_but_not_a_held_one_nor_other_tags(
     assert size > 0 and not any(p.exists() for p in gone)
     assert not (base / "routed" / "scratch" / "0-of-2.parquet.parts").exists()
 
-    left = status_json(str(base))
+    left = stored(base)
     assert set(left) == {
         "routed/default/all",
         "routed/flaky/all",
@@ -429,7 +437,7 @@ def test_repair_rebuilds_from_what_is_readable_keeps_damaged_files_and_skips_a_h
     copy_of: Callable[[], Path],
 ) -> None:
     base = copy_of()
-    before = status_json(str(base))[KILLED]
+    before = stored(base)[KILLED]
     parts = sorted((base / f"{KILLED}.parquet.parts").glob("part-*.parquet"))
     bad_part = parts[0]
     lost = pl.read_parquet(bad_part).height
@@ -440,7 +448,7 @@ def test_repair_rebuilds_from_what_is_readable_keeps_damaged_files_and_skips_a_h
     stray = bad_part.with_name(bad_part.name + ".tmp-0123456789ab")  # a killed write's, long ago
     stray.write_bytes(b"half a part")
     os.utime(stray, (time.time() - 3600, time.time() - 3600))
-    damaged = status_json(str(base))[KILLED]
+    damaged = stored(base)[KILLED]
     assert damaged["parts"] == len(parts)  # the temporary file is no part
     assert "is unreadable" in damaged["error"]  # status reads, it never moves anything
 
@@ -461,10 +469,10 @@ def test_repair_rebuilds_from_what_is_readable_keeps_damaged_files_and_skips_a_h
     assert "routed/flaky/all: nothing to repair: 16 rows ok, 4 failed" in done.stdout
     assert not stray.exists() and not merged.exists()
 
-    after = status_json(str(base))
+    after = stored(base)
     assert (after[KILLED]["rows_ok"], after[KILLED]["parts"]) == (before["rows_ok"] - lost, 0)
     assert after["routed/default/all"]["rows_ok"] == 0  # computed again by the next run
-    assert cli("verify", str(base)).returncode == 0
+    assert CliRunner().invoke(cli_group, ["verify", str(base)]).exit_code == 0
 
     (base / "routed/flaky/all.parquet.meta.json").unlink()
     lost_meta = cli("repair", str(base), "routed/flaky/all", "--json")

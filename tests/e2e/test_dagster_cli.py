@@ -1,6 +1,8 @@
-"""The path CI users take: `dagster asset materialize -m <module>` from the repository root.
+"""The path CI users take: `dagster asset materialize -m <module>` from the repository root, on
+the instance of ``$DAGSTER_HOME``, whose ``checkpoints`` folder then holds the checkpoints.
 
-The `checkpoint-assets` operator CLI is tested in ``e2e/test_cli.py``."""
+Without DAGSTER_HOME the command refuses: ``e2e/test_home.py``. The `checkpoint-assets`
+operator CLI is tested in ``e2e/test_cli.py``."""
 
 from __future__ import annotations
 
@@ -25,13 +27,15 @@ def dagster(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]
     )
 
 
-def test_dagster_asset_materialize_runs_a_shard_from_the_repo_root(
-    demo_env: dict[str, str], tmp_path: Path
+def test_dagster_asset_materialize_runs_a_shard_from_the_repo_root_into_dagster_home(
+    demo_env: dict[str, str],
 ) -> None:
-    assert dagster(demo_env, "asset", "materialize", "--select", "tickets").returncode == 0
+    env = {k: v for k, v in demo_env.items() if k != "CHECKPOINT_BASE_DIR"}
+    checkpoints = Path(env["DAGSTER_HOME"]) / "checkpoints"  # no base_dir: DAGSTER_HOME's
+    assert dagster(env, "asset", "materialize", "--select", "tickets").returncode == 0
     config = json.dumps({"ops": {"ticket_routing": {"config": {"checkpoint_interval": 50}}}})
     first = dagster(
-        demo_env,
+        env,
         "asset",
         "materialize",
         "--select",
@@ -43,15 +47,14 @@ def test_dagster_asset_materialize_runs_a_shard_from_the_repo_root(
     )
     assert first.returncode == 0, first.stderr[-3000:]
 
-    checkpoint = tmp_path / "checkpoints" / "ticket_routing" / "default" / "3-of-8.parquet"
-    stored = pl.read_parquet(checkpoint)
-    tickets = pl.read_parquet(tmp_path / "checkpoints" / "tickets.parquet")
+    stored = pl.read_parquet(checkpoints / "ticket_routing" / "default" / "3-of-8.parquet")
+    tickets = pl.read_parquet(checkpoints / "tickets.parquet")
     assert 150 < stored.height < 350  # about 2,000 / 8
     assert stored["_error"].null_count() == stored.height
     assert set(stored["ticket_id"]) <= set(tickets["ticket_id"])
 
     again = dagster(
-        demo_env, "asset", "materialize", "--select", "ticket_routing", "--partition", "3-of-8"
+        env, "asset", "materialize", "--select", "ticket_routing", "--partition", "3-of-8"
     )
     assert again.returncode == 0
     assert "rows are done, 0 to compute" in again.stderr + again.stdout
