@@ -161,8 +161,9 @@ def postgres_server() -> Iterator[dict[str, str]]:
 
 
 @contextlib.contextmanager
-def ray_head(env: dict[str, str]) -> Iterator[str]:
-    """A local Ray head with 2 CPUs, its dashboard (job API) on a free port of 127.0.0.1.
+def ray_head(env: dict[str, str], num_cpus: int = 2) -> Iterator[str]:
+    """A local Ray head with ``num_cpus`` CPUs, its dashboard (job API) on a free port of
+    127.0.0.1.
 
     ``env`` is the cluster's environment: every Ray job (and so every Dagster run) starts with
     it. The project's venv comes first on PATH, so a job finds ``dagster``. Ray starts in its
@@ -192,7 +193,7 @@ def ray_head(env: dict[str, str]) -> Iterator[str]:
             "start",
             "--head",
             "--block",
-            "--num-cpus=2",
+            f"--num-cpus={num_cpus}",
             "--disable-usage-stats",
             "--include-dashboard=true",
             "--node-ip-address=127.0.0.1",
