@@ -15,8 +15,6 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import anthropic
-import openai
 import polars as pl
 
 from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
@@ -24,8 +22,6 @@ from checkpoint_assets.engine.providers.job import ProviderJob
 from checkpoint_assets.engine.providers.provider_batches import ProviderRun
 from checkpoint_assets.engine.providers.submissions import BatchProvider, Result
 from checkpoint_assets.engine.settings import RunStats
-from checkpoint_assets.resources.anthropic_batches import AnthropicBatches
-from checkpoint_assets.resources.openai_batches import OpenAIBatches
 
 NAME = "killed/default/all"
 POINTS = (
@@ -58,13 +54,23 @@ def parse_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def adapter(url: str, provider: str) -> tuple[BatchProvider, Callable[..., dict[str, Any]]]:
-    """The provider's adapter on the local provider at ``url``, and the parse of its bodies."""
-    if provider == "anthropic":  # find polls the batch a kill left unrecorded: poll it often
+    """The provider's adapter on the local provider at ``url``, and the parse of its bodies.
+    Only that provider's client is imported (``anthropic`` alone takes seconds of CPU)."""
+    if provider == "anthropic":
+        import anthropic
+
+        from checkpoint_assets.resources.anthropic_batches import AnthropicBatches
+
+        # find polls the batch a kill left unrecorded: poll it often
         claude = anthropic.Anthropic(
             base_url=url.removesuffix("/v1"), api_key="local", max_retries=5
         )
         defaults = {"model": "m", "max_tokens": 8}
         return AnthropicBatches(claude, defaults, find_poll_seconds=0.1), parse_message
+    import openai
+
+    from checkpoint_assets.resources.openai_batches import OpenAIBatches
+
     client = openai.OpenAI(base_url=url, api_key="local", max_retries=5)  # no Dagster to import
     return OpenAIBatches(client, defaults={"model": "m"}), parse
 
@@ -77,7 +83,7 @@ def after(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-def install(point: str, api: Any) -> None:
+def install(point: str, api: Any, rows: int) -> None:
     if point == "before_upload":
         api.upload = lambda *a, **k: die()
     elif point == "after_upload":
@@ -89,7 +95,7 @@ def install(point: str, api: Any) -> None:
 
         def half(batch_id: str) -> Iterator[Result]:
             for i, result in enumerate(results(batch_id)):
-                if i == 10_000:
+                if i == rows // 2:
                     die()
                 yield result
 
@@ -113,7 +119,7 @@ def run_shard(
 ) -> RunStats:
     """One run of the shard (killed at ``point``, if it is one of ``POINTS``)."""
     api, parse_body = adapter(url, provider)
-    install(point, api)
+    install(point, api, rows)
     job = ProviderJob(api, request, parse_body, poll_seconds=0.05, max_poll_seconds=0.2)
     # A row may fail at each of its attempts when the provider's error rate is on.
     settings = Settings(

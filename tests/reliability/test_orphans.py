@@ -118,15 +118,13 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Home]:
         ORPHAN_SECONDS_PER_CALL="0.2",  # a shard takes 12 s: killed well before its end
     )
     monkeypatch.setenv("DAGSTER_HOME", str(path))
+    monkeypatch.setenv("ORPHAN_SOURCE", str(source))
     with dg.DagsterInstance.get() as instance:
-        loaded = subprocess.run(
-            [*DAGSTER_MATERIALIZE, orphan_defs.__file__, "--select", "rows"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
+        # The source in process: only the shard's runs need processes of their own.
+        loaded = dg.materialize(
+            [orphan_defs.rows], instance=instance, resources=orphan_defs.defs.resources
         )
-        assert loaded.returncode == 0, loaded.stderr[-3000:]
+        assert loaded.success
         yield Home(path, env, calls, instance)
 
 

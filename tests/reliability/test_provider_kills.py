@@ -2,12 +2,12 @@
 recording a submission and storing its results pays for no request twice and stores every row
 once.
 
-Each test kills one real process (``helpers/provider_kill_child.py``) of a 20,000-row shard at
-one point, then runs the shard again to the end (in the test's process), against the local batch
-provider (``examples/llm_batch/provider.py``), which counts what it was asked: requests processed
-equal the rows (none submitted again), and the rows stored by the killed run plus those the next
-run stored are the rows, each once. With per-request errors, a kill while the failed requests are
-being sent again sends no request that had succeeded.
+Each test kills one real process (``helpers/provider_kill_child.py``) of a 2,000-row shard (one
+submission, its results one part) at one point, then runs the shard again to the end (in the test's
+process), against the local batch provider (``examples/llm_batch/provider.py``), which counts what
+it was asked: requests processed equal the rows (none submitted again), and the rows stored by the
+killed run plus those the next run stored are the rows, each once. With per-request errors, a kill
+while the failed requests are being sent again sends no request that had succeeded.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from examples.llm_batch.jobs import Settings
 from examples.llm_batch.provider import serve, stats
 
 CHILD = Path(provider_kill_child.__file__)
-ROWS = 20_000
+ROWS = 2_000
 
 
 def child(url: str, base_dir: str, point: str, provider: str) -> subprocess.CompletedProcess[str]:
@@ -35,8 +35,17 @@ def child(url: str, base_dir: str, point: str, provider: str) -> subprocess.Comp
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
 
 
-@pytest.mark.parametrize("provider", ["openai", "anthropic"])
-@pytest.mark.parametrize("point", provider_kill_child.POINTS)
+# Both providers at the points of their adapters; the part's write and its record are
+# ProviderRun's alone, whatever the provider, and run with OpenAI's.
+CASES = [
+    (point, provider)
+    for point in provider_kill_child.POINTS
+    for provider in ("openai", "anthropic")
+    if provider == "openai" or point not in ("writing_part", "after_part")
+]
+
+
+@pytest.mark.parametrize(("point", "provider"), CASES)
 def test_a_kill_at_each_point_pays_nothing_twice_and_stores_each_row_once(
     point: str, provider: str, tmp_path: Any
 ) -> None:
