@@ -1,7 +1,8 @@
 """The provider batch example (``examples/llm_batch``) runs unchanged against the local batch
 provider, through OpenAI's Batch API and Anthropic's Message Batches: a shard submitted and
 collected in one waiting run, every ticket routed once, the tokens summed; and a shard submitted
-by `dagster asset materialize`, which ends saying what waits and what collects it."""
+by `dagster asset materialize` (its tickets materialized in process), which ends saying what waits
+and what collects it."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_the_example_routes_a_shard_through_each_provider(
 
 
 def test_the_cli_run_that_submits_and_ends_says_what_waits_and_what_collects_it(
-    demo_env: dict[str, str], tmp_path: Path
+    demo_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with serve(Settings(processing_delay=600)) as url:
         env = demo_env | {
@@ -71,7 +72,14 @@ def test_the_cli_run_that_submits_and_ends_says_what_waits_and_what_collects_it(
                 timeout=300,
             )
 
-        assert materialize("llm_tickets").returncode == 0
+        # The tickets in process, from the example imported under the same environment.
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        example = importlib.reload(importlib.import_module("examples.llm_batch.definitions"))
+        resources = example.defs.resources
+        with dg.DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
+            source = dg.materialize([example.llm_tickets], instance=instance, resources=resources)
+            assert source.success
         ended = materialize("ticket_department_openai", "--partition", "0-of-4")
         said = ended.stdout + ended.stderr
         assert stats(url)["creates"] == 1  # submitted once, not waited for

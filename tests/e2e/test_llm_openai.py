@@ -1,17 +1,21 @@
-"""The OpenAI and Anthropic examples end to end: `dagster asset materialize` against the local
-chat server over real HTTP, with rate limits and server errors, a shard SIGKILLed mid-run and
-resumed.
+"""The OpenAI and Anthropic examples end to end against the local chat server over real HTTP,
+with rate limits and server errors: a shard of each example materialized in process from the
+example's own definitions, and a shard run by `dagster asset materialize`, SIGKILLed mid-run and
+resumed by the CLI.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 import dagster as dg
 import polars as pl
@@ -32,30 +36,51 @@ def llm_env(demo_env: dict[str, str]) -> dict[str, str]:
     return demo_env | {"LLM_TICKETS": "1200", "OPENAI_API_KEY": "local", "OPENAI_MODEL": "m"}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     # 4% of requests refused with 429 (retry after 0.1 s), 2% failing with 500: the shard waits
-    # for the former and retries the latter; 40 ms per answer.
+    # for the former and retries the latter; 40 ms per answer. The tests read what it served
+    # during their own run: the difference of its /stats.
     flaky = Settings(latency_ms=40, rate_429=0.04, retry_after_seconds=0.1, rate_500=0.02, seed=3)
     with serve_process(flaky) as base_url:
         yield base_url
 
 
+@contextmanager
+def _example(env: dict[str, str], *modules: str) -> Iterator[ModuleType]:
+    """The last of ``modules`` imported again under ``env`` (the examples read their settings
+    from the environment when imported), then again under the test's own environment."""
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            for key, value in env.items():
+                patch.setenv(key, value)
+            loaded = [importlib.reload(importlib.import_module(m)) for m in modules]
+            yield loaded[-1]
+    finally:
+        for m in modules:
+            importlib.reload(importlib.import_module(m))
+
+
+def _run_in_process(
+    example: ModuleType, env: dict[str, str], asset: str, partition: str
+) -> dict[str, object]:
+    """Materialize the tickets and one shard of ``asset`` in this process, on the instance of
+    ``env``'s DAGSTER_HOME; the shard's materialization metadata."""
+    job = example.defs.resolve_implicit_global_asset_job_def()
+    with dg.DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
+        result = job.execute_in_process(
+            instance=instance,
+            partition_key=partition,
+            asset_selection=[dg.AssetKey("llm_tickets"), dg.AssetKey(asset)],
+        )
+    assert result.success
+    (materialization,) = result.asset_materializations_for_node(asset)
+    assert materialization.partition == partition
+    return {k: v.value for k, v in materialization.metadata.items()}
+
+
 def _command(*args: str, module: str = MODULE) -> list[str]:
     return [sys.executable, "-m", "dagster", "asset", "materialize", "-m", module, *args]
-
-
-def _materialize(
-    env: dict[str, str], *args: str, module: str = MODULE
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        _command(*args, module=module),
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def _metadata(env: dict[str, str], partition: str, asset: str = ASSET) -> dict[str, object]:
@@ -78,17 +103,20 @@ def _stored(env: dict[str, str], partition: str, asset: str = ASSET) -> pl.DataF
     return pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
 
 
+def _served(server: str, before: dict[str, int]) -> dict[str, int]:
+    """What the server served since ``before`` (an earlier /stats), by outcome."""
+    return {k: v - before.get(k, 0) for k, v in stats(server).items()}
+
+
 def test_a_shard_classifies_through_the_openai_client_and_sums_its_tokens(
     llm_env: dict[str, str], server: str
 ) -> None:
     env = llm_env | {"OPENAI_BASE_URL": server}
-    assert _materialize(env, "--select", "llm_tickets").returncode == 0
+    before = stats(server)
+    with _example(env, MODULE) as example:
+        meta = _run_in_process(example, env, ASSET, "2-of-4")
 
-    done = _materialize(env, "--select", ASSET, "--partition", "2-of-4")
-
-    assert done.returncode == 0, done.stderr[-3000:]
-    meta = _metadata(env, "2-of-4")
-    served = stats(server)
+    served = _served(server, before)
     stored = _stored(env, "2-of-4")
     assert stored.height == meta["rows_total"] and meta["rows_failed"] == 0
     assert stored["ticket_id"].n_unique() == stored.height
@@ -108,9 +136,16 @@ def test_a_shard_killed_mid_run_resumes_without_duplicates(
     llm_env: dict[str, str], server: str
 ) -> None:
     env = llm_env | {"OPENAI_BASE_URL": server}
-    assert _materialize(env, "--select", "llm_tickets").returncode == 0
+    # The source, in process: not what is killed.
+    with (
+        _example(env, MODULE) as example,
+        dg.DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance,
+    ):
+        resources = example.defs.resources
+        assert dg.materialize([example.llm_tickets], instance=instance, resources=resources).success
     partition = "1-of-4"
     parts = Path(env["CHECKPOINT_BASE_DIR"]) / ASSET / "default" / f"{partition}.parquet.parts"
+    before = stats(server)
     child = subprocess.Popen(
         _command("--select", ASSET, "--partition", partition),
         cwd=ROOT,
@@ -129,7 +164,14 @@ def test_a_shard_killed_mid_run_resumes_without_duplicates(
     killed_with = _stored(env, partition).height
     assert killed_with > 0
 
-    again = _materialize(env, "--select", ASSET, "--partition", partition)
+    again = subprocess.run(
+        _command("--select", ASSET, "--partition", partition),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
     assert again.returncode == 0, again.stderr[-3000:]
     meta = _metadata(env, partition)
@@ -138,7 +180,7 @@ def test_a_shard_killed_mid_run_resumes_without_duplicates(
     assert stored.height == meta["rows_total"] and stored["ticket_id"].n_unique() == stored.height
     # Recomputed after the kill: what was answered but not yet durable (the loss bound: the
     # buffer and the flush being written, each within 2 intervals + the calls in flight).
-    recomputed = stats(server)["ok"] - meta["rows_total"]
+    recomputed = _served(server, before)["ok"] - meta["rows_total"]
     assert 0 <= recomputed <= 2 * (2 * 64 + 32), recomputed
 
 
@@ -156,14 +198,11 @@ def test_the_anthropic_example_classifies_a_shard_and_sums_its_tokens(
             "ANTHROPIC_API_KEY": "local",
             "ANTHROPIC_MODEL": "m",
         }
-        assert _materialize(env, "--select", "llm_tickets", module=ANTHROPIC_MODULE).returncode == 0
-        done = _materialize(
-            env, "--select", ANTHROPIC_ASSET, "--partition", "3-of-4", module=ANTHROPIC_MODULE
-        )
+        # The OpenAI example first: the Anthropic one imports its tickets and asset arguments.
+        with _example(env, MODULE, ANTHROPIC_MODULE) as example:
+            meta = _run_in_process(example, env, ANTHROPIC_ASSET, "3-of-4")
         served = stats(base_url)
 
-    assert done.returncode == 0, done.stderr[-3000:]
-    meta = _metadata(env, "3-of-4", ANTHROPIC_ASSET)
     stored = _stored(env, "3-of-4", ANTHROPIC_ASSET)
     assert stored.height == meta["rows_total"] == served["ok"] and meta["rows_failed"] == 0
     assert set(stored["department"]) <= set(DEPARTMENTS)

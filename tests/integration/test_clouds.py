@@ -1,8 +1,11 @@
-"""Checkpoints on object stores, over real HTTP to servers on 127.0.0.1: S3 (``s3://``, moto),
-GCS (``gs://``, fake-gcs-server) and Azure Blob (``az://``, Azurite; ``helpers/clouds.py``). On
-each, a killed run resumes from what it flushed and finalizes, and of two runs racing for the
-lock's conditional create exactly one writes; the CLI reads GCS and Azure with the documented
-options (S3's CLI: test_s3.py).
+"""Checkpoints on the object stores other than S3, over real HTTP to emulators on 127.0.0.1: GCS
+(``gs://``, fake-gcs-server) and Azure Blob (``az://``, Azurite; ``helpers/clouds.py``). On
+each, a killed run resumes from what it flushed and finalizes, of two runs racing for the lock's
+conditional create exactly one writes, and the CLI reads it with the documented options.
+
+S3 (moto) has the same checks elsewhere: killed runs in reliability/test_kills.py, racing
+creates in engine/test_storage.py, a writer refused by a held lock in engine/test_lock.py, the
+CLI in integration/test_s3.py.
 """
 
 from __future__ import annotations
@@ -26,21 +29,11 @@ HERE = Path(__file__).parent
 TESTS = Path(__file__).parents[1]
 
 
-def _fresh(request: pytest.FixtureRequest, where: str) -> Storage:
-    """(base_dir, storage_options) in a fresh bucket (S3, GCS) or container (Azure)."""
-    if where == "s3":
-        return request.getfixturevalue("new_s3_storage")()  # type: ignore[no-any-return]
-    return request.getfixturevalue(f"{where}_server").new_storage()  # type: ignore[no-any-return]
-
-
-@pytest.fixture(params=["s3", "gcs", "azure"])
-def store(request: pytest.FixtureRequest) -> Storage:
-    return _fresh(request, request.param)
-
-
 @pytest.fixture(params=["gcs", "azure"])
-def cloud(request: pytest.FixtureRequest) -> Storage:
-    return _fresh(request, request.param)
+def store(request: pytest.FixtureRequest) -> Storage:
+    """(base_dir, storage_options) in a fresh bucket (GCS) or container (Azure)."""
+    server = request.getfixturevalue(f"{request.param}_server")
+    return server.new_storage()  # type: ignore[no-any-return]
 
 
 def _slow_route(batch: pl.DataFrame) -> pl.DataFrame:
@@ -138,10 +131,10 @@ def test_two_runs_started_together_one_writes_the_other_is_refused(store: Storag
 
 
 def test_the_cli_reads_a_checkpoint_with_the_documented_options(
-    cloud: Storage, capsys: pytest.CaptureFixture[str]
+    store: Storage, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    base_dir, options = cloud
-    build_job(cloud, tickets(20)).materialize()
+    base_dir, options = store
+    build_job(store, tickets(20)).materialize()
     # As docs/operations.md writes them: -o endpoint_url=... -o token=anon (GCS),
     # -o connection_string=... (Azure).
     flags = [f"-o{key}={value}" for key, value in options.items()]

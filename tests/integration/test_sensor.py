@@ -3,6 +3,9 @@
 The sensor is evaluated with ``build_sensor_context`` against a SQLite instance holding real runs
 (``dg.materialize(..., raise_on_error=False)``); each run it requests is executed the way the
 daemon would (same partition, same tags). One test runs the real ``dagster-daemon``.
+
+The sensor reads the instance, not the checkpoints: the first test runs on local disk and on S3,
+the others on local disk.
 """
 
 from __future__ import annotations
@@ -137,6 +140,7 @@ def test_sensor_requests_each_failed_partition_max_retries_times_then_gives_up(
     assert [(r.partition_key, r.tags[RETRY_ATTEMPT_TAG]) for r in requests] == [("1-of-4", "1")]
 
 
+@pytest.mark.parametrize("storage", ["local"], indirect=True)
 @pytest.mark.parametrize("retry_failed", [True, False])
 def test_partitions_with_failed_rows_are_retried_while_retry_failed_is_on(
     storage: Storage, instance: dg.DagsterInstance, retry_failed: bool
@@ -172,6 +176,7 @@ def test_partitions_with_failed_rows_are_retried_while_retry_failed_is_on(
     assert ticker.budgets() == {}
 
 
+@pytest.mark.parametrize("storage", ["local"], indirect=True)
 def test_a_run_made_in_process_is_the_sensors_though_tagged_for_dagsters_retries(
     storage: Storage,
 ) -> None:
@@ -190,6 +195,7 @@ def test_a_run_made_in_process_is_the_sensors_though_tagged_for_dagsters_retries
         assert [r.partition_key for r in requests] == ["1-of-4"]
 
 
+@pytest.mark.parametrize("storage", ["local"], indirect=True)
 def test_a_retry_waits_for_its_backoff(storage: Storage, instance: dg.DagsterInstance) -> None:
     job, _ = failing_job(storage, instance, 0)
     assert not job.materialize("0-of-4", raise_on_error=False).success
@@ -203,6 +209,7 @@ def test_a_retry_waits_for_its_backoff(storage: Storage, instance: dg.DagsterIns
     assert retry_due(1000.0, 5, 0.0) == 1000.0  # backoff_seconds=0: the next tick
 
 
+@pytest.mark.parametrize("storage", ["local"], indirect=True)
 @pytest.mark.parametrize("planned", ["per partition", "per range"])
 def test_failed_ranged_backfill_runs_are_retried_one_partition_each(
     storage: Storage, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch, planned: str
@@ -291,6 +298,7 @@ def test_a_failed_run_is_retried_however_many_runs_of_other_jobs_failed_since(
     assert {r.tags[RETRY_OF_TAG] for r in requests} == {failed.run_id}
 
 
+@pytest.mark.parametrize("storage", ["local"], indirect=True)
 def test_an_unpartitioned_asset_is_retried_as_a_whole(
     storage: Storage, instance: dg.DagsterInstance
 ) -> None:
@@ -326,7 +334,7 @@ def test_the_daemon_launches_the_retries_then_stops(tmp_path: Path) -> None:
             f"""\
             load_from:
               - python_module:
-                  module_name: helpers.sensor_defs
+                  module_name: helpers.sensor_daemon_defs
                   working_directory: {REPO / "tests"}
             """
         )
