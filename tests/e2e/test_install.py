@@ -107,11 +107,13 @@ def test_the_wheel_installs_beside_dagster_at_either_end_of_its_range_and_change
     # The source and a shard in one run, each step in a process of its own (the default).
     select = ("--select", "numbers,doubled", "--partition", "0-of-2")
     log = _run(cli, "asset", "materialize", "-f", "defs.py", *select, cwd=project, env=env)
+    # A run succeeds only when each of its steps did. The steps' own log lines are not checked:
+    # Dagster copies a step's output to the console through `tail -F`, which may drop lines.
     assert "RUN_SUCCESS" in log
-    assert 'STEP_SUCCESS - Finished execution of step "numbers"' in log
-    assert 'STEP_SUCCESS - Finished execution of step "doubled"' in log
     assert "version mismatch" not in log.lower()
-    assert list((tmp_path / "checkpoints").rglob("*.parquet"))
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "numbers.parquet").is_file()
+    assert (checkpoints / "doubled" / "default" / "0-of-2.parquet").is_file()
 
 
 def _requirements() -> list[Requirement]:
