@@ -116,6 +116,9 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Home]:
         ORPHAN_SOURCE=str(source),
         ORPHAN_CALLS=str(calls),
         ORPHAN_SECONDS_PER_CALL="0.2",  # a shard takes 12 s: killed well before its end
+        # The tests read a step's last log lines from the console. Dagster copies them there
+        # with `tail -F`, stopped when the step ends: give it a second to copy them first.
+        DAGSTER_COMPUTE_LOG_TAIL_WAIT_AFTER_FINISH="1",
     )
     monkeypatch.setenv("DAGSTER_HOME", str(path))
     monkeypatch.setenv("ORPHAN_SOURCE", str(source))
