@@ -21,6 +21,8 @@ from helpers.venvs import venv_with
 from packaging.requirements import Requirement
 from uv import find_uv_bin
 
+from checkpoint_assets.engine.checkpoints.layout import Files, checkpoint_name, output_name
+
 ROOT = Path(__file__).resolve().parents[2]
 # Two installs and a Dagster run in a fresh venv: past the default 300 s on a busy machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -111,9 +113,10 @@ def test_the_wheel_installs_beside_dagster_at_either_end_of_its_range_and_change
     # Dagster copies a step's output to the console through `tail -F`, which may drop lines.
     assert "RUN_SUCCESS" in log
     assert "version mismatch" not in log.lower()
-    checkpoints = tmp_path / "checkpoints"
-    assert (checkpoints / "numbers.parquet").is_file()
-    assert (checkpoints / "doubled" / "default" / "0-of-2.parquet").is_file()
+    checkpoints = str(tmp_path / "checkpoints")
+    assert Path(checkpoints, output_name(["numbers"], None)).is_file()
+    merged = Files.under(checkpoints, checkpoint_name(["doubled"], None, "0-of-2")).merged
+    assert Path(merged).is_file()  # the shard finalized
 
 
 def _requirements() -> list[Requirement]:
