@@ -55,7 +55,7 @@ from checkpoint_assets.engine.settings import Settings
 from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.sharding.scheme import shard_key_column
 from checkpoint_assets.engine.storage import open_store
-from checkpoint_assets.integration.source import ShardRows
+from checkpoint_assets.integration.store.source import ShardRows
 
 ID = "id"
 TEXT = "text"

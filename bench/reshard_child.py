@@ -40,7 +40,7 @@ from checkpoint_assets.engine.rows import CURRENT, ERROR, SEQ
 from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.sharding.scheme import Shard, rows_in
 from checkpoint_assets.engine.storage import Store, open_store
-from checkpoint_assets.integration.source import scan
+from checkpoint_assets.integration.store.source import scan
 
 TABLE = ["bench_global_resume"]  # the asset key of the table
 

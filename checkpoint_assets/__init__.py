@@ -33,35 +33,35 @@ from checkpoint_assets.engine.providers.submissions import BatchProvider
 from checkpoint_assets.engine.settings import OnInputChange
 
 if TYPE_CHECKING:
-    from checkpoint_assets.integration.asset import checkpointed_asset
-    from checkpoint_assets.integration.checks import checkpoint_checks
-    from checkpoint_assets.integration.component import CheckpointedAssetComponent
-    from checkpoint_assets.integration.global_resume import global_resume_asset
-    from checkpoint_assets.integration.io_manager import CheckpointIOManager
-    from checkpoint_assets.integration.partitions import shard_partitions
-    from checkpoint_assets.integration.provider_asset import (
+    from checkpoint_assets.integration.define.asset import checkpointed_asset
+    from checkpoint_assets.integration.define.checks import checkpoint_checks
+    from checkpoint_assets.integration.define.component import CheckpointedAssetComponent
+    from checkpoint_assets.integration.define.provider_asset import (
         ProviderBatchRunConfig,
         provider_batch_asset,
     )
-    from checkpoint_assets.integration.provider_sensor import provider_batches_sensor
-    from checkpoint_assets.integration.run_config import CheckpointRunConfig
-    from checkpoint_assets.integration.sensor import failed_partitions_sensor
+    from checkpoint_assets.integration.run.run_config import CheckpointRunConfig
+    from checkpoint_assets.integration.store.io_manager import CheckpointIOManager
+    from checkpoint_assets.integration.store.partitions import shard_partitions
+    from checkpoint_assets.integration.watch.global_resume import global_resume_asset
+    from checkpoint_assets.integration.watch.provider_sensor import provider_batches_sensor
+    from checkpoint_assets.integration.watch.sensor import failed_partitions_sensor
     from checkpoint_assets.resources import AnthropicResource, OpenAIResource
 
 # The Dagster glue is imported on first use, so that the engine and the `checkpoint-assets` CLI
 # start without importing Dagster (seconds of start-up).
 _LAZY = {
-    "CheckpointRunConfig": "checkpoint_assets.integration.run_config",
-    "checkpointed_asset": "checkpoint_assets.integration.asset",
-    "checkpoint_checks": "checkpoint_assets.integration.checks",
-    "CheckpointedAssetComponent": "checkpoint_assets.integration.component",
-    "global_resume_asset": "checkpoint_assets.integration.global_resume",
-    "CheckpointIOManager": "checkpoint_assets.integration.io_manager",
-    "shard_partitions": "checkpoint_assets.integration.partitions",
-    "ProviderBatchRunConfig": "checkpoint_assets.integration.provider_asset",
-    "provider_batch_asset": "checkpoint_assets.integration.provider_asset",
-    "provider_batches_sensor": "checkpoint_assets.integration.provider_sensor",
-    "failed_partitions_sensor": "checkpoint_assets.integration.sensor",
+    "CheckpointRunConfig": "checkpoint_assets.integration.run.run_config",
+    "checkpointed_asset": "checkpoint_assets.integration.define.asset",
+    "checkpoint_checks": "checkpoint_assets.integration.define.checks",
+    "CheckpointedAssetComponent": "checkpoint_assets.integration.define.component",
+    "global_resume_asset": "checkpoint_assets.integration.watch.global_resume",
+    "CheckpointIOManager": "checkpoint_assets.integration.store.io_manager",
+    "shard_partitions": "checkpoint_assets.integration.store.partitions",
+    "ProviderBatchRunConfig": "checkpoint_assets.integration.define.provider_asset",
+    "provider_batch_asset": "checkpoint_assets.integration.define.provider_asset",
+    "provider_batches_sensor": "checkpoint_assets.integration.watch.provider_sensor",
+    "failed_partitions_sensor": "checkpoint_assets.integration.watch.sensor",
     "AnthropicResource": "checkpoint_assets.resources",
     "OpenAIResource": "checkpoint_assets.resources",
 }

@@ -250,7 +250,7 @@ class Tutorial:
 
     def sensor_requests(self, now: float) -> list[str]:
         """The partitions the failed-partitions sensor asks to run, its clock set to ``now``."""
-        from checkpoint_assets.integration import sensor as sensor_module
+        from checkpoint_assets.integration.watch import sensor as sensor_module
 
         defs = self.definitions()
         sensor = defs.resolve_sensor_def("ticket_routing_failed_partitions")

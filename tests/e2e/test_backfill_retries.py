@@ -19,7 +19,7 @@ import dagster as dg
 import pytest
 
 from checkpoint_assets import CheckpointIOManager
-from checkpoint_assets.integration.sensor import RETRY_OF_TAG
+from checkpoint_assets.integration.watch.sensor import RETRY_OF_TAG
 
 REPO = Path(__file__).resolve().parents[2]
 BACKFILL = (sys.executable, "-m", "dagster", "job", "backfill", "--noprompt")

@@ -97,7 +97,7 @@ def test_ray_instance_config_runs_every_run_as_a_ray_job_with_postgres_storage(
         (DEPLOY / "ray" / "dagster.yaml").read_text(), tmp_path / "home", monkeypatch
     )
 
-    assert config["run_launcher"]["module"] == "checkpoint_assets.integration.ray_launcher"
+    assert config["run_launcher"]["module"] == "checkpoint_assets.integration.deploy.ray_launcher"
     assert config["run_coordinator"]["class"] == "QueuedRunCoordinator"
     assert config["run_monitoring"]["enabled"] and config["run_retries"]["enabled"]
     assert config["concurrency"]["default_op_concurrency_limit"] > 0

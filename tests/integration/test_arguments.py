@@ -16,7 +16,7 @@ import pytest
 from checkpoint_assets import CheckpointedAssetComponent, CheckpointIOManager, checkpointed_asset
 from checkpoint_assets.engine.fields import DOC
 from checkpoint_assets.engine.settings import AssetSettings
-from checkpoint_assets.integration.arguments import AssetArguments
+from checkpoint_assets.integration.define.arguments import AssetArguments
 
 SETTINGS = [f.name for f in fields(AssetSettings)]
 # Settings whose YAML form is a mapping of their own (the component resolves it to the value).

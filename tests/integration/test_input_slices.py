@@ -35,8 +35,8 @@ from checkpoint_assets.engine.providers.submissions import Limits
 from checkpoint_assets.engine.sharding import hashing, keyed
 from checkpoint_assets.engine.sharding.keyed import ROW_GROUP_ROWS
 from checkpoint_assets.engine.sharding.scheme import shard_key_column
-from checkpoint_assets.integration import asset as asset_module
-from checkpoint_assets.integration.source import ShardRows
+from checkpoint_assets.integration.run import asset_run as asset_module
+from checkpoint_assets.integration.store.source import ShardRows
 from checkpoint_assets.resources.openai_batches import OpenAIBatches
 from examples.llm_batch.jobs import Settings
 from examples.llm_batch.provider import serve

@@ -43,9 +43,9 @@ from checkpoint_assets.engine import Checkpoint, open_store
 from checkpoint_assets.engine.providers.job import ProviderJob
 from checkpoint_assets.engine.providers.submissions import Limits, Request
 from checkpoint_assets.integration import metadata as md
-from checkpoint_assets.integration.arguments import CommonArguments
-from checkpoint_assets.integration.pending import PENDING_TAG
-from checkpoint_assets.integration.spend import STOPPED_BY_TAG
+from checkpoint_assets.integration.define.arguments import CommonArguments
+from checkpoint_assets.integration.watch.pending import PENDING_TAG
+from checkpoint_assets.integration.watch.spend import STOPPED_BY_TAG
 from checkpoint_assets.resources.openai_batches import OpenAIBatches
 from examples.llm_batch.jobs import ManualClock, Settings, expires
 from examples.llm_batch.provider import serve

@@ -35,7 +35,7 @@ from checkpoint_assets import (
     failed_partitions_sensor,
     shard_partitions,
 )
-from checkpoint_assets.integration.sensor import (
+from checkpoint_assets.integration.watch.sensor import (
     RETRY_ATTEMPT_TAG,
     RETRY_OF_TAG,
     SensorState,

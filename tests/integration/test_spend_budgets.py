@@ -31,7 +31,7 @@ from checkpoint_assets import (
     shard_partitions,
 )
 from checkpoint_assets.integration import metadata as md
-from checkpoint_assets.integration import spend
+from checkpoint_assets.integration.watch import spend
 
 # 1,000 input and 500 output tokens a row at 1 and 2 USD per million: 0.002 USD a row; the
 # job's calls take 4 rows (checkpoint_interval 4): 0.008 USD a call.

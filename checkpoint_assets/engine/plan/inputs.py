@@ -11,7 +11,7 @@ A run reads its input twice, each time a slice of about ``SLICE_ROWS`` rows at a
 So a shard holds its keys (about 24 bytes a row), one slice of input and the batches in flight,
 whatever the size of its input columns. An :class:`Inputs` reads the same rows in the same
 order every time: a frame in memory (:class:`FrameInputs`), or what the Dagster layer reads
-from a stored source (``integration/source.py``).
+from a stored source (``integration/store/source.py``).
 """
 
 from __future__ import annotations

@@ -39,9 +39,9 @@ from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.storage import Store, merge_options, open_store, s3_options
 from checkpoint_assets.engine.storage.base import Usage
 from checkpoint_assets.integration import metadata as md
-from checkpoint_assets.integration import source
-from checkpoint_assets.integration.base_dir import default_base_dir
-from checkpoint_assets.integration.source import scan_result, store_output, user_columns
+from checkpoint_assets.integration.store import source
+from checkpoint_assets.integration.store.base_dir import default_base_dir
+from checkpoint_assets.integration.store.source import scan_result, store_output, user_columns
 
 if TYPE_CHECKING:
     from dagster_aws.s3 import S3Resource

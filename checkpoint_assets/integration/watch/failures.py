@@ -35,9 +35,9 @@ from dagster._core.execution.backfill import BULK_ACTION_TERMINAL_STATUSES
 
 from checkpoint_assets.engine.checkpoints.layout import UNPARTITIONED
 from checkpoint_assets.integration import metadata as md
-from checkpoint_assets.integration.events import records_after
-from checkpoint_assets.integration.pending import PENDING_TAG
-from checkpoint_assets.integration.spend import STOPPED_BY_TAG
+from checkpoint_assets.integration.watch.events import records_after
+from checkpoint_assets.integration.watch.pending import PENDING_TAG
+from checkpoint_assets.integration.watch.spend import STOPPED_BY_TAG
 
 PARTITION_TAG = "dagster/partition"
 BACKFILL_TAG = "dagster/backfill"

@@ -23,8 +23,11 @@ from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.sharding.scheme import Shard, rows_in
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.integration import metadata as md
-from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
-from checkpoint_assets.integration.source import scan, without_shard_keys
+from checkpoint_assets.integration.store.io_manager import (
+    CheckpointIOManager,
+    checkpoint_io_manager,
+)
+from checkpoint_assets.integration.store.source import scan, without_shard_keys
 
 
 class GlobalResumeConfig(dg.Config):

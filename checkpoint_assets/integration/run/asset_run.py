@@ -1,11 +1,8 @@
-"""``checkpointed_asset``: a row-wise batch function as a resumable, sharded Dagster asset.
-
-No ``from __future__ import annotations`` here: Dagster reads the body's annotations at runtime.
-"""
+"""One materialization of a checkpointed asset: the shards of its run, what they share, and
+running (or estimating) each of them."""
 
 import contextlib
-import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,165 +29,26 @@ from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.sharding.scheme import Scheme
 from checkpoint_assets.engine.storage import Store
 from checkpoint_assets.engine.storage.base import Usage
-from checkpoint_assets.integration import dry_run, run_config
 from checkpoint_assets.integration import metadata as md
-from checkpoint_assets.integration.arguments import (
-    AssetArguments,
-    CommonArguments,
-    SourceSpec,
-    keyword_arguments_of,
+from checkpoint_assets.integration.run import dry_run, run_config
+from checkpoint_assets.integration.run.definition import Definition
+from checkpoint_assets.integration.run.run_config import CheckpointRunConfig
+from checkpoint_assets.integration.run.run_watch import DagsterRunWatch
+from checkpoint_assets.integration.run.saved import saved_on_failure
+from checkpoint_assets.integration.store.io_manager import (
+    CheckpointIOManager,
+    checkpoint_io_manager,
 )
-from checkpoint_assets.integration.function import Signature
-from checkpoint_assets.integration.global_resume import global_rows
-from checkpoint_assets.integration.io_manager import CheckpointIOManager, checkpoint_io_manager
-from checkpoint_assets.integration.pending import end_pending
-from checkpoint_assets.integration.run_config import CheckpointRunConfig
-from checkpoint_assets.integration.run_watch import DagsterRunWatch
-from checkpoint_assets.integration.saved import saved_on_failure
-from checkpoint_assets.integration.source import (
-    ShardRows,
-    as_lazy,
-    user_columns,
-)
-from checkpoint_assets.integration.spend import AssetSpend
+from checkpoint_assets.integration.store.source import ShardRows, user_columns
+from checkpoint_assets.integration.watch.global_resume import global_rows
+from checkpoint_assets.integration.watch.pending import end_pending
+from checkpoint_assets.integration.watch.spend import AssetSpend
 
 JOB_FORMAT = 1
 
 
-@keyword_arguments_of(AssetArguments)
-def checkpointed_asset(
-    arguments: AssetArguments,
-) -> Callable[[Callable[..., Any]], dg.AssetsDefinition]:
-    """Turn ``fn(batch: pl.DataFrame) -> pl.DataFrame`` into a checkpointed Dagster asset.
-
-    ``fn`` receives batches of ``batch_size`` rows (the id and the input columns). It returns the
-    id and its output columns for those rows, in any order. It may be an ``async def``. Its
-    other parameters are Dagster resources by name, and one named ``context`` gets the asset's
-    execution context. Results are flushed to the checkpoint as Parquet parts every
-    ``checkpoint_interval`` rows; an interrupted run resumes by id. Partitions from
-    :func:`shard_partitions` split the input into shards that run in parallel.
-
-    Raise :class:`RetryAfter` when the endpoint rate limits, or let an HTTP 429/503/529 from
-    ``httpx``, ``openai`` or ``anthropic`` through. That call waits and is sent again. The
-    shard's concurrency follows what the endpoint sustains.
-
-    Every argument is keyword-only; they are the fields of ``AssetArguments`` (listed below).
-
-    Example::
-
-        @checkpointed_asset(source="tickets", id_column="ticket_id",
-                            partitions_def=shard_partitions(4))
-        def ticket_routing(batch: pl.DataFrame, llm: LLMResource) -> pl.DataFrame:
-            return batch.select("ticket_id", route=pl.lit("billing"))
-    """
-
-    def decorator(fn: Callable[..., Any]) -> dg.AssetsDefinition:
-        signature = Signature.of(fn, arguments.batch_size)
-        calls = Calls(
-            resources=signature.resources,
-            code=function_fingerprint.of_function(fn),  # resources add theirs at run time
-            bind=lambda context, config: signature.bind(fn, context),
-        )
-        return define(fn, calls, arguments)
-
-    return decorator
-
-
 @dataclass(frozen=True)
-class Calls:
-    """How an asset's rows are computed.
-
-    - ``resources``: the resources it needs (their fingerprints join its code's);
-    - ``bind``: what it calls each run (the function with its resources, or a ``ProviderJob``);
-    - ``loop``: the engine's work loop for it (None: ``runner.Run``);
-    - ``request``: a row's request body, of a request/parse asset (a dry run counts its tokens);
-    - ``parse``: a request/parse asset's that keeps its answers; it reads the answers of rows
-      taken from the result store.
-    """
-
-    resources: tuple[str, ...]
-    code: dict[str, str]
-    bind: Callable[[dg.AssetExecutionContext, Any], Any]
-    loop: type[ShardRun] | None = None
-    config: type[CheckpointRunConfig] = CheckpointRunConfig
-    request: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
-    parse: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
-
-
-def define(
-    fn: Callable[..., Any], calls: Calls, a: CommonArguments, kinds: set[str] | None = None
-) -> dg.AssetsDefinition:
-    """The Dagster asset that runs ``calls`` over the shards of ``a.source`` (``fn``: its name
-    and docstring)."""
-    source_key = _source_key(a.source)
-    base = Settings(
-        id_column=a.id_column, input_columns=tuple(a.input_columns or ()), **a.settings()
-    )
-
-    def body(
-        context: dg.AssetExecutionContext, config: Any, source: Any
-    ) -> Iterator[dg.Output[pl.DataFrame]]:
-        shards = _AssetRun.of(context, config, as_lazy(source), calls, a, base, source_key)
-        if config.dry_run:
-            dry_run.report(context, shards.estimate())
-            return  # no output: nothing materializes (see dry_run.py)
-        yield dg.Output(shards.materialize())
-
-    body.__annotations__["config"] = calls.config  # Dagster reads the run config's class here
-    body.__doc__ = fn.__doc__
-    asset: dg.AssetsDefinition = dg.asset(**_asset_options(fn, calls, a, source_key, kinds))(body)
-    return asset
-
-
-_RESULT = dg.PythonObjectDagsterType(pl.DataFrame)
-
-
-def _asset_options(
-    fn: Callable[..., Any],
-    calls: Calls,
-    a: CommonArguments,
-    source_key: dg.AssetKey,
-    kinds: set[str] | None,
-) -> dict[str, Any]:
-    """The arguments of ``dg.asset`` for the asset ``define`` builds."""
-    return {
-        "name": a.name or fn.__name__,
-        "key_prefix": a.key_prefix,
-        # The IO manager gives a source marked with the id column as a lazy scan.
-        "ins": {
-            "source": dg.AssetIn(
-                key=source_key,
-                metadata={md.ID_COLUMN: a.id_column},
-                partition_mapping=a.source_partition_mapping,
-            )
-        },
-        "partitions_def": a.partitions_def,
-        "group_name": a.group_name,
-        "code_version": a.code_version,
-        "pool": a.pool,
-        "tags": dict(a.tags) if a.tags else None,
-        "description": a.description or inspect.getdoc(fn),
-        "metadata": {
-            **(a.metadata or {}),
-            md.ID_COLUMN: a.id_column,
-            md.SOURCE: source_key.to_user_string(),
-            md.RETRY_FAILED: a.retry_failed,
-        },
-        "io_manager_key": a.io_manager_key,
-        "output_required": False,  # a dry run yields no output
-        "dagster_type": _RESULT,  # what a generator's annotation does not say
-        "required_resource_keys": set(calls.resources) or None,
-        "backfill_policy": a.backfill_policy,
-        "kinds": {*(kinds or {"polars", "parquet"}), *(a.kinds or ())},
-        "owners": list(a.owners) if a.owners else None,
-        "op_tags": dict(a.op_tags) if a.op_tags else None,
-        "retry_policy": a.retry_policy,
-        "automation_condition": a.automation_condition,
-    }
-
-
-@dataclass(frozen=True)
-class _AssetRun:
+class AssetRun:
     """One materialization of a checkpointed asset: what its shards share, and running them."""
 
     context: dg.AssetExecutionContext
@@ -217,23 +75,24 @@ class _AssetRun:
         context: dg.AssetExecutionContext,
         config: Any,
         source: pl.LazyFrame,
-        calls: Calls,
-        a: CommonArguments,
-        base: Settings,
-        source_key: dg.AssetKey,
-    ) -> "_AssetRun":
-        io_manager = checkpoint_io_manager(context, a.io_manager_key)
+        asset: Definition,
+    ) -> "AssetRun":
+        """The run of ``asset`` that ``context`` executes, with its run ``config``."""
+        calls = asset.calls
+        io_manager = checkpoint_io_manager(context, asset.io_manager_key)
         multi = context.has_partition_key_range or context.has_partition_key
         keys: list[str | None] = list(context.partition_keys) if multi else [None]
         call = calls.bind(context, config)
         store = io_manager.store()
-        started = io_manager.step_usage(source_key)
-        settings = run_config.apply(base, config, user_columns(source.collect_schema().names()))
+        started = io_manager.step_usage(asset.source_key)
+        settings = run_config.apply(
+            asset.settings, config, user_columns(source.collect_schema().names())
+        )
         resources = {r: getattr(context.resources, r) for r in calls.resources}
         job = {
             "format": JOB_FORMAT,
             "asset": context.asset_key.to_user_string(),
-            "code_version": a.code_version,
+            "code_version": asset.code_version,
             "id_column": settings.id_column,
             "input_columns": list(settings.input_columns),
         }
@@ -256,7 +115,7 @@ class _AssetRun:
             started=started,
             imported=imported,
             spend=_spend(context, settings, keys),
-            results=_results(io_manager, a, config),
+            results=_results(io_manager, asset.reuse, config),
             parse=calls.parse,
             requests=dry_run.requests(calls.request, resources.values()),
         )
@@ -403,19 +262,9 @@ def _spend(
 
 
 def _results(
-    io_manager: CheckpointIOManager, a: CommonArguments, config: CheckpointRunConfig
+    io_manager: CheckpointIOManager, reuse: bool | None, config: CheckpointRunConfig
 ) -> ResultStore | None:
     """The result store, when this run reuses results: run config's ``reuse``, else the
     asset's, else the IO manager's ``reuse_results``; never without checkpointing."""
-    chosen = next(r for r in (config.reuse, a.reuse, io_manager.reuse_results) if r is not None)
+    chosen = next(r for r in (config.reuse, reuse, io_manager.reuse_results) if r is not None)
     return io_manager.results() if chosen and config.checkpointing else None
-
-
-def _source_key(source: SourceSpec) -> dg.AssetKey:
-    if isinstance(source, dg.AssetsDefinition):
-        return source.key
-    if isinstance(source, dg.AssetKey):
-        return source
-    if isinstance(source, str):
-        return dg.AssetKey.from_user_string(source)
-    return dg.AssetKey(list(source))

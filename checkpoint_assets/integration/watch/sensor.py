@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import dagster as dg
 
 from checkpoint_assets.engine.checkpoints.layout import UNPARTITIONED
-from checkpoint_assets.integration import failures as finding
 from checkpoint_assets.integration import metadata as md
-from checkpoint_assets.integration.failures import Budget, Failure, SensorState
+from checkpoint_assets.integration.watch import failures as finding
+from checkpoint_assets.integration.watch.failures import Budget, Failure, SensorState
 
 RETRY_OF_TAG = "checkpoint_assets/retry_of"
 RETRY_ATTEMPT_TAG = "checkpoint_assets/retry_attempt"

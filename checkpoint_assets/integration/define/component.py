@@ -28,14 +28,14 @@ from pydantic import BaseModel, Field, create_model
 from checkpoint_assets.engine.calls.budget import Budget, Price
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.fields import DOC
-from checkpoint_assets.integration.arguments import AssetArguments
-from checkpoint_assets.integration.asset import checkpointed_asset
-from checkpoint_assets.integration.checks import checkpoint_checks
-from checkpoint_assets.integration.global_resume import global_resume_asset
-from checkpoint_assets.integration.io_manager import CheckpointIOManager
-from checkpoint_assets.integration.models import model_of
-from checkpoint_assets.integration.partitions import shard_partitions
-from checkpoint_assets.integration.sensor import failed_partitions_sensor
+from checkpoint_assets.integration.define.arguments import AssetArguments
+from checkpoint_assets.integration.define.asset import checkpointed_asset
+from checkpoint_assets.integration.define.checks import checkpoint_checks
+from checkpoint_assets.integration.run.models import model_of
+from checkpoint_assets.integration.store.io_manager import CheckpointIOManager
+from checkpoint_assets.integration.store.partitions import shard_partitions
+from checkpoint_assets.integration.watch.global_resume import global_resume_asset
+from checkpoint_assets.integration.watch.sensor import failed_partitions_sensor
 
 
 def _defaults(fn: Callable[..., Any]) -> dict[str, Any]:

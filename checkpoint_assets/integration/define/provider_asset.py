@@ -24,9 +24,10 @@ from checkpoint_assets.engine.providers.provider_batches import ProviderRun
 from checkpoint_assets.engine.providers.submissions import BatchProvider
 from checkpoint_assets.engine.settings import AssetSettings
 from checkpoint_assets.integration import metadata as md
-from checkpoint_assets.integration.arguments import CommonArguments, keyword_arguments_of
-from checkpoint_assets.integration.asset import Calls, define
-from checkpoint_assets.integration.run_config import CheckpointRunConfig
+from checkpoint_assets.integration.define.arguments import CommonArguments, keyword_arguments_of
+from checkpoint_assets.integration.define.asset import define
+from checkpoint_assets.integration.run.definition import Calls
+from checkpoint_assets.integration.run.run_config import CheckpointRunConfig
 
 _MODES = ", ".join(m.value for m in Mode)
 _DURATION = re.compile(r"(\d+(?:\.\d*)?)(h|m|s)")

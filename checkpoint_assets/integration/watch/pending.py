@@ -30,7 +30,7 @@ import dagster as dg
 from checkpoint_assets.engine.checkpoints.layout import UNPARTITIONED
 from checkpoint_assets.engine.errors import BatchesPendingError
 from checkpoint_assets.integration import metadata as md
-from checkpoint_assets.integration.provider_sensor import sensor_name
+from checkpoint_assets.integration.watch.provider_sensor import sensor_name
 
 PENDING_TAG = "checkpoint_assets/batches_pending"
 

@@ -20,7 +20,7 @@ from checkpoint_assets.engine.plan.resume import canonical_ids, validate_ids
 from checkpoint_assets.engine.rows import ERROR
 from checkpoint_assets.engine.sharding.scheme import rows_in
 from checkpoint_assets.integration import metadata as md
-from checkpoint_assets.integration.source import as_lazy
+from checkpoint_assets.integration.store.source import as_lazy
 
 SAMPLE = 5
 _ERROR_CHARS = 200

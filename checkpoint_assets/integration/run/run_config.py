@@ -14,7 +14,7 @@ from pydantic import Field, model_validator
 from checkpoint_assets.engine.calls.budget import LIMITS, Budget, check_limit
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.settings import AssetSettings, OnInputChange, Settings
-from checkpoint_assets.integration.models import given, model_of
+from checkpoint_assets.integration.run.models import given, model_of
 
 # The asset's settings a run may override: run config keys of the same name and meaning.
 OVERRIDDEN = ("checkpoint_interval", "batch_size", "retry_failed", "on_input_change")

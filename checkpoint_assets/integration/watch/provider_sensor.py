@@ -28,7 +28,7 @@ from checkpoint_assets.engine.checkpoints.layout import UNPARTITIONED
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.providers.submissions import BatchProvider, State
 from checkpoint_assets.integration import metadata as md
-from checkpoint_assets.integration.events import records_after
+from checkpoint_assets.integration.watch.events import records_after
 
 COLLECTS_TAG = "checkpoint_assets/collects"  # the run that submitted what this run collects
 _CURSOR_VERSION = 1

@@ -1,0 +1,1 @@
+"""Glue a deployment names in its instance config (the Ray run launcher of deploy/ray)."""
