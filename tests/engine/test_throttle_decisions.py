@@ -27,6 +27,7 @@ from helpers.throttle_sim import Simulated
 
 from checkpoint_assets.engine.calls.refusals import Throttled
 from checkpoint_assets.engine.calls.throttle import Throttle
+from checkpoint_assets.engine.settings import Settings
 
 FIXTURE = Path(__file__).parent / "throttle_decisions.json"
 Scenario = dict[str, Any]
@@ -53,13 +54,14 @@ SCENARIOS: list[Scenario] = [
 
 def throttle(scenario: Scenario, clock: Callable[[], float]) -> Throttle:
     """The throttle a scenario drives, on ``clock``."""
-    return Throttle(
-        scenario["max"],
-        max_seconds=scenario.get("max_seconds", 600.0),
+    settings = Settings(
+        "id",
+        max_concurrency=scenario["max"],
+        max_throttle_seconds=scenario.get("max_seconds", 600.0),
         min_concurrency=scenario.get("min", 1),
-        adaptive=scenario.get("adaptive", True),
-        clock=clock,
+        adaptive_concurrency=scenario.get("adaptive", True),
     )
+    return Throttle(settings, clock=clock)
 
 
 def _state(gate: Throttle) -> list[Any]:

@@ -1,8 +1,8 @@
 """The throttle's policy, deterministically: a simulated endpoint drives the real ``Throttle`` on
 a fake clock, call by call. Sporadic refusals are not a limit; a limit is found, settled near,
 and found again when it moves, with or without the endpoint's own refusals on top; a client
-short of CPU is not taken for a limit; ``min_concurrency`` and ``adaptive=False`` hold; the shard
-pauses only when most calls are refused. What holds under real threads and tasks:
+short of CPU is not taken for a limit; ``min_concurrency`` and ``adaptive_concurrency=False``
+hold; the shard pauses only when most calls are refused. What holds under real threads and tasks:
 ``test_throttle.py``."""
 
 from __future__ import annotations
@@ -16,17 +16,18 @@ from helpers.throttle_sim import Simulated
 
 from checkpoint_assets.engine.calls.refusals import Throttled
 from checkpoint_assets.engine.calls.throttle import Throttle
+from checkpoint_assets.engine.settings import Settings
 
 
 def _gate(max_concurrency: int = 32, **kw: Any) -> tuple[Throttle, list[float]]:
     clock = [0.0]
-    return Throttle(max_concurrency, max_seconds=600, clock=lambda: clock[0], **kw), clock
+    settings = Settings("id", max_concurrency=max_concurrency, **kw)
+    return Throttle(settings, clock=lambda: clock[0]), clock
 
 
 def _simulated(max_concurrency: int = 32, **kw: Any) -> Simulated:
-    gate_kw = {k: kw.pop(k) for k in ("min_concurrency", "adaptive") if k in kw}
-    clock = [0.0]
-    gate = Throttle(max_concurrency, max_seconds=600, clock=lambda: clock[0], **gate_kw)
+    named = {k: kw.pop(k) for k in ("min_concurrency", "adaptive_concurrency") if k in kw}
+    gate, _ = _gate(max_concurrency, **named)  # its clock at 0 until the endpoint's takes over
     sim = Simulated(gate, **kw)
     gate.clock = lambda: sim.now
     return sim
@@ -81,7 +82,9 @@ def test_sporadic_refusals_to_a_client_short_of_cpu_are_not_taken_for_a_limit() 
     levels, kept = [], []
     for seed in range(8):
         ours = _simulated(32, capacity=lambda t: 12, queued=0.0, p=0.05, seed=seed)
-        loop = _simulated(32, capacity=lambda t: 12, queued=0.0, p=0.05, seed=seed, adaptive=False)
+        loop = _simulated(
+            32, capacity=lambda t: 12, queued=0.0, p=0.05, seed=seed, adaptive_concurrency=False
+        )
         limits = ours.run(30)
         loop.run(30)
         levels.append(sum(limits) / len(limits))
@@ -109,7 +112,7 @@ def test_started_above_a_limit_a_shard_answers_as_many_calls_as_a_loop_held_at_i
     # calls over it sees few refusals and loses little; halving to tell, or stepping back
     # further than the answers say, is what costs.
     ours = _simulated(64, capacity=lambda t: limit)
-    loop = _simulated(limit, capacity=lambda t: limit, adaptive=False)
+    loop = _simulated(limit, capacity=lambda t: limit, adaptive_concurrency=False)
 
     ours.run(30)
     loop.run(30)
@@ -123,7 +126,7 @@ def test_a_shard_holds_no_more_calls_than_a_server_that_queues_past_its_limit_ta
     # no more answers. A round with more refusals than usual is no ground to grow on, and a
     # refused level that passes later is probed past a call or two at a time, not a quarter.
     ours = _simulated(64, capacity=lambda t: 32, queued=0.15)
-    loop = _simulated(32, capacity=lambda t: 32, adaptive=False)
+    loop = _simulated(32, capacity=lambda t: 32, adaptive_concurrency=False)
 
     limits = ours.run(30)[40:]  # from 2 s on
     loop.run(30)
@@ -234,8 +237,8 @@ def test_min_concurrency_is_the_floor_and_adaptation_can_be_turned_off() -> None
     floored = _simulated(32, capacity=lambda t: 2, min_concurrency=8)
     assert min(floored.run(10)) == 8
 
-    fixed = _simulated(32, capacity=lambda t: 8, adaptive=False)
-    assert set(fixed.run(10)) == {32}, "adaptive=False keeps max_concurrency"
+    fixed = _simulated(32, capacity=lambda t: 8, adaptive_concurrency=False)
+    assert set(fixed.run(10)) == {32}, "adaptive_concurrency=False keeps max_concurrency"
     assert fixed.answered > 0
 
 

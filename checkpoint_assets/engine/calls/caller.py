@@ -39,7 +39,7 @@ import time
 import types
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import polars as pl
 
@@ -84,32 +84,44 @@ class Outcome:
     throttled_calls: int = 0
 
 
+class Calling(Protocol):
+    """The settings the caller follows (``Settings`` has them, with their defaults)."""
+
+    @property
+    def id_column(self) -> str: ...
+    @property
+    def max_attempts(self) -> int: ...
+    @property
+    def retry_delay_seconds(self) -> float: ...
+    @property
+    def batch_rows(self) -> int: ...
+
+
 class Caller:
     """Calls ``fn`` on batches, sync or async, with rate limits, retries and splitting.
 
     ``fn`` takes a frame of rows, or one row as a dict when it is wrapped in :class:`PerRow`.
+    Its calls go through the shard's ``throttle``.
     """
 
     def __init__(
         self,
         fn: BatchFn | PerRow,
-        id_column: str,
+        settings: Calling,
         *,
-        max_attempts: int = 3,
-        retry_delay_seconds: float = 1.0,
-        outage_after: int | None = None,
-        throttle: Throttle | None = None,
+        throttle: Throttle,
         spend: Spend | None = None,
         halt: Callable[[], str | None] | None = None,
     ) -> None:
         self.per_row = isinstance(fn, PerRow)
         self.fn: Callable[[Any], Any] = fn.fn if isinstance(fn, PerRow) else fn
-        self.id_column = id_column
-        self.check = Check(id_column)
-        self.max_attempts = max(1, max_attempts)
-        self.retry_delay_seconds = retry_delay_seconds
-        self.outage_after = outage_after  # consecutive failed calls that mean an outage
-        self.throttle = throttle or Throttle(1, max_seconds=math.inf)
+        self.id_column = settings.id_column
+        self.check = Check(self.id_column)
+        self.max_attempts = settings.max_attempts
+        self.retry_delay_seconds = settings.retry_delay_seconds
+        # Consecutive failed calls that mean an outage.
+        self.outage_after = outage_threshold(settings.max_attempts, settings.batch_rows)
+        self.throttle = throttle
         self.spend = spend  # a budget's tally: no call starts once it is spent
         self.halt = halt  # why no call may start (the lock lost, the run over), or None
         self.outage = False  # declared once; every batch in flight then stops
@@ -221,7 +233,7 @@ class Caller:
                 if self._streak == 0:
                     self._streak_began = self._started
                 self._streak += 1
-                outage = self.outage_after is not None and self._streak >= self.outage_after
+                outage = self._streak >= self.outage_after
                 if outage and not self.outage:
                     self.outage = True
                     self.throttle.stop()

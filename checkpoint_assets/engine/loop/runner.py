@@ -32,7 +32,7 @@ import polars as pl
 from checkpoint_assets.engine.calls import workers
 from checkpoint_assets.engine.calls.batches import Batch, PerRow, height
 from checkpoint_assets.engine.calls.budget import Spend
-from checkpoint_assets.engine.calls.caller import BatchFn, Caller, Outcome, outage_threshold
+from checkpoint_assets.engine.calls.caller import BatchFn, Caller, Outcome
 from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import (
     BudgetExceededError,
@@ -206,16 +206,8 @@ class Run(ShardRun):
     def work(self, todo: pl.DataFrame) -> CheckpointError | None:
         """Process ``todo``; returns why the shard stopped early, or None."""
         self.suspect = []
-        outage_at = outage_threshold(self.s.max_attempts, self.s.batch_rows)
         caller = Caller(
-            self.fn,
-            self.id,
-            max_attempts=self.s.max_attempts,
-            retry_delay_seconds=self.s.retry_delay_seconds,
-            outage_after=outage_at,
-            throttle=self.throttle,
-            spend=self.spend,
-            halt=self.sink.halted,
+            self.fn, self.s, throttle=self.throttle, spend=self.spend, halt=self.sink.halted
         )
         try:
             for outcomes in self._outcomes(caller, todo):
@@ -239,7 +231,7 @@ class Run(ShardRun):
             return FunctionError(self.label, caller.broken, self.done_rows)
         if caller.outage:
             last = caller.last_error or "every call failed"
-            return OutageError(self.label, outage_at, last, self.done_rows)
+            return OutageError(self.label, caller.outage_after, last, self.done_rows)
         spent = self.throttle.quota_spent
         if spent is not None:
             return QuotaExhaustedError(self.label, spent, self.done_rows)

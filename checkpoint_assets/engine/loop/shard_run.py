@@ -125,13 +125,7 @@ class ShardRun(abc.ABC):
         self.pending_failed: list[pl.DataFrame] = []
         self.pending_rows = 0
         self.last_error = ""
-        self.throttle = Throttle(
-            settings.max_concurrency,
-            max_seconds=settings.max_throttle_seconds,
-            base_delay=settings.retry_delay_seconds,
-            min_concurrency=settings.min_concurrency,
-            adaptive=settings.adaptive_concurrency,
-        )
+        self.throttle = Throttle(settings)
         self.usage = dict.fromkeys(settings.usage_columns, 0.0)
         self.spend = spend
         self.spent_before = (spend.spent, dict(spend.by_model)) if spend else (0.0, {})
