@@ -108,11 +108,7 @@ class _Shard:
     stats: RunStats
 
     def without_checkpoint(self) -> tuple[pl.DataFrame, RunStats]:
-        s = self.settings
-        sink = MemorySink(
-            s.id_column, interval=s.checkpoint_interval, flush_seconds=s.flush_seconds
-        )
-        return self._work(self._open(None), sink)
+        return self._work(self._open(None), MemorySink(self.settings))
 
     def on(self, checkpoint: Checkpoint) -> tuple[pl.DataFrame, RunStats]:
         """The run on ``checkpoint``, under its lock."""
@@ -130,18 +126,11 @@ class _Shard:
         lease.acquire()
         try:
             opened = self._open(checkpoint)
-            min_flush = s.min_flush_seconds
             sink = PartWriter(
                 checkpoint,
                 opened,
                 lease,
-                s.id_column,
-                interval=s.checkpoint_interval,
-                flush_seconds=s.flush_seconds,
-                min_flush_seconds=checkpoint.store.min_flush_seconds
-                if min_flush is None
-                else min_flush,
-                max_unflushed=s.max_unflushed_rows,
+                s,
                 # A re-derived parse carries rows computed by the earlier one: none is added.
                 contribution=self._contribution() if opened.rederive is None else None,
             )

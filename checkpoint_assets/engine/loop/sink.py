@@ -1,27 +1,27 @@
 """Where a run's results go: ``PartWriter`` (parts on storage) or ``MemorySink`` (no checkpoint).
 
-Both take computed rows with ``add``. They flush every ``checkpoint_interval`` rows or
-``flush_seconds``, never more often than ``min_flush_seconds``. ``finish`` returns every stored
-row of the run's result. The run loop does not know which one it has. It keeps the rows done as
-the calls returned them, until ``due`` says a flush of them should start. Then it builds them
-into one frame and hands it over with ``add`` (see batches.py). These rows belong to the buffer
-below as much as the rows handed over.
+Both take the run's ``Settings`` and computed rows with ``add``. They flush every
+``checkpoint_interval`` rows or ``flush_seconds``, never more often than ``min_flush_seconds``.
+``finish`` returns every stored row of the run's result. The run loop does not know which one it
+has. It keeps the rows done as the calls returned them, until ``due`` says a flush of them should
+start. Then it builds them into one frame and hands it over with ``add`` (see batches.py). These
+rows belong to the buffer below as much as the rows handed over.
 
 ``PartWriter`` hands each flush to a background thread. That thread writes the part and compacts
 while the function works on. At most one flush is in flight, and dispatching never waits for it
 (group commit). Rows that complete while a part is being written stay in the buffer. They go
 together into the next flush, as soon as the writer is free.
 
-The run waits for storage only when the buffer outgrows ``max_unflushed`` rows: two intervals
-plus the rows of the calls in flight. It encodes its own part during the wait. This bounds memory
-and loss when storage is slower than the function. ``finish`` waits for the last write, then
+The run waits for storage only when the buffer outgrows ``Settings.max_unflushed_rows``: two
+intervals plus the rows of the calls in flight. It encodes its own part during the wait. This bounds
+memory and loss when storage is slower than the function. ``finish`` waits for the last write, then
 merges everything into the merged file. A run never succeeds before its rows are durable.
 
 Loss bound. A hard kill (SIGKILL, a lost node) loses the rows that are not durable yet.
 ``Settings.loss_bound()`` computes the most, term by term:
 
 - the buffer: the rows done since the last flush. That is about one ``checkpoint_interval``
-  while storage keeps up, and up to ``max_unflushed`` rows when it lags (group commit). It is
+  while storage keeps up, and up to ``max_unflushed_rows`` when it lags (group commit). It is
   the rows done in ``min_flush_seconds`` when those are more. The last batch added may cross
   that by all its rows but one;
 - the flush being written (one at most, no larger than the buffer was);
@@ -58,6 +58,7 @@ from checkpoint_assets.engine.loop.lock import Lease
 from checkpoint_assets.engine.plan.opening import Start
 from checkpoint_assets.engine.reuse.contribution import Contribution
 from checkpoint_assets.engine.rows import CURRENT, SEQ
+from checkpoint_assets.engine.settings import Settings
 
 _NULL = str(pl.Null)
 Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
@@ -68,21 +69,18 @@ class Sink:
 
     def __init__(
         self,
-        id_column: str,
+        settings: Settings,
         *,
-        interval: int,
-        flush_seconds: float,
         min_flush_seconds: float,
         outputs: list[str] | None,
         where: str,
-        max_unflushed: int | None = None,
         types: dict[str, str] | None = None,
     ) -> None:
-        self.id_column = id_column
-        self.interval = interval
-        self.max_unflushed = max_unflushed or 2 * interval
-        self.flush_seconds = flush_seconds
-        self.min_flush_seconds = min_flush_seconds
+        self.id_column = settings.id_column
+        self.interval = settings.checkpoint_interval
+        self.max_unflushed = settings.max_unflushed_rows
+        self.flush_seconds = settings.flush_seconds
+        self.min_flush_seconds = min_flush_seconds  # the settings', else the store's
         self.outputs = outputs  # the output columns, once known
         # The output types seen so far (a column that was all null takes its first real type),
         # and the schema of the last result checked.
@@ -150,7 +148,7 @@ class Sink:
         """Whether to flush the buffer and ``pending`` more rows done now.
 
         A flush must be due. The previous one must be written, or the rows outgrew
-        ``max_unflushed``. Else they join the next flush (group commit)."""
+        ``max_unflushed_rows``. Else they join the next flush (group commit)."""
         rows = self.buffered_rows + pending
         if not rows:
             return False
@@ -208,17 +206,12 @@ class Sink:
 
 
 class MemorySink(Sink):
-    """Keeps results in memory: ``checkpointing: false`` reads and writes nothing."""
+    """Keeps results in memory: ``checkpointing: false`` reads and writes nothing.
 
-    def __init__(self, id_column: str, *, interval: int, flush_seconds: float) -> None:
-        super().__init__(
-            id_column,
-            interval=interval,
-            flush_seconds=flush_seconds,
-            min_flush_seconds=0.0,
-            outputs=None,
-            where="(in memory)",
-        )
+    A flush here costs no request: it keeps no minimum time between flushes."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings, min_flush_seconds=0.0, outputs=None, where="(in memory)")
         self.kept: list[pl.DataFrame] = []
 
     def flush(self) -> None:
@@ -239,24 +232,18 @@ class PartWriter(Sink):
         checkpoint: Checkpoint,
         start: Start,
         lease: Lease | None,
-        id_column: str,
+        settings: Settings,
         *,
-        interval: int,
-        flush_seconds: float,
-        min_flush_seconds: float,
-        max_unflushed: int | None = None,
         contribution: Contribution | None = None,
     ) -> None:
         meta = start.meta
+        floor = settings.min_flush_seconds
         super().__init__(
-            id_column,
-            interval=interval,
-            flush_seconds=flush_seconds,
-            min_flush_seconds=min_flush_seconds,
+            settings,
+            min_flush_seconds=checkpoint.store.min_flush_seconds if floor is None else floor,
             outputs=list(meta.output_schema) if meta and meta.output_schema else None,
             types=meta.output_schema if meta else None,
             where=checkpoint.url,
-            max_unflushed=max_unflushed,
         )
         self.checkpoint = checkpoint
         if lease is not None:
