@@ -45,8 +45,9 @@ from checkpoint_assets.engine.loop.lock import Lease
 from checkpoint_assets.engine.loop.shard_run import RunContext, ShardRun
 from checkpoint_assets.engine.loop.sink import MemorySink, PartWriter, Sink
 from checkpoint_assets.engine.plan.inputs import CONTENT_LO, Prepared, prepare
-from checkpoint_assets.engine.plan.opening import Job, Opened, open_run
+from checkpoint_assets.engine.plan.opening import Opened, open_run
 from checkpoint_assets.engine.plan.resume import DEDUPE_KEY
+from checkpoint_assets.engine.plan.start import Job
 from checkpoint_assets.engine.reuse.contribution import Contribution
 from checkpoint_assets.engine.rows import ERROR, INPUT_HASH
 from checkpoint_assets.engine.settings import RunStats, Settings

@@ -55,7 +55,7 @@ from checkpoint_assets.engine.errors import (
     RunStoppedError,
 )
 from checkpoint_assets.engine.loop.lock import Lease
-from checkpoint_assets.engine.plan.opening import Start
+from checkpoint_assets.engine.plan.start import Start
 from checkpoint_assets.engine.reuse.contribution import Contribution
 from checkpoint_assets.engine.rows import CURRENT, SEQ
 from checkpoint_assets.engine.settings import Settings

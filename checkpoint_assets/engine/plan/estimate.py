@@ -39,8 +39,9 @@ from checkpoint_assets.engine.plan import from_store
 from checkpoint_assets.engine.plan.found import importable
 from checkpoint_assets.engine.plan.function_fingerprint import parse_changed
 from checkpoint_assets.engine.plan.inputs import Prepared
-from checkpoint_assets.engine.plan.opening import Job, plan_rows, read_stored
+from checkpoint_assets.engine.plan.opening import plan_rows, read_stored
 from checkpoint_assets.engine.plan.resume import dedupe
+from checkpoint_assets.engine.plan.start import Job
 from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.rows import ANSWER, INPUT_HASH
 from checkpoint_assets.engine.settings import Settings

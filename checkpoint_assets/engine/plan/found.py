@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING
 
 import polars as pl
 
@@ -21,12 +20,10 @@ from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import JobMismatchError
 from checkpoint_assets.engine.plan import from_store, function_fingerprint
 from checkpoint_assets.engine.plan.global_resume import FUNCTION
+from checkpoint_assets.engine.plan.start import Job, Start
 from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.rows import ATTEMPTS, ERROR, INPUT_HASH, SEQ
 from checkpoint_assets.engine.settings import Settings
-
-if TYPE_CHECKING:
-    from checkpoint_assets.engine.plan.opening import Job, Start
 
 Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
 

@@ -12,13 +12,12 @@ hands them to the work loop, which parses them again (``providers/answers.py``).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import polars as pl
 
 from checkpoint_assets.engine import rows
 from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint, Stored
-from checkpoint_assets.engine.checkpoints.compaction import Part
 from checkpoint_assets.engine.checkpoints.meta import Meta
 from checkpoint_assets.engine.errors import (
     CorruptCheckpointError,
@@ -28,36 +27,14 @@ from checkpoint_assets.engine.errors import (
 from checkpoint_assets.engine.plan import found as found_rows
 from checkpoint_assets.engine.plan import function_fingerprint
 from checkpoint_assets.engine.plan.inputs import Prepared
-from checkpoint_assets.engine.plan.reparse import Parse
 from checkpoint_assets.engine.plan.resume import Copies, Plan, dedupe, plan
-from checkpoint_assets.engine.reuse import layout as reuse
+from checkpoint_assets.engine.plan.start import Job, Start
 from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.rows import ANSWER, ATTEMPTS, CURRENT, ERROR, INPUT_HASH, SEQ
 from checkpoint_assets.engine.settings import OnInputChange, Settings
-from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.sharding.scheme import Scheme, rule_changed
 
 Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
-
-
-@dataclass(kw_only=True)
-class Start:
-    """The state of the checkpoint a run starts from (empty without checkpointing)."""
-
-    meta: Meta | None = None
-    known: Stored | None = None  # what was loaded, reused by finalize while nothing is written
-    base_seq: int = 0  # the first flush of the current generation
-    next_seq: int = 1
-    parts: list[Part] = field(default_factory=list)
-    imported: int = 0  # rows copied from other checkpoints (global resume)
-    from_store: int = 0  # rows taken from the result store
-    cost_saved: float | None = None  # what they cost when computed (with a budget)
-    # This run's function fingerprint, which the meta records when the run finishes; and what
-    # differs from the one recorded (reported only when stored results are reused).
-    function_fingerprint: dict[str, str] | None = None
-    function_changed: list[str] = field(default_factory=list)
-    parse_changed: bool = False  # a request/parse job's parse part differs (no call needed)
-    request_changed: bool = False  # anything else differs
 
 
 @dataclass(frozen=True)
@@ -78,34 +55,6 @@ class Opened(Start):
     todo: pl.DataFrame  # the rows to call the function on (one per distinct input with dedupe)
     copies: Copies | None = None  # rows that take the result of a row in ``todo`` (dedupe)
     rederive: Rederive | None = None  # the parse changed: stored answers to parse again
-
-
-@dataclass(frozen=True)
-class Job:
-    """The job a run belongs to: its result-changing settings and their fingerprint; and the
-    fingerprint of its function (``function_fingerprint.py``), which is not part of the job: a
-    change of it alone is reported, and stored results are kept.
-
-    ``parse``: a request/parse job that keeps its answers (``_answer``) has it; rows it takes
-    from the result store get their outputs from their answer parsed by it."""
-
-    settings: dict[str, object]
-    function: dict[str, str] | None = None
-    parse: Parse | None = None
-
-    @property
-    def fingerprint(self) -> str:
-        return hashing.job_fingerprint(self.settings)
-
-    @property
-    def scope(self) -> str:
-        """The scope of its results in the result store (``reuse/layout.py``). With ``parse``,
-        the request part of the function's fingerprint only: a changed parse reads the stored
-        answers again."""
-        function = self.function or {}
-        if self.parse is not None:
-            function = function_fingerprint.request_part(function)
-        return reuse.scope(function, self.settings)
 
 
 def open_run(

@@ -12,12 +12,19 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from checkpoint_assets.engine.errors import StorageError
 
-if TYPE_CHECKING:
-    from checkpoint_assets.engine.storage.base import Store
+
+class StoreView(Protocol):
+    """What the errors say of a store (``base.Store`` has it): whether it is on local disk, and
+    a path as the user would paste it."""
+
+    @property
+    def local(self) -> bool: ...
+    def display(self, path: str) -> str: ...
+
 
 # S3 error codes, by what the user has to fix.
 _DENIED = {"AccessDenied", "AllAccessDisabled", "AccountProblem", "403"}
@@ -88,7 +95,7 @@ def why_code(code: str) -> str | None:
     return None
 
 
-def _why(store: Store, exc: BaseException) -> str | None:
+def _why(store: StoreView, exc: BaseException) -> str | None:
     """What the user has to fix, or None when ``exc`` is not a storage problem we know."""
     for code in sorted(error_codes(exc)):
         why = why_code(code)
@@ -142,7 +149,7 @@ class translate:
     FileNotFoundError, and it must never read as "no checkpoint yet".
     """
 
-    def __init__(self, store: Store, path: str, action: str) -> None:
+    def __init__(self, store: StoreView, path: str, action: str) -> None:
         self.store = store
         self.path = path
         self.action = action
@@ -166,7 +173,7 @@ class translate:
         ) from exc
 
 
-def refused(store: Store, path: str, exc: OSError, action: str) -> StorageError:
+def refused(store: StoreView, path: str, exc: OSError, action: str) -> StorageError:
     """The error for a file or folder the operating system would not create, while ``action``
     ``path``: the path, the OS's reason, and what to do. A missing parent that cannot be made is
     said as such, not as a missing file. (Under ``/proc`` the OS answers ENOENT, under ``/sys``

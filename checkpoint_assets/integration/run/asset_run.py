@@ -23,7 +23,7 @@ from checkpoint_assets.engine.loop.shard_run import ShardRun
 from checkpoint_assets.engine.plan import function_fingerprint
 from checkpoint_assets.engine.plan.estimate import Estimate, Requests, estimate
 from checkpoint_assets.engine.plan.inputs import Inputs, Limited
-from checkpoint_assets.engine.plan.opening import Job
+from checkpoint_assets.engine.plan.start import Job
 from checkpoint_assets.engine.reuse.store import ResultStore
 from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.sharding.scheme import Scheme
