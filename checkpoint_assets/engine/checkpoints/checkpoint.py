@@ -197,18 +197,13 @@ class Checkpoint:
             moved.append(self.set_aside(damaged.path, quarantine))
             listed.remove(damaged)
         leftover = [p for p in live if p.last <= watermark] + redundant
-        frames: list[pl.DataFrame] = []
-        use_merged = merged is not None and watermark >= base_seq
-        if merged is not None and use_merged:
+        if merged is not None and watermark >= base_seq:
             self.damage.check_file(merged, id_column, self.files.merged, outputs)
-            frames.append(_since(merged, base_seq))
-        frames += [
-            _since(frames_of[p.path], base_seq) for p in parts + covered if p.path in frames_of
-        ]
+        else:
+            merged = None  # none, or all of an earlier generation
+        read = [frames_of[p.path] for p in parts + covered if p.path in frames_of]
+        stored = _resolved(merged, read, base_seq, id_column, self.url)
         highest = max([watermark, *(p.last for p in parts)])
-        stored = rows.concat(frames, self.url) if frames else rows.empty(id_column)
-        if len(frames) > 1 or not use_merged:
-            stored = rows.pick_winners(stored, id_column)  # the merged file alone was checked
         return Stored(stored, watermark, highest + 1, parts, leftover, files, moved, gaps)
 
     def _read_parts(
@@ -307,36 +302,19 @@ class Checkpoint:
         and marks are unchanged (a resume with nothing left to do) is not rewritten.
         """
         stored = known if known is not None else self.load(id_column, base_seq)
-        frame = stored.rows
-        changed = bool(stored.parts) or stored.watermark < base_seq
-        watermark = stored.next_seq - 1
-        if tail is not None and tail.height:
-            merged = rows.concat([frame, tail], self.url) if frame.height else tail
-            frame = rows.pick_winners(merged, id_column)
-            watermark = max(watermark, int(tail.get_column(SEQ).max()))  # type: ignore[arg-type]
-            changed = True
-        if current_ids is not None:
-            before = frame.get_column(CURRENT) if CURRENT in frame.columns else None
-            frame = frame.with_columns(_marks(frame.get_column(id_column), current_ids))
-            changed = changed or before is None or not before.equals(frame.get_column(CURRENT))
-            if current_ids.is_sorted() and not frame.get_column(id_column).is_sorted():
-                # Store rows in the input's order, so that resumes match ids by a sorted merge.
-                frame = frame.sort(id_column)
-                changed = True
-        elif CURRENT in frame.columns:
-            frame = frame.with_columns(pl.col(CURRENT).fill_null(True))
-        else:
-            frame = frame.with_columns(pl.lit(True).alias(CURRENT))
-        if changed:
-            watermarked = {parquet.WATERMARK_KEY: str(watermark)}
-            data = parquet.encode(frame, watermarked, distinct=[id_column], hashes=[INPUT_HASH])
+        final = merged_rows(stored, id_column, current_ids, base_seq, tail, self.url)
+        if final.changed:
+            watermarked = {parquet.WATERMARK_KEY: str(final.watermark)}
+            data = parquet.encode(
+                final.rows, watermarked, distinct=[id_column], hashes=[INPUT_HASH]
+            )
             self.fenced()
             self.store.put(self.files.merged, data)
         # Everything this load saw is now merged: delete it without listing again.
         self._delete([*stored.parts, *stored.leftover])
         self.cache.clear()
         self.remove_stale_temporary()
-        return frame
+        return final.rows
 
     def _delete(self, parts: Sequence[Part]) -> None:
         self.fenced()
@@ -370,6 +348,65 @@ class Checkpoint:
             frame = frame.filter(pl.col(CURRENT).fill_null(True))
         keep = [id_column, *(output_columns or rows.outputs_of(frame, id_column)), ERROR]
         return frame.select([c for c in keep if c in frame.columns])
+
+
+@dataclass(frozen=True)
+class Merged:
+    """What ``finalize`` stores: every row, marked current or not, the highest flush they hold,
+    and whether they differ from the merged file stored."""
+
+    rows: pl.DataFrame
+    watermark: int
+    changed: bool
+
+
+def merged_rows(
+    stored: Stored,
+    id_column: str,
+    current_ids: pl.Series | None,
+    base_seq: int,
+    tail: pl.DataFrame | None,
+    url: str,
+) -> Merged:
+    """``stored`` and the writer's ``tail`` as the merged file holds them (see ``finalize``)."""
+    frame = stored.rows
+    changed = bool(stored.parts) or stored.watermark < base_seq
+    watermark = stored.next_seq - 1
+    if tail is not None and tail.height:
+        merged = rows.concat([frame, tail], url) if frame.height else tail
+        frame = rows.pick_winners(merged, id_column)
+        watermark = max(watermark, int(tail.get_column(SEQ).max()))  # type: ignore[arg-type]
+        changed = True
+    if current_ids is not None:
+        before = frame.get_column(CURRENT) if CURRENT in frame.columns else None
+        frame = frame.with_columns(_marks(frame.get_column(id_column), current_ids))
+        changed = changed or before is None or not before.equals(frame.get_column(CURRENT))
+        if current_ids.is_sorted() and not frame.get_column(id_column).is_sorted():
+            # Store rows in the input's order, so that resumes match ids by a sorted merge.
+            frame = frame.sort(id_column)
+            changed = True
+    elif CURRENT in frame.columns:
+        frame = frame.with_columns(pl.col(CURRENT).fill_null(True))
+    else:
+        frame = frame.with_columns(pl.lit(True).alias(CURRENT))
+    return Merged(frame, watermark, changed)
+
+
+def _resolved(
+    merged: pl.DataFrame | None,
+    parts: list[pl.DataFrame],
+    base_seq: int,
+    id_column: str,
+    url: str,
+) -> pl.DataFrame:
+    """The rows of the generation from ``base_seq``, one per id: the merged file's (checked,
+    None when it holds none of them) and the parts'."""
+    frames = [] if merged is None else [_since(merged, base_seq)]
+    frames += [_since(frame, base_seq) for frame in parts]
+    stored = rows.concat(frames, url) if frames else rows.empty(id_column)
+    if len(frames) > 1 or merged is None:
+        stored = rows.pick_winners(stored, id_column)  # the merged file alone was checked
+    return stored
 
 
 def _split(parts: list[Part]) -> tuple[list[Part], list[Part]]:
