@@ -17,10 +17,10 @@ def ray_data(sizes: Sizes, workdir: str, enabled: bool) -> Result:
     """The same job through Ray Data with ``CheckpointConfig``, fresh and no-op resume."""
     result = Result("ray", "Ray Data job-level checkpointing, side by side")
     try:
-        import ray
+        import ray.data
     except ImportError:
         result.status = "skipped"
-        result.note = 'ray is not installed (pip install -e ".[bench]" to compare with Ray Data)'
+        result.note = 'Ray Data is not installed (pip install -e ".[bench]" to compare with it)'
         return result
     if not enabled:
         result.status = "skipped"
