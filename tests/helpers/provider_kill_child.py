@@ -1,18 +1,21 @@
-"""Child process of the provider batch kill tests: one run of a shard through OpenAI's Batch API
-or Anthropic's Message Batches, SIGKILLed at a chosen point.
+"""Child process of the provider batch kill tests: one run of a shard through a provider's batch
+API (any case of ``helpers/provider_cases.py``), SIGKILLed at a chosen point.
 
-Usage: ``python provider_kill_child.py BASE_URL BASE_DIR ROWS POINT [PROVIDER]`` (``openai``, the
-default, or ``anthropic``). The point is installed by wrapping the provider adapter's or the
-checkpoint's methods (no hook in the package); ``none`` runs to the end. The tests run the next
-run in their own process with ``run_shard``.
+Usage: ``python provider_kill_child.py CASE URLS BASE_DIR ROWS POINT``: ``CASE`` names a
+provider of ``helpers/provider_cases.py``, ``URLS`` is its fake's ``urls`` as JSON. The point is
+installed by wrapping the provider adapter's or the checkpoint's methods (no hook in the
+package); ``none`` runs to the end. The tests run the next run in their own process with
+``run_shard``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import polars as pl
@@ -22,6 +25,7 @@ from checkpoint_assets.engine.providers.job import ProviderJob
 from checkpoint_assets.engine.providers.provider_batches import ProviderRun
 from checkpoint_assets.engine.providers.submissions import BatchProvider, Result
 from checkpoint_assets.engine.settings import RunStats
+from helpers.provider_cases import BY_NAME, ProviderCase
 
 NAME = "killed/default/all"
 POINTS = (
@@ -41,38 +45,12 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def request(row: dict[str, Any]) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": row["body"]}]}
-
-
-def parse(body: dict[str, Any]) -> dict[str, Any]:
-    return {"answer": body["choices"][0]["message"]["content"]}
-
-
-def parse_message(message: dict[str, Any]) -> dict[str, Any]:
-    return {"answer": message["content"][0]["text"]}
-
-
-def adapter(url: str, provider: str) -> tuple[BatchProvider, Callable[..., dict[str, Any]]]:
-    """The provider's adapter on the local provider at ``url``, and the parse of its bodies.
-    Only that provider's client is imported (``anthropic`` alone takes seconds of CPU)."""
-    if provider == "anthropic":
-        import anthropic
-
-        from checkpoint_assets.resources.anthropic_batches import AnthropicBatches
-
-        # find polls the batch a kill left unrecorded: poll it often
-        claude = anthropic.Anthropic(
-            base_url=url.removesuffix("/v1"), api_key="local", max_retries=5
-        )
-        defaults = {"model": "m", "max_tokens": 8}
-        return AnthropicBatches(claude, defaults, find_poll_seconds=0.1), parse_message
-    import openai
-
-    from checkpoint_assets.resources.openai_batches import OpenAIBatches
-
-    client = openai.OpenAI(base_url=url, api_key="local", max_retries=5)  # no Dagster to import
-    return OpenAIBatches(client, defaults={"model": "m"}), parse
+@contextmanager
+def adapter(case: ProviderCase, urls: Mapping[str, str]) -> Iterator[BatchProvider]:
+    """The case's batch adapter on its fake at ``urls``, the resource initialized outside
+    Dagster (its credentials resolved from the environment)."""
+    with case.resource(urls).process_config_and_initialize_cm() as resource:
+        yield case.adapter(resource)
 
 
 def after(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -115,12 +93,19 @@ def install(point: str, api: Any, rows: int) -> None:
 
 
 def run_shard(
-    url: str, base_dir: str, rows: int, point: str = "none", provider: str = "openai"
+    case: ProviderCase, urls: Mapping[str, str], base_dir: str, rows: int, point: str = "none"
 ) -> RunStats:
     """One run of the shard (killed at ``point``, if it is one of ``POINTS``)."""
-    api, parse_body = adapter(url, provider)
-    install(point, api, rows)
-    job = ProviderJob(api, request, parse_body, poll_seconds=0.05, max_poll_seconds=0.2)
+    with adapter(case, urls) as api:
+        install(point, api, rows)
+        return _run(case, api, base_dir, rows)
+
+
+def _run(case: ProviderCase, api: BatchProvider, base_dir: str, rows: int) -> RunStats:
+    def request(row: dict[str, Any]) -> dict[str, Any]:
+        return case.request(row["body"])
+
+    job = ProviderJob(api, request, case.parse, poll_seconds=0.05, max_poll_seconds=0.2)
     # A row may fail at each of its attempts when the provider's error rate is on.
     settings = Settings(
         id_column="id", input_columns=("body",), progress_seconds=3600.0, max_failed_fraction=0.01
@@ -139,4 +124,5 @@ def run_shard(
 
 
 if __name__ == "__main__":
-    run_shard(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:6])
+    name, urls, base_dir, count, point = sys.argv[1:6]
+    run_shard(BY_NAME[name], json.loads(urls), base_dir, int(count), point)

@@ -1,24 +1,20 @@
 """Provider batches through real Dagster materializations against the local batch provider
-(``examples/llm_batch/provider.py``), through OpenAI's Batch API and Anthropic's Message Batches
-(the real ``openai`` and ``anthropic`` clients over HTTP; the provider counts every call and every
-request it processed).
+(``examples/llm_batch/provider.py``), through OpenAI's Batch API (the real ``openai`` client over
+HTTP; the provider counts every call and every request it processed): what does not depend on
+the provider. What every provider must hold is the contract suite's
+(``test_provider_contract.py``).
 
-Through either API: a shard's rows submitted once and stored once, results stored like computed
-rows, transient per-request errors sent again within the run (invalid requests failed at once),
-expired and cancelled batches giving back their unrun rows with nothing paid twice, the
-submit-and-end path with ``provider_batches_sensor`` requesting the collecting run. Through
-OpenAI's: spend budgets that stop submissions (their estimate reserved before anything is sent)
-and price results at the batch discount."""
+Failed requests at the last attempt retried on the next run; spend budgets that stop submissions
+(their estimate reserved before anything is sent) and price results at the batch discount; the
+arguments a request/parse asset shares with every checkpointed asset; the sensor's provider."""
 
 from __future__ import annotations
 
 import inspect
 import json
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import MISSING, dataclass, fields
+from collections.abc import Iterator
+from dataclasses import MISSING, fields
 from typing import Any
 
 import dagster as dg
@@ -27,14 +23,12 @@ import pytest
 from helpers.jobs import ASSET, ids_in_shard, stats, step_error
 
 from checkpoint_assets import (
-    AnthropicResource,
     Budget,
     CheckpointError,
     CheckpointIOManager,
     OpenAIResource,
     Price,
     checkpointed_asset,
-    failed_partitions_sensor,
     provider_batch_asset,
     provider_batches_sensor,
     shard_partitions,
@@ -44,60 +38,26 @@ from checkpoint_assets.engine.providers.job import ProviderJob
 from checkpoint_assets.engine.providers.submissions import Limits, Request
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.define.arguments import CommonArguments
-from checkpoint_assets.integration.watch.pending import PENDING_TAG
 from checkpoint_assets.integration.watch.spend import STOPPED_BY_TAG
 from checkpoint_assets.resources.openai_batches import OpenAIBatches
-from examples.llm_batch.jobs import ManualClock, Settings, expires
+from examples.llm_batch.jobs import ManualClock, Settings
 from examples.llm_batch.provider import serve
 from examples.llm_batch.provider import stats as provider_stats
 
 ID = "ticket_id"
 SHARD = "0-of-1"
 TEXTS = ("I was charged twice, please refund me", "The app crashes with an error", "hello")
-ANSWERS = ("billing", "technical", "other")  # the provider's rule for each of TEXTS
-
-
-@dataclass(frozen=True)
-class Api:
-    """What differs between the two batch APIs, for a test: ``name`` as ``jobs.expires`` says it,
-    the resource key, the resource on the provider's base URL, how an answer is read (into
-    ``answer`` and ``input_tokens``) and how a failed request's ``_error`` starts."""
-
-    name: str
-    key: str
-    resource: Callable[[str], OpenAIResource | AnthropicResource]
-    parse: Callable[[dict[str, Any]], dict[str, Any]]
-    error: str
-
-
-OPENAI = Api(
-    "openai",
-    "openai",
-    lambda url: OpenAIResource(base_url=url, api_key="local", model="m"),
-    lambda body: {
-        "answer": body["choices"][0]["message"]["content"],
-        "input_tokens": body["usage"]["prompt_tokens"],
-    },
-    "HTTP 500",
-)
-ANTHROPIC = Api(
-    "anthropic",
-    "claude",
-    lambda url: AnthropicResource(
-        base_url=url.removesuffix("/v1"), api_key="local", model="claude-test", max_tokens=8
-    ),
-    lambda message: {
-        "answer": message["content"][0]["text"],
-        "input_tokens": message["usage"]["input_tokens"],
-    },
-    "api_error: ",
-)
-#: A test through either API; a test without it runs through OpenAI's (the ``api`` fixture).
-BOTH_APIS = pytest.mark.parametrize("api", [OPENAI, ANTHROPIC], ids=lambda a: a.name)
 
 
 def request(row: dict[str, Any]) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": row["body"]}]}
+
+
+def parse(body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "answer": body["choices"][0]["message"]["content"],
+        "input_tokens": body["usage"]["prompt_tokens"],
+    }
 
 
 def tickets(n: int) -> pl.DataFrame:
@@ -116,18 +76,18 @@ class SmallBatches(OpenAIResource):
 
 
 class Setup:
-    def __init__(self, base_dir: str, url: str, rows: int, clock: ManualClock, api: Api) -> None:
-        self.base_dir, self.url, self.clock, self.api = base_dir, url, clock, api
+    def __init__(self, base_dir: str, url: str, rows: int, clock: ManualClock) -> None:
+        self.base_dir, self.url, self.clock = base_dir, url, clock
         self.df = tickets(rows)
         self.instance = dg.DagsterInstance.ephemeral()
-        self.resource = api.resource(url)
+        self.resource = OpenAIResource(base_url=url, api_key="local", model="m")
 
     def asset(self, **kw: Any) -> dg.AssetsDefinition:
         options: dict[str, Any] = {
             "source": "tickets",
             "id_column": ID,
-            "parse": self.api.parse,
-            "provider": self.api.key,
+            "parse": parse,
+            "provider": "openai",
             "input_columns": ["body"],
             "partitions_def": shard_partitions(1),
             "usage_columns": ["input_tokens"],
@@ -145,7 +105,7 @@ class Setup:
         return {
             "io_manager": CheckpointIOManager(base_dir=self.base_dir),
             "source_io": dg.InMemoryIOManager(),  # type: ignore[no-untyped-call]
-            self.api.key: self.resource,
+            "openai": self.resource,
         }
 
     def source(self) -> dg.AssetsDefinition:
@@ -194,108 +154,14 @@ class Setup:
 
 
 @pytest.fixture
-def api() -> Api:
-    return OPENAI
-
-
-@pytest.fixture
-def setup(tmp_path: Any, request: pytest.FixtureRequest, api: Api) -> Iterator[Setup]:
+def setup(tmp_path: Any, request: pytest.FixtureRequest) -> Iterator[Setup]:
     marker = request.node.get_closest_marker("provider")
     options = dict(marker.kwargs) if marker else {}
     rows = options.pop("rows", 2_000)
     manual = options.pop("manual_clock", False)  # the provider's time moves only when told
-    if options.pop("first_batch_expires", False):
-        options |= {"expire_rate": 0.5, "seed": _first_batch_expires(api.name)}
     clock = ManualClock()
     with serve(Settings(**options), clock=clock if manual else time.time) as url:
-        yield Setup(str(tmp_path / "checkpoints"), url, rows, clock, api)
-
-
-def _first_batch_expires(api: str) -> int:
-    """A seed under which the first batch created through ``api`` expires and the next ones do
-    not."""
-    return next(
-        seed
-        for seed in range(1000)
-        if [expires(Settings(expire_rate=0.5, seed=seed), api, n) for n in (1, 2, 3)]
-        == [True, False, False]
-    )
-
-
-@contextmanager
-def ticking(clock: ManualClock) -> Iterator[None]:
-    """The provider's clock moving on by a second every 50 ms, for a run that waits."""
-    done = threading.Event()
-
-    def tick() -> None:
-        while not done.wait(0.05):
-            clock.advance(1.0)
-
-    thread = threading.Thread(target=tick, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-
-
-@BOTH_APIS
-@pytest.mark.provider(rows=20_000, processing_delay=0.3)
-def test_a_shard_of_20000_rows_is_one_batch_stored_once(setup: Setup) -> None:
-    result = setup.materialize(setup.asset())
-    assert result.success
-    provider = setup.provider()
-    assert provider["creates"] == 1
-    assert provider["submitted"] == provider["processed"] == provider["succeeded"] == 20_000
-    setup.stored_once()
-    stored = setup.stored().sort(ID)
-    assert stored.get_column("answer").to_list()[:3] == list(ANSWERS)
-    meta = stats(result)
-    assert meta["rows_computed"] == 20_000
-    # From the responses, like computed rows: the provider counts whitespace tokens.
-    assert meta["usage/input_tokens"] == sum(len(TEXTS[i % 3].split()) for i in range(20_000))
-    again = setup.materialize(setup.asset())
-    assert again.success and setup.provider()["submitted"] == 20_000  # nothing left to do
-    assert setup.provider()["creates"] == 1
-
-
-@BOTH_APIS
-@pytest.mark.provider(error_rate=0.05, processing_delay=0.1)
-def test_transient_request_errors_are_sent_again_within_the_run(setup: Setup) -> None:
-    # Rows 0 and 1 are invalid requests: the provider refuses them, and they are not sent again.
-    def invalid_for_two(row: dict[str, Any]) -> dict[str, Any]:
-        return {"messages": []} if row[ID] < 2 else request(row)
-
-    asset = provider_batch_asset(
-        name=ASSET,
-        source="tickets",
-        id_column=ID,
-        parse=setup.api.parse,
-        provider=setup.api.key,
-        partitions_def=shard_partitions(1),
-        max_failed_fraction=0.01,
-        # At 5 % errors, some row of 2,000 fails all eight requests in under 1e-7 of runs.
-        max_attempts=8,
-        poll_seconds=0.05,
-        max_poll_seconds=0.2,
-    )(invalid_for_two)
-    result = setup.materialize(asset)
-    assert result.success  # one run: the failed requests went again in new batches
-    provider = setup.provider()
-    sent_again = provider["submitted"] - 2_000
-    assert provider["creates"] >= 2 and 40 < sent_again < 180  # about 5 % of 2,000, then 5 % ...
-    # Every request sent was answered once; only the transient errors were sent again.
-    assert provider["processed"] == provider["submitted"]
-    assert provider["errored"] == sent_again + 2  # ... and the two invalid requests, once each
-    setup.stored_once()
-    stored = setup.stored()
-    failed = stored.filter(pl.col("_error").is_not_null())
-    assert failed.get_column(ID).sort().to_list() == [0, 1]
-    assert not failed.get_column("_error").str.starts_with(setup.api.error).any()
-    assert stats(result)["rows_computed"] == 2_000 and stats(result)["rows_failed"] == 2
-    # A row sent again counts each request it took.
-    assert stored.get_column("_attempts").max() >= 2
+        yield Setup(str(tmp_path / "checkpoints"), url, rows, clock)
 
 
 @pytest.mark.provider(error_rate=0.05, processing_delay=0.1)
@@ -308,95 +174,11 @@ def test_transient_errors_at_the_last_attempt_are_failed_rows_retried_on_the_nex
     assert 40 < failed < 180  # about 5 % of 2,000, none sent again
     assert setup.provider()["submitted"] == 2_000 and setup.provider()["creates"] == 1
     errors = setup.stored().filter(pl.col("_error").is_not_null())
-    assert errors.get_column("_error").str.starts_with(setup.api.error).all()
+    assert errors.get_column("_error").str.starts_with("HTTP 500").all()
     second = setup.materialize(asset)
     assert stats(second)["rows_computed"] == failed  # only the failed rows are submitted again
     assert setup.provider()["submitted"] == setup.provider()["processed"] == 2_000 + failed
     assert stats(second)["rows_failed"] < failed
-
-
-@BOTH_APIS
-@pytest.mark.provider(first_batch_expires=True, expire_after=0.2, processing_delay=0.1)
-def test_rows_of_an_expired_batch_are_submitted_again_and_none_is_paid_twice(
-    setup: Setup,
-) -> None:
-    result = setup.materialize(setup.asset())
-    assert result.success
-    provider = setup.provider()
-    assert provider["creates"] == 2  # the expired batch, then its unrun half
-    assert provider["expired"] == 1_000
-    assert provider["processed"] == 2_000 == provider["submitted"] - provider["expired"]
-    setup.stored_once()
-    assert setup.stored().get_column("_error").null_count() == 2_000
-
-
-@BOTH_APIS
-@pytest.mark.provider(processing_delay=600, manual_clock=True)
-def test_submit_and_end_then_the_sensor_requests_the_collecting_run(setup: Setup) -> None:
-    routed = setup.asset(wait=False)
-    first = setup.materialize(routed, raise_on_error=False)
-    assert not first.success
-    failure = next(e for e in first.all_events if e.is_step_failure)
-    assert failure.step_failure_data is not None
-    said = failure.step_failure_data.user_failure_data
-    assert said is not None and said.description is not None
-    assert said.description.startswith("Submitted, not materialized yet: 2,000 row(s) of 0-of-1")
-    assert f"The sensor {ASSET}_provider_batches" in said.description
-    metadata = {k: v.value for k, v in said.metadata.items()}
-    (batch,) = json.loads(str(metadata["batches_pending"]))
-    assert batch in said.description
-    assert (
-        metadata["rows_pending"] == 2_000
-        and metadata["collected_by"] == f"{ASSET}_provider_batches"
-    )
-    # The provider's 24 h window from the submission (its record's time, this machine's clock).
-    assert 0 < float(metadata["results_due_by"]) - time.time() <= 24 * 3600
-    run = setup.instance.get_run_by_id(first.run_id)
-    assert run is not None and run.tags[PENDING_TAG] == "2000"
-    assert setup.provider()["creates"] == 1 and setup.provider()["submitted"] == 2_000
-
-    retry = failed_partitions_sensor(routed, backoff_seconds=0)
-    collect = provider_batches_sensor(routed)
-    with dg.build_sensor_context(
-        instance=setup.instance, resources={setup.api.key: setup.resource}
-    ) as context:
-        assert not retry(context).run_requests  # submitted, not failed: not the retry sensor's
-        early = collect(context)
-        assert not early.run_requests and "wait" in str(early.skip_reason)
-        context.update_cursor(early.cursor)
-        setup.clock.advance(601)  # the provider's batches end
-        ready = collect(context)
-        assert [r.partition_key for r in ready.run_requests] == [SHARD]
-        context.update_cursor(ready.cursor)
-        assert not collect(context).run_requests  # requested once
-
-        second = setup.materialize(routed, tags=ready.run_requests[0].tags)
-        assert second.success
-        assert stats(second)["rows_computed"] == 2_000
-        provider = setup.provider()
-        assert provider["creates"] == 1  # collected, not submitted again
-        assert provider["processed"] == 2_000 and provider["downloads"] == 1
-        setup.stored_once()
-        assert "No partition" in str(collect(context).skip_reason)
-
-
-@BOTH_APIS
-@pytest.mark.provider(processing_delay=4, manual_clock=True)
-def test_a_cancelled_batch_gives_back_its_unrun_rows(setup: Setup) -> None:
-    assert not setup.materialize(setup.asset(wait=False), raise_on_error=False).success
-    setup.clock.advance(1)  # a quarter of the requests done
-    (pending,) = setup.pending()
-    setup.resource.batch_provider().cancel(pending)
-    # The waiting run collects what ran and submits the rest, whose batch ends as the clock
-    # ticks on meanwhile.
-    with ticking(setup.clock):
-        result = setup.materialize(setup.asset())
-    assert result.success
-    provider = setup.provider()
-    assert provider["creates"] == 2 and provider["cancels"] == 1
-    assert provider["cancelled"] == 1_500
-    assert provider["processed"] == 2_000 == provider["submitted"] - provider["cancelled"]
-    setup.stored_once()
 
 
 # Spend budgets. The resource asks for at most 10 output tokens a row; the price is 1 and 2 USD
@@ -568,7 +350,7 @@ def test_shared_arguments_reach_the_asset_and_its_runs(setup: Setup) -> None:
     )
     spec = next(iter(routed.specs))
     assert spec.owners == ["team:ml"] and spec.automation_condition == condition
-    assert spec.kinds == {"polars", "parquet", setup.api.key, "batch"}
+    assert spec.kinds == {"polars", "parquet", "openai", "batch"}
     assert routed.op.tags["queue"] == "batch"
     assert routed.op.retry_policy == dg.RetryPolicy(max_retries=2)
     resources = setup.resources()
@@ -588,7 +370,7 @@ def test_shared_arguments_reach_the_asset_and_its_runs(setup: Setup) -> None:
 
 def test_the_sensor_reads_the_provider_from_the_asset_and_names_the_call_without_it() -> None:
     routed = provider_batch_asset(
-        source="tickets", id_column=ID, parse=OPENAI.parse, provider="claude", name=ASSET
+        source="tickets", id_column=ID, parse=parse, provider="claude", name=ASSET
     )(request)
     sensor = provider_batches_sensor(routed)
     assert sensor.required_resource_keys == {"claude"}

@@ -1,0 +1,214 @@
+"""The providers the contract suite runs against: one :class:`ProviderCase` each, in ``CASES``.
+
+Every provider behind ``provider_batch_asset`` gives the same guarantees, and one suite checks
+them all (``tests/integration/test_provider_contract.py``, ``tests/reliability/
+test_provider_kills.py``), the way fsspec runs one suite against every filesystem. A case says
+what differs: how to start the provider's fake API on 127.0.0.1 and what it counted, the Dagster
+resource on it, how an answer is read, how a failed request's ``_error`` starts, its prices.
+
+A fake (:class:`Fake`) serves the provider's batch API and its online endpoint on the same
+address, as the provider does, and counts what it was asked on its own side: batches created,
+requests submitted and processed (paid), and requests processed per ``custom_id``, so a test can
+hold "no request paid twice" with the provider's count, not ours. It moves its batches by the
+common knobs of ``examples.llm_batch.jobs.Settings`` (``processing_delay``, ``error_rate``,
+``expire_rate``, ``expire_after``, ``seed``) and by the clock it is given.
+
+To add a provider: write its fake (a module of ``examples/``), a function that starts it and
+yields a :class:`Fake`, and a ``ProviderCase``; add the case to ``CASES`` (one line).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import dagster as dg
+
+from checkpoint_assets import AnthropicResource, OpenAIResource, Price
+from checkpoint_assets.engine.providers.submissions import BatchProvider
+from examples import serving
+from examples.llm_batch.jobs import Settings
+from examples.llm_batch.online import Both
+from examples.llm_batch.provider import Provider
+from examples.llm_openai.server import ChatServer
+from examples.llm_openai.server import Settings as ChatSettings
+
+#: The counts every fake's ``counts()`` holds (more are allowed): batches created and cancels
+#: asked; requests submitted in batches created, processed (paid: succeeded + errored), left
+#: unrun by an expiry or a cancel; the tokens of the successes.
+COUNTS = (
+    "creates",
+    "cancels",
+    "submitted",
+    "processed",
+    "succeeded",
+    "errored",
+    "expired",
+    "cancelled",
+    "input_tokens",
+    "output_tokens",
+)
+
+
+@dataclass(frozen=True)
+class Fake:
+    """A provider's fake API, running.
+
+    ``urls`` is all a resource needs to reach it (plain strings: a kill test hands them to its
+    child process as JSON). ``counts()`` are its batch API's counts (``COUNTS``);
+    ``processed()`` its batch requests processed, per ``custom_id``; ``online()`` the online
+    requests it answered (paid).
+    """
+
+    urls: Mapping[str, str]
+    counts: Callable[[], Mapping[str, int]]
+    processed: Callable[[], Counter[str]]
+    online: Callable[[], int]
+
+    def paid(self) -> int:
+        """Requests paid for: processed in batches, and answered online."""
+        return self.counts()["processed"] + self.online()
+
+
+def chat(text: str) -> dict[str, Any]:
+    """The request of ``text`` in the messages of OpenAI's and Anthropic's APIs."""
+    return {"messages": [{"role": "user", "content": text}]}
+
+
+def _batch_provider(resource: Any) -> BatchProvider:
+    api: BatchProvider = resource.batch_provider()
+    return api
+
+
+@dataclass(frozen=True)
+class ProviderCase:
+    """What differs between providers, for the contract suite.
+
+    Attributes:
+        name: the test id (``openai``, ``anthropic``, ``azure_openai``, ...).
+        key: the resource key the asset names (``provider=``).
+        start: starts the fake with these settings and clock (``time.time`` or a
+            ``ManualClock``); yields it, stops it when the block exits.
+        resource: the Dagster resource on the fake's ``urls``. Its credentials are given by
+            reference (``dg.EnvVar``, a profile...) to the environment variables of ``secrets``,
+            which the suite sets before it builds the resource.
+        request: a prompt -> the provider's request body of it (the ``request`` of the asset).
+        parse: a response body -> ``answer``, ``input_tokens``, ``output_tokens``.
+        error: how the ``_error`` of a request the provider failed (HTTP 500) starts.
+        invalid: a request body the provider refuses as invalid (its ``_error`` is no
+            transient error: not sent again).
+        price: the provider's price (its batch discount) for the dry-run estimate and the cost.
+        secrets: environment variable -> the secret value the suite sets it to (never to show
+            in a log).
+        adapter: the resource's batch adapter as a kill test's child runs it, the resource
+            initialized (default: ``resource.batch_provider()``).
+    """
+
+    name: str
+    key: str
+    start: Callable[[Settings, Callable[[], float]], AbstractContextManager[Fake]]
+    resource: Callable[[Mapping[str, str]], dg.ConfigurableResource]
+    parse: Callable[[dict[str, Any]], dict[str, Any]]
+    error: str
+    request: Callable[[str], dict[str, Any]] = chat
+    invalid: Mapping[str, Any] = field(default_factory=lambda: {"messages": []})
+    price: Price = field(default_factory=lambda: Price(input=1.0, output=2.0))
+    secrets: Mapping[str, str] = field(default_factory=dict)
+    adapter: Callable[[Any], BatchProvider] = _batch_provider
+
+
+# -- the OpenAI and Anthropic fakes (examples/llm_batch) ------------------------------------------
+@contextmanager
+def both(
+    settings: Settings, clock: Callable[[], float], chat: ChatSettings | None = None
+) -> Iterator[tuple[str, Both]]:
+    """The local batch provider and chat server on one base URL (``examples/llm_batch/online.py``),
+    moving its batches by ``clock``; yields the OpenAI base URL (``/v1``) and the application."""
+    app = Both(Provider(settings, clock), ChatServer(chat or ChatSettings()))
+    with serving.in_thread(app, "provider and chat server") as url:
+        yield url, app
+
+
+def processed_by_custom_id(provider: Provider) -> Counter[str]:
+    """The requests the local batch provider processed, per ``custom_id`` (both APIs)."""
+    provider.ledger.settle_all()
+    jobs = [*provider.ledger.batches.values(), *provider.ledger.message_batches.values()]
+    return Counter(outcome.custom_id for job in jobs for outcome in job.outcomes)
+
+
+def fake_of(app: Both, urls: Mapping[str, str]) -> Fake:
+    return Fake(
+        urls=urls,
+        counts=app.provider.snapshot,
+        processed=lambda: processed_by_custom_id(app.provider),
+        online=lambda: app.chat.snapshot()["ok"],
+    )
+
+
+@contextmanager
+def start_local(settings: Settings, clock: Callable[[], float]) -> Iterator[Fake]:
+    """OpenAI's and Anthropic's fake: ``urls["base_url"]`` is OpenAI's (``/v1``)."""
+    with both(settings, clock) as (url, app):
+        yield fake_of(app, {"base_url": url})
+
+
+def openai_parse(body: dict[str, Any]) -> dict[str, Any]:
+    usage = body["usage"]
+    return {
+        "answer": body["choices"][0]["message"]["content"],
+        "input_tokens": usage["prompt_tokens"],
+        "output_tokens": usage["completion_tokens"],
+    }
+
+
+def anthropic_parse(message: dict[str, Any]) -> dict[str, Any]:
+    usage = message["usage"]
+    return {
+        "answer": message["content"][0]["text"],
+        "input_tokens": usage["input_tokens"],
+        "output_tokens": usage["output_tokens"],
+    }
+
+
+def _anthropic_adapter(resource: AnthropicResource) -> BatchProvider:
+    api = resource.batch_provider()
+    api.find_poll_seconds = 0.1  # find polls the batch a kill left unrecorded: poll it often
+    return api
+
+
+OPENAI = ProviderCase(
+    name="openai",
+    key="openai",
+    start=start_local,
+    resource=lambda urls: OpenAIResource(
+        base_url=urls["base_url"], api_key=dg.EnvVar("OPENAI_API_KEY"), model="m", max_tokens=8
+    ),
+    parse=openai_parse,
+    error="HTTP 500",
+    secrets={"OPENAI_API_KEY": "sk-contract-openai-5ecret"},
+)
+ANTHROPIC = ProviderCase(
+    name="anthropic",
+    key="claude",
+    start=start_local,
+    resource=lambda urls: AnthropicResource(
+        base_url=urls["base_url"].removesuffix("/v1"),
+        api_key=dg.EnvVar("ANTHROPIC_API_KEY"),
+        model="claude-test",
+        max_tokens=8,
+    ),
+    parse=anthropic_parse,
+    error="api_error: ",
+    secrets={"ANTHROPIC_API_KEY": "sk-ant-contract-5ecret"},
+    adapter=_anthropic_adapter,
+)
+
+#: Every provider the contract suite runs against; a provider adds its case on a line of its own.
+CASES: list[ProviderCase] = [
+    OPENAI,
+    ANTHROPIC,
+]
+BY_NAME: dict[str, ProviderCase] = {case.name: case for case in CASES}
