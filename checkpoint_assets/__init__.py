@@ -46,7 +46,11 @@ if TYPE_CHECKING:
     from checkpoint_assets.integration.watch.global_resume import global_resume_asset
     from checkpoint_assets.integration.watch.provider_sensor import provider_batches_sensor
     from checkpoint_assets.integration.watch.sensor import failed_partitions_sensor
-    from checkpoint_assets.resources import AnthropicResource, OpenAIResource
+    from checkpoint_assets.resources import (
+        AnthropicResource,
+        AzureOpenAIResource,
+        OpenAIResource,
+    )
 
 # The Dagster glue is imported on first use, so that the engine and the `checkpoint-assets` CLI
 # start without importing Dagster (seconds of start-up).
@@ -63,6 +67,7 @@ _LAZY = {
     "provider_batches_sensor": "checkpoint_assets.integration.watch.provider_sensor",
     "failed_partitions_sensor": "checkpoint_assets.integration.watch.sensor",
     "AnthropicResource": "checkpoint_assets.resources",
+    "AzureOpenAIResource": "checkpoint_assets.resources",
     "OpenAIResource": "checkpoint_assets.resources",
 }
 
@@ -83,6 +88,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AnthropicResource",
+    "AzureOpenAIResource",
     "BatchProvider",
     "BatchesPendingError",
     "Budget",

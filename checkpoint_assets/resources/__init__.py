@@ -2,6 +2,8 @@
 
 - :class:`OpenAIResource` uses the ``openai`` package: the OpenAI API and every server that
   speaks its protocol.
+- :class:`AzureOpenAIResource` uses the ``openai`` package's Azure clients: OpenAI's models
+  deployed on Azure OpenAI.
 - :class:`AnthropicResource` uses the ``anthropic`` package.
 
 Each gives an ``async def`` function the client of its event loop. The client is made with
@@ -11,6 +13,7 @@ extras, imported on first use.
 """
 
 from checkpoint_assets.resources.anthropic import AnthropicResource
+from checkpoint_assets.resources.azure_openai import AzureOpenAIResource
 from checkpoint_assets.resources.openai import OpenAIResource
 
-__all__ = ["AnthropicResource", "OpenAIResource"]
+__all__ = ["AnthropicResource", "AzureOpenAIResource", "OpenAIResource"]

@@ -188,7 +188,7 @@ class EndpointResource(dg.ConfigurableResource):
         """The pacer of this key and these limits in this process (inside ``_LOCK``), and the
         count of the processes of this machine calling the key (None: ``shards_at_once`` says
         it)."""
-        key = (self._package, self.base_url, self.api_key, *self._limits())
+        key = (self._package, self._address(), self.api_key, *self._limits())
         found = _PACERS.get(key)
         if found is None:
             pacer = pacing.Pacer()
@@ -197,9 +197,14 @@ class EndpointResource(dg.ConfigurableResource):
             pacer.assume(per_minute, share=1 / (self.shards_at_once or 1))
             counted = None
             if self.shards_at_once is None:
-                counted = peers.Peers(peers.directory_of(f"{self.base_url}\n{self.api_key}"))
+                counted = peers.Peers(peers.directory_of(f"{self._address()}\n{self.api_key}"))
             found = _PACERS[key] = (pacer, counted)
         return found
+
+    def _address(self) -> str | None:
+        """Where the requests go: with the key, it names the limits shared (None: the API's
+        default URL)."""
+        return self.base_url
 
     def _connection(self) -> dict[str, Any]:
         """The client's constructor arguments: what makes two clients different."""

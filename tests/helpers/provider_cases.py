@@ -27,9 +27,10 @@ from typing import Any
 
 import dagster as dg
 
-from checkpoint_assets import AnthropicResource, OpenAIResource, Price
+from checkpoint_assets import AnthropicResource, AzureOpenAIResource, OpenAIResource, Price
 from checkpoint_assets.engine.providers.submissions import BatchProvider
 from examples import serving
+from examples.llm_batch import azure_api
 from examples.llm_batch.jobs import Settings
 from examples.llm_batch.online import Both
 from examples.llm_batch.provider import Provider
@@ -105,6 +106,8 @@ class ProviderCase:
             in a log).
         adapter: the resource's batch adapter as a kill test's child runs it, the resource
             initialized (default: ``resource.batch_provider()``).
+        draws: the API name its fake draws which batches expire by (``jobs.expires``);
+            empty: ``name``.
     """
 
     name: str
@@ -118,6 +121,7 @@ class ProviderCase:
     price: Price = field(default_factory=lambda: Price(input=1.0, output=2.0))
     secrets: Mapping[str, str] = field(default_factory=dict)
     adapter: Callable[[Any], BatchProvider] = _batch_provider
+    draws: str = ""
 
 
 # -- the OpenAI and Anthropic fakes (examples/llm_batch) ------------------------------------------
@@ -206,9 +210,37 @@ ANTHROPIC = ProviderCase(
     adapter=_anthropic_adapter,
 )
 
+
+@contextmanager
+def start_azure(settings: Settings, clock: Callable[[], float]) -> Iterator[Fake]:
+    """Azure OpenAI's fake (``examples/llm_batch/azure_api.py``) before the local provider and
+    chat server: ``urls["azure_endpoint"]``."""
+    with azure_api.serve(settings, clock=clock) as (endpoint, app):
+        yield fake_of(app, {"azure_endpoint": endpoint})
+
+
+AZURE_OPENAI = ProviderCase(
+    name="azure_openai",
+    key="azure_openai",
+    start=start_azure,
+    resource=lambda urls: AzureOpenAIResource(
+        azure_endpoint=urls["azure_endpoint"],
+        api_key=dg.EnvVar("AZURE_OPENAI_API_KEY"),
+        deployment="gpt-4o-mini",
+        batch_deployment="gpt-4o-mini-batch",
+        model="gpt-4o-mini",
+        max_tokens=8,
+    ),
+    parse=openai_parse,
+    error="HTTP 500",
+    secrets={"AZURE_OPENAI_API_KEY": azure_api.KEY},
+    draws="openai",  # its batches are the local provider's OpenAI batches
+)
+
 #: Every provider the contract suite runs against; a provider adds its case on a line of its own.
 CASES: list[ProviderCase] = [
     OPENAI,
     ANTHROPIC,
+    AZURE_OPENAI,
 ]
 BY_NAME: dict[str, ProviderCase] = {case.name: case for case in CASES}

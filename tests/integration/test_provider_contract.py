@@ -157,7 +157,7 @@ def setup(
     rows = options.pop("rows", 300)
     manual = options.pop("manual_clock", False)  # the fake's time moves only when told
     if options.pop("first_batch_expires", False):
-        options |= {"expire_rate": 0.5, "seed": _first_batch_expires(case.name)}
+        options |= {"expire_rate": 0.5, "seed": _first_batch_expires(case.draws or case.name)}
     for variable, secret in case.secrets.items():
         monkeypatch.setenv(variable, secret)
     clock = ManualClock()
