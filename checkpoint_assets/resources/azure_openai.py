@@ -9,7 +9,7 @@ Batch deployment, which only the Batch API reaches).
 
 Azure's Batch API is OpenAI's (``/openai/files``, ``/openai/batches``): the adapter is
 ``OpenAIBatches`` with Azure's endpoint paths (``/chat/completions``) and limits
-(:class:`AzureOpenAIBatches`).
+(:class:`AzureOpenAIBatches`), and the ``batch_*`` settings of an OpenAI-compatible API.
 
 >>> r = AzureOpenAIResource(azure_endpoint="https://example.openai.azure.com",
 ...     api_key="local", deployment="gpt-4o-mini-std", model="gpt-4o-mini")
@@ -29,7 +29,7 @@ from pydantic import Field
 
 from checkpoint_assets.engine.providers.submissions import Limits
 from checkpoint_assets.resources.openai import _BATCH_API_RETRIES, OpenAIResource
-from checkpoint_assets.resources.openai_batches import OpenAIBatches
+from checkpoint_assets.resources.openai_compatible import CompatibleBatches
 
 __all__ = ["AzureOpenAIBatches", "AzureOpenAIResource"]
 
@@ -41,7 +41,7 @@ API_VERSION: Final = "2024-10-21"
 _ENDPOINTS: Final = ("/chat/completions", "/embeddings", "/completions")
 
 
-class AzureOpenAIBatches(OpenAIBatches):
+class AzureOpenAIBatches(CompatibleBatches):
     """Azure OpenAI's Batch API: OpenAI's, under its own name and limits. Each request's
     ``model`` is the batch deployment's name (``defaults``)."""
 
@@ -127,7 +127,11 @@ class AzureOpenAIResource(OpenAIResource):
         path = self._path(endpoint or self._default_endpoint)
         defaults = {**self.request_defaults(), "model": self.batch_deployment or self.deployment}
         client = self.sync_client().with_options(max_retries=_BATCH_API_RETRIES)
-        return AzureOpenAIBatches(client, path, defaults, LIMITS)
+        limits = Limits(
+            self.batch_max_requests or LIMITS.max_requests, self.batch_max_bytes or LIMITS.max_bytes
+        )
+        window, metadata = self.batch_completion_window, self.batch_metadata
+        return AzureOpenAIBatches(client, path, defaults, limits, window=window, metadata=metadata)
 
     def _path(self, endpoint: str) -> str:
         # OpenAI's paths are taken too: /v1/chat/completions is /chat/completions on Azure.

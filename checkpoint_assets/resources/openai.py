@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING, ClassVar, cast
 
 from pydantic import Field
 
+from checkpoint_assets.engine.providers.submissions import Limits
 from checkpoint_assets.resources.endpoint import EndpointResource
 
 if TYPE_CHECKING:
     import openai
 
-    from checkpoint_assets.resources.openai_batches import OpenAIBatches
+    from checkpoint_assets.resources.openai_compatible import CompatibleBatches
 
 # Retries of the batch API's own requests: upload, create, poll, download. None of them is paid
 # per token. Each is safe to repeat: create is found by its tag before it is sent again.
@@ -75,6 +76,30 @@ class OpenAIResource(EndpointResource):
         "unset leaves the endpoint's default.",
     )
 
+    batch_completion_window: str = Field(
+        default="24h",
+        description="Provider batches: the completion window each batch asks for. OpenAI takes "
+        "24h only; an OpenAI-compatible batch API at base_url may take more, such as 7d.",
+    )
+    batch_metadata: bool = Field(
+        default=True,
+        description="Provider batches: tag each batch in its metadata, to find it again after a "
+        "crash. false for a compatible batch API that drops or refuses metadata: a batch is "
+        "then found by its input file's name.",
+    )
+    batch_max_requests: int | None = Field(
+        default=None,
+        gt=0,
+        description="Provider batches: the most requests one input file may hold, where the "
+        "batch API at base_url takes fewer than OpenAI's 50,000.",
+    )
+    batch_max_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        description="Provider batches: the most bytes one input file may hold, where the batch "
+        "API at base_url takes fewer than OpenAI's 200 MB.",
+    )
+
     def client(self) -> openai.AsyncOpenAI:
         """The ``openai.AsyncOpenAI`` client of the running event loop: made once, then reused.
 
@@ -96,11 +121,23 @@ class OpenAIResource(EndpointResource):
             )
         return endpoint.removeprefix("/v1/")
 
-    def batch_provider(self, endpoint: str | None = None) -> OpenAIBatches:
+    def batch_provider(self, endpoint: str | None = None) -> CompatibleBatches:
         """OpenAI's Batch API on this resource's endpoint, for ``provider_batch_asset``: every
         request body goes to ``endpoint`` (default ``/v1/chat/completions``) with
-        ``request_defaults()`` added where the body leaves them out."""
-        from checkpoint_assets.resources.openai_batches import DEFAULT_ENDPOINT, OpenAIBatches
+        ``request_defaults()`` added where the body leaves them out. An OpenAI-compatible batch
+        API takes its own ``batch_*`` settings (window, metadata, file limits)."""
+        from checkpoint_assets.resources.openai_batches import DEFAULT_ENDPOINT, LIMITS
+        from checkpoint_assets.resources.openai_compatible import CompatibleBatches
 
         client = self.sync_client().with_options(max_retries=_BATCH_API_RETRIES)
-        return OpenAIBatches(client, endpoint or DEFAULT_ENDPOINT, self.request_defaults())
+        limits = Limits(
+            self.batch_max_requests or LIMITS.max_requests, self.batch_max_bytes or LIMITS.max_bytes
+        )
+        return CompatibleBatches(
+            client,
+            endpoint or DEFAULT_ENDPOINT,
+            self.request_defaults(),
+            limits,
+            window=self.batch_completion_window,
+            metadata=self.batch_metadata,
+        )

@@ -60,26 +60,26 @@ class AzureOpenAI:
             return await self.inner(scope, receive, send)
         refused = self._refusal(scope)
         if refused is not None:
-            return await _error(send, *refused)
-        body = await _body(receive)
+            return await refuse(send, *refused)
+        body = await read_body(receive)
         online = _ONLINE.fullmatch(path)
         if online is not None:
             deployment, endpoint = online.groups()
             kind = self.deployments.get(deployment)
             if kind != "standard":
                 said = "no deployment" if kind is None else f"a {kind} deployment"
-                return await _error(
+                return await refuse(
                     send,
                     400,
                     f"'{deployment}' is {said}: online requests go to a standard deployment.",
                 )
-            return await self._pass(scope, send, _AZURE_TO_OPENAI[endpoint], body)
+            return await forward(self.inner, scope, send, _AZURE_TO_OPENAI[endpoint], body)
         if path.startswith(("/openai/files", "/openai/batches")):
             new_path = "/v1" + path.removeprefix("/openai")
             if scope["method"] == "POST" and path == "/openai/files":
                 problem = self._batch_models(body)
                 if problem:
-                    return await _error(send, 400, problem)
+                    return await refuse(send, 400, problem)
                 for azure, openai in _AZURE_TO_OPENAI.items():
                     body = body.replace(f'"url":"{azure}"'.encode(), f'"url":"{openai}"'.encode())
             elif scope["method"] == "POST" and path == "/openai/batches":
@@ -87,8 +87,8 @@ class AzureOpenAI:
                 endpoint = created.get("endpoint")
                 created["endpoint"] = _AZURE_TO_OPENAI.get(endpoint, f"azure:{endpoint}")
                 body = json.dumps(created).encode()
-            return await self._pass(scope, send, new_path, body)
-        return await _error(send, 404, "Resource not found", "404")
+            return await forward(self.inner, scope, send, new_path, body)
+        return await refuse(send, 404, "Resource not found", "404")
 
     def _refusal(self, scope: Scope) -> tuple[int, str, str] | None:
         query = parse_qs(scope.get("query_string", b"").decode())
@@ -116,23 +116,8 @@ class AzureOpenAI:
                 )
         return ""
 
-    async def _pass(self, scope: Scope, send: Send, path: str, body: bytes) -> Any:
-        headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
-        headers.append((b"content-length", str(len(body)).encode()))
-        inner = {**scope, "path": path, "raw_path": path.encode(), "headers": headers}
-        sent = False
 
-        async def receive() -> Message:
-            nonlocal sent
-            if sent:
-                return {"type": "http.disconnect"}
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        return await self.inner(inner, receive, send)
-
-
-async def _body(receive: Receive) -> bytes:
+async def read_body(receive: Receive) -> bytes:
     chunks = []
     while True:
         message = await receive()
@@ -141,7 +126,24 @@ async def _body(receive: Receive) -> bytes:
             return b"".join(chunks)
 
 
-async def _error(send: Send, status: int, message: str, code: str = "BadRequest") -> None:
+async def forward(app: Any, scope: Scope, send: Send, path: str, body: bytes) -> Any:
+    """Pass the request on to ``app`` at ``path`` with ``body`` (read whole)."""
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+    headers.append((b"content-length", str(len(body)).encode()))
+    inner = {**scope, "path": path, "raw_path": path.encode(), "headers": headers}
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return await app(inner, receive, send)
+
+
+async def refuse(send: Send, status: int, message: str, code: str = "BadRequest") -> None:
     """An error in Azure's shape (``{"error": {"code", "message"}}``)."""
     body = json.dumps({"error": {"code": code, "message": message}}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]

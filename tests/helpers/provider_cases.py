@@ -30,7 +30,7 @@ import dagster as dg
 from checkpoint_assets import AnthropicResource, AzureOpenAIResource, OpenAIResource, Price
 from checkpoint_assets.engine.providers.submissions import BatchProvider
 from examples import serving
-from examples.llm_batch import azure_api
+from examples.llm_batch import azure_api, compatible_api
 from examples.llm_batch.jobs import Settings
 from examples.llm_batch.online import Both
 from examples.llm_batch.provider import Provider
@@ -237,10 +237,39 @@ AZURE_OPENAI = ProviderCase(
     draws="openai",  # its batches are the local provider's OpenAI batches
 )
 
+
+@contextmanager
+def start_compatible(settings: Settings, clock: Callable[[], float]) -> Iterator[Fake]:
+    """An OpenAI-compatible batch API that drops batch metadata and takes a 7-day window
+    (``examples/llm_batch/compatible_api.py``): ``urls["base_url"]``."""
+    compatibility = compatible_api.Compatibility(windows=("24h", "7d"), metadata="drop")
+    with compatible_api.serve(compatibility, settings, clock=clock) as (url, app):
+        yield fake_of(app, {"base_url": url})
+
+
+OPENAI_COMPATIBLE = ProviderCase(
+    name="openai_compatible",
+    key="compatible",
+    start=start_compatible,
+    resource=lambda urls: OpenAIResource(
+        base_url=urls["base_url"],
+        api_key=dg.EnvVar("COMPATIBLE_API_KEY"),
+        model="m",
+        max_tokens=8,
+        batch_completion_window="7d",
+        batch_metadata=False,  # found again by the input file's name
+    ),
+    parse=openai_parse,
+    error="HTTP 500",
+    secrets={"COMPATIBLE_API_KEY": "sk-contract-compatible-5ecret"},
+    draws="openai",
+)
+
 #: Every provider the contract suite runs against; a provider adds its case on a line of its own.
 CASES: list[ProviderCase] = [
     OPENAI,
     ANTHROPIC,
     AZURE_OPENAI,
+    OPENAI_COMPATIBLE,
 ]
 BY_NAME: dict[str, ProviderCase] = {case.name: case for case in CASES}
