@@ -13,6 +13,13 @@ hold "no request paid twice" with the provider's count, not ours. It moves its b
 common knobs of ``examples.llm_batch.jobs.Settings`` (``processing_delay``, ``error_rate``,
 ``expire_rate``, ``expire_after``, ``seed``) and by the clock it is given.
 
+The suite expects what the local provider's batches do (``examples/llm_batch/jobs.py``): a
+fake built on its ``Job`` and ``Answerer`` behaves so. Answers classify the three ticket texts
+as ``billing``, ``technical``, ``other``, with a token per word; a batch that expires ends with
+the first half of its requests done; which batch expires is ``jobs.expires(settings, draws, n)``
+for the fake's n-th batch; a request fails with HTTP 500 at ``error_rate``, drawn per
+``custom_id`` and attempt; results come back in another order than the input.
+
 To add a provider: write its fake (a module of ``examples/``), a function that starts it and
 yields a :class:`Fake`, and a ``ProviderCase``; add the case to ``CASES`` (one line).
 """
