@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         AzureOpenAIResource,
         OpenAIResource,
     )
+    from checkpoint_assets.resources.bedrock import BedrockResource
 
 # The Dagster glue is imported on first use, so that the engine and the `checkpoint-assets` CLI
 # start without importing Dagster (seconds of start-up).
@@ -68,6 +69,7 @@ _LAZY = {
     "failed_partitions_sensor": "checkpoint_assets.integration.watch.sensor",
     "AnthropicResource": "checkpoint_assets.resources",
     "AzureOpenAIResource": "checkpoint_assets.resources",
+    "BedrockResource": "checkpoint_assets.resources.bedrock",
     "OpenAIResource": "checkpoint_assets.resources",
 }
 
@@ -91,6 +93,7 @@ __all__ = [
     "AzureOpenAIResource",
     "BatchProvider",
     "BatchesPendingError",
+    "BedrockResource",
     "Budget",
     "BudgetExceededError",
     "CheckpointError",

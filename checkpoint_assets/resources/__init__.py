@@ -5,6 +5,8 @@
 - :class:`AzureOpenAIResource` uses the ``openai`` package's Azure clients: OpenAI's models
   deployed on Azure OpenAI.
 - :class:`AnthropicResource` uses the ``anthropic`` package.
+- :class:`~checkpoint_assets.resources.bedrock.BedrockResource` (``bedrock.py``) uses ``boto3``:
+  Claude on Amazon Bedrock, online and as batch inference jobs.
 
 Each gives an ``async def`` function the client of its event loop. The client is made with
 ``max_retries=0``, so rate limits and errors reach the checkpointed asset. Each resource says

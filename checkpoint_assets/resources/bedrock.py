@@ -15,6 +15,7 @@ import json
 import os
 import threading
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Final
 
 import dagster as dg
@@ -31,7 +32,11 @@ _BATCH_API_RETRIES: Final = 5
 # Model ids of the models whose native body this resource builds: Anthropic's Claude, by
 # foundation model id ("anthropic.claude-...") or inference profile ("us.anthropic.claude-...").
 _SUPPORTED: Final = "anthropic.claude"
+# boto3's clients block: online requests run on threads of their own, as many as a client's
+# pooled connections.
+_THREADS: Final = 32
 _CLIENTS: Final[dict[tuple[Any, ...], Any]] = {}
+_EXECUTORS: Final[dict[int, ThreadPoolExecutor]] = {}  # by process
 _LOCK: Final = threading.Lock()
 
 
@@ -202,7 +207,7 @@ class BedrockResource(dg.ConfigurableResource):
             connect_timeout=self.timeout_seconds,
             read_timeout=self.timeout_seconds,
             retries={"mode": "standard", "total_max_attempts": retries + 1},
-            max_pool_connections=32,
+            max_pool_connections=_THREADS,
         )
         session = self._session(boto3)
         return session.client(service, config=config, endpoint_url=self.endpoint_urls.get(service))
@@ -261,7 +266,7 @@ class BedrockResource(dg.ConfigurableResource):
             return json.loads(answer["body"].read())
 
         async def send(body: Mapping[str, Any]) -> Any:
-            return await asyncio.to_thread(invoke, body)
+            return await asyncio.get_running_loop().run_in_executor(_threads(), invoke, body)
 
         return send
 
@@ -308,6 +313,15 @@ class BedrockResource(dg.ConfigurableResource):
             quotas=quotas,
             timeout_hours=self.job_timeout_hours,
         )
+
+
+def _threads() -> ThreadPoolExecutor:
+    """This process's threads of online requests (a forked process makes its own)."""
+    with _LOCK:
+        found = _EXECUTORS.get(os.getpid())
+        if found is None:
+            found = _EXECUTORS[os.getpid()] = ThreadPoolExecutor(_THREADS, "bedrock")
+        return found
 
 
 def _endpoint(endpoint: str | None) -> None:

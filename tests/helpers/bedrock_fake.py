@@ -321,6 +321,7 @@ class FakeBedrock:
 class _Handler(BaseHTTPRequestHandler):
     fake: FakeBedrock
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # an answer's headers and body go out at once
 
     def log_message(self, format: str, *args: Any) -> None:
         pass

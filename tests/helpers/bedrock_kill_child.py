@@ -1,0 +1,70 @@
+"""Child process of the Bedrock kill tests: one materialization of one shard through Bedrock's
+batch jobs, SIGKILLed at a chosen point.
+
+Usage: ``python bedrock_kill_child.py FAKE_URL S3_ENDPOINT BUCKET BASE_DIR ROWS SHARDS PARTITION
+POINT``. The point is installed by wrapping ``BedrockBatches``' methods (no hook in the
+package): ``after_upload`` (the file in S3, its URI not recorded), ``after_create`` (the job
+created, its ARN not recorded), ``downloading`` (half the shard's results read).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import bedrock_defs
+import dagster as dg
+
+from checkpoint_assets.engine.providers.submissions import Result
+from checkpoint_assets.resources.bedrock_batches import BedrockBatches
+
+POINTS = ("after_upload", "after_create", "downloading")
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def after(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        fn(*args, **kwargs)
+        die()
+
+    return wrapped
+
+
+def install(point: str, rows: int) -> None:
+    if point == "after_upload":
+        BedrockBatches.upload = after(BedrockBatches.upload)  # type: ignore[method-assign]
+    elif point == "after_create":
+        BedrockBatches.create = after(BedrockBatches.create)  # type: ignore[method-assign]
+    elif point == "downloading":
+        results = BedrockBatches.results
+
+        def half(self: BedrockBatches, batch_id: str) -> Iterator[Result]:
+            for i, result in enumerate(results(self, batch_id)):
+                if i == rows // 2:
+                    die()
+                yield result
+
+        BedrockBatches.results = half  # type: ignore[method-assign]
+    else:
+        raise ValueError(f"no such point {point!r}: one of {POINTS}")
+
+
+def main(fake_url: str, s3: str, bucket: str, base_dir: str, rows: str, shards: str,
+         partition: str, point: str) -> None:
+    install(point, int(rows) // int(shards))
+    bedrock = bedrock_defs.resource(fake_url, s3, bucket)
+    dg.materialize(
+        bedrock_defs.assets(int(rows), int(shards)),
+        resources=bedrock_defs.resources(base_dir, bedrock),
+        partition_key=partition,
+    )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:9])
