@@ -262,7 +262,8 @@ class BedrockResource(dg.ConfigurableResource):
             except runtime.exceptions.ClientError as e:
                 error = e.response.get("Error", {})
                 status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
-                raise BedrockError(error.get("Code", "error"), status, error.get("Message", ""))
+                code, message = error.get("Code", "error"), error.get("Message", "")
+                raise BedrockError(code, status, message) from e
             return json.loads(answer["body"].read())
 
         async def send(body: Mapping[str, Any]) -> Any:
@@ -290,8 +291,9 @@ class BedrockResource(dg.ConfigurableResource):
             )
         for name in ("input_prefix", "output_prefix"):
             if not str(getattr(self, name)).startswith("s3://"):
-                raise ValueError(f"BedrockResource.{name} must be an s3:// URI, got "
-                                 f"{getattr(self, name)!r}")
+                raise ValueError(
+                    f"BedrockResource.{name} must be an s3:// URI, got {getattr(self, name)!r}"
+                )
         quotas = Quotas(
             min_records=self.min_records_per_job,
             max_records_per_job=self.max_records_per_job,
@@ -339,7 +341,7 @@ def _boto3() -> Any:
         if e.name != "boto3":
             raise
         raise ModuleNotFoundError(
-            'BedrockResource needs the `boto3` package, which is not installed: pip install '
+            "BedrockResource needs the `boto3` package, which is not installed: pip install "
             '"checkpoint-assets[bedrock]"',
             name="boto3",
         ) from None

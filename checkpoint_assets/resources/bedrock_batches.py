@@ -38,6 +38,7 @@ pays again at most the requests in flight at that moment.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
@@ -239,10 +240,9 @@ class BedrockBatches:
     def cancel(self, batch_id: str) -> None:
         if batch_id.startswith(ONLINE):
             return  # its requests are sent within one poll: nothing waits to be stopped
-        try:
+        # A ConflictException: the job has ended or is stopping already.
+        with contextlib.suppress(self.bedrock.exceptions.ConflictException):
             self.bedrock.stop_model_invocation_job(jobIdentifier=batch_id)
-        except self.bedrock.exceptions.ConflictException:
-            pass  # the job has ended or is stopping already
 
     # -- results -----------------------------------------------------------------------------
     def results(self, batch_id: str) -> Iterator[Result]:
@@ -327,6 +327,6 @@ def _result(line: Mapping[str, Any], tag: str) -> Result:
         return Result(custom, output)
     error = line.get("error") or {}
     code = error.get("errorCode")
-    status = int(code) if str(code).isdigit() else 0
+    status = int(str(code)) if str(code).isdigit() else 0
     transient = status in (408, 429) or status >= 500
     return Result(custom, None, f"Bedrock error {code}: {error.get('errorMessage')}", transient)

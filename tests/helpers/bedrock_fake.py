@@ -219,7 +219,9 @@ class FakeBedrock:
             ]
         page = found[start : start + limit]
         more = start + limit < len(found)
-        return {"invocationJobSummaries": page} | ({"nextToken": str(start + limit)} if more else {})
+        return {"invocationJobSummaries": page} | (
+            {"nextToken": str(start + limit)} if more else {}
+        )
 
     # -- the jobs' worker ---------------------------------------------------------------------
     def _work(self) -> None:

@@ -55,8 +55,16 @@ def install(point: str, rows: int) -> None:
         raise ValueError(f"no such point {point!r}: one of {POINTS}")
 
 
-def main(fake_url: str, s3: str, bucket: str, base_dir: str, rows: str, shards: str,
-         partition: str, point: str) -> None:
+def main(
+    fake_url: str,
+    s3: str,
+    bucket: str,
+    base_dir: str,
+    rows: str,
+    shards: str,
+    partition: str,
+    point: str,
+) -> None:
     install(point, int(rows) // int(shards))
     bedrock = bedrock_defs.resource(fake_url, s3, bucket)
     dg.materialize(

@@ -37,8 +37,13 @@ class Bedrock:
         return bedrock_defs.resource(self.fake.url, self.s3, self.bucket, **kw)
 
     def materialize(
-        self, rows: int, shards: int, partition: str, resource: BedrockResource | None = None,
-        asset: dict[str, Any] | None = None, **kw: Any
+        self,
+        rows: int,
+        shards: int,
+        partition: str,
+        resource: BedrockResource | None = None,
+        asset: dict[str, Any] | None = None,
+        **kw: Any,
     ) -> dg.ExecuteInProcessResult:
         return dg.materialize(
             bedrock_defs.assets(rows, shards, **(asset or {})),
@@ -91,7 +96,9 @@ def test_a_shard_below_the_minimum_records_per_job_is_sent_online(
     assert "below Bedrock's minimum of 100 records per batch job" in caplog.text
 
 
-def test_transient_record_errors_are_sent_again_within_the_run(s3_server: str, tmp_path: Any) -> None:
+def test_transient_record_errors_are_sent_again_within_the_run(
+    s3_server: str, tmp_path: Any
+) -> None:
     # Every 50th record of a job fails with a 500 once: its 20 rows come back as a submission
     # below the minimum, sent online; each row is paid once.
     with serve(s3_server, Settings(error_every=50)) as fake:
@@ -107,8 +114,8 @@ def test_transient_record_errors_are_sent_again_within_the_run(s3_server: str, t
 def test_a_hybrid_run_past_its_deadline_pays_for_each_stored_row_once(
     s3_server: str, tmp_path: Any
 ) -> None:
-    # The job runs 300 records a second (1,000 rows): at the 1 s deadline it is stopped with part of its rows
-    # run; those are collected from its output, the others go online.
+    # The job runs 300 records a second (1,000 rows): at the 1 s deadline it is stopped with
+    # part of its rows run; those are collected from its output, the others go online.
     with serve(s3_server, Settings(records_per_second=300)) as fake:
         world = Bedrock(fake, s3_server, str(tmp_path / "checkpoints"))
         config = {"ops": {bedrock_defs.ASSET: {"config": {"mode": "hybrid", "deadline": "1s"}}}}
@@ -140,8 +147,10 @@ def test_a_job_refused_for_want_of_room_stops_the_run_and_the_next_run_creates_i
 
 
 def test_credentials_are_never_logged(
-    world: Bedrock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-    capfd: pytest.CaptureFixture[str]
+    world: Bedrock,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     key_id, secret = "AKIAFAKEBEDROCK00042", "bedrock-secret-do-not-log-7f3a9c"
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
