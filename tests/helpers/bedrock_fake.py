@@ -13,26 +13,26 @@ What it serves (REST-JSON, as botocore's ``bedrock`` and ``bedrock-runtime`` mod
   ``GET /model-invocation-jobs`` (``nameContains``, ``submitTimeAfter``, ``maxResults``,
   ``nextToken``).
 - ``POST /model/{modelId}/invoke`` and ``/converse``: one answer, at once.
-- ``GET /_fake/stats``: what it processed, for the tests.
 
-A job is worked on by a thread: ``Submitted``, then ``InProgress`` after ``start_delay``, then
-``records_per_second`` records at a time, each counted by its row (the text of its first
-message). When every record ran, or it was stopped, it writes ``<output>/<job id>/<file>.out``
-(one line per record run: ``recordId``, ``modelInput``, ``modelOutput`` or ``error``) and
-``manifest.json.out``, then ends ``Completed`` (``PartiallyCompleted`` with errors) or
-``Stopped``.
-
-Answers are Claude's Messages bodies: ``content[0].text`` is ``"answer: <text>"``, with usage.
+A job moves as the local batch provider's batches do (``examples/llm_batch/jobs.py``: its
+``Settings`` and clock, ``processing_delay``, ``error_rate``, ``expire_rate``...; drawn by the
+API name ``bedrock``), so the contract suite drives every fake alike. Its state is worked out
+from the clock whenever it is asked. Once it has ended, it writes ``<output>/<job id>/<file>.out``
+(one line per record run, in no particular order: ``recordId``, ``modelInput``, ``modelOutput``
+or ``error``) and ``manifest.json.out``. Answers are Claude's Messages bodies, by the local
+provider's rule (``classify``). It counts what it ran: per ``custom_id`` (the job's name, the tag,
+and the record's index) and per row (the text of the first message), in batch and online.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -42,17 +42,24 @@ from urllib.parse import parse_qs, unquote, urlparse
 
 import boto3
 
+from examples.llm_batch import jobs
+from examples.llm_batch.jobs import ENDED, Phase, Settings
+
 ACCOUNT = "123456789012"
-ACTIVE = ("Submitted", "Validating", "Scheduled", "InProgress", "Stopping")
-
-
-@dataclass
-class Settings:
-    start_delay: float = 0.0  # seconds Submitted before InProgress
-    records_per_second: float = 1e9  # records run per second of InProgress
-    min_records: int = 100
-    max_jobs: int = 20  # submitted or in progress at once
-    error_every: int = 0  # every n-th record (by recordId) fails with a 500 once; 0: none
+API = "bedrock"  # the name batches are drawn by (``jobs.expires``)
+# What ``snapshot`` counts, 0 until it happens (``provider_cases.COUNTS``).
+COUNTS = ("creates", "cancels", "submitted", "processed", "succeeded", "errored", "expired")
+COUNTS += ("cancelled", "input_tokens", "output_tokens")
+_STATUS = {
+    Phase.VALIDATING: "Validating",
+    Phase.IN_PROGRESS: "InProgress",
+    Phase.FINALIZING: "InProgress",
+    Phase.COMPLETED: "Completed",
+    Phase.EXPIRED: "Expired",
+    Phase.CANCELLING: "Stopping",
+    Phase.CANCELLED: "Stopped",
+    Phase.FAILED: "Failed",
+}
 
 
 @dataclass
@@ -65,36 +72,37 @@ class Job:
     input_uri: str
     output_uri: str
     submitted: datetime
-    tags: list[dict[str, str]]
-    status: str = "Submitted"
-    message: str = ""
+    timing: jobs.Job  # its requests, and when each is done
     records: list[dict[str, Any]] = field(default_factory=list)
-    lines: list[dict[str, Any]] = field(default_factory=list)  # output lines, as they run
-    stop: bool = False
-    ended: datetime | None = None
-    started: float = 0.0  # time.monotonic() when it went InProgress
+    written: bool = False
 
-    def describe(self) -> dict[str, Any]:
-        failed = sum("error" in line for line in self.lines)
+    def status(self, now: float) -> str:
+        phase = self.timing.phase(now)
+        if phase is Phase.COMPLETED and any(o.status != 200 for o in self.timing.outcomes):
+            return "PartiallyCompleted"
+        return _STATUS[phase]
+
+    def describe(self, now: float) -> dict[str, Any]:
+        outcomes = self.timing.outcomes
+        failed = sum(o.status != 200 for o in outcomes)
+        problems = self.timing.problems
         return {
             "jobArn": self.arn,
             "jobName": self.name,
             "modelId": self.model,
             "roleArn": self.role,
             "clientRequestToken": self.token,
-            "status": self.status,
-            "message": self.message,
+            "status": self.status(now),
+            "message": problems[0]["message"] if problems else "",
             "submitTime": self.submitted.isoformat(),
-            "lastModifiedTime": datetime.now(UTC).isoformat(),
-            **({"endTime": self.ended.isoformat()} if self.ended else {}),
             "inputDataConfig": {
                 "s3InputDataConfig": {"s3Uri": self.input_uri, "s3InputFormat": "JSONL"}
             },
             "outputDataConfig": {"s3OutputDataConfig": {"s3Uri": self.output_uri}},
             "timeoutDurationInHours": 24,
             "totalRecordCount": len(self.records),
-            "processedRecordCount": len(self.lines),
-            "successRecordCount": len(self.lines) - failed,
+            "processedRecordCount": len(outcomes),
+            "successRecordCount": len(outcomes) - failed,
             "errorRecordCount": failed,
         }
 
@@ -105,22 +113,20 @@ def row_of(body: dict[str, Any]) -> str:
     return content if isinstance(content, str) else str(content[0].get("text"))
 
 
-def answer(body: dict[str, Any], model: str) -> dict[str, Any]:
-    text = row_of(body)
-    return {
-        "id": "msg_" + secrets.token_hex(8),
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": [{"type": "text", "text": f"answer: {text}"}],
-        "stop_reason": "end_turn",
-        "usage": {"input_tokens": max(1, len(text) // 4), "output_tokens": 3},
-    }
-
-
 class FakeBedrock:
-    def __init__(self, s3_endpoint: str, settings: Settings | None = None) -> None:
+    def __init__(
+        self,
+        s3_endpoint: str,
+        settings: Settings | None = None,
+        clock: Callable[[], float] = time.time,
+        *,
+        min_records: int = 100,
+        max_jobs: int = 20,
+    ) -> None:
         self.settings = settings or Settings()
+        self.clock = clock
+        self.min_records = min_records
+        self.max_jobs = max_jobs
         self.s3 = boto3.client(
             "s3",
             endpoint_url=s3_endpoint,
@@ -129,14 +135,13 @@ class FakeBedrock:
             aws_secret_access_key="testing",
         )
         self.jobs: dict[str, Job] = {}  # by job id
-        self.lock = threading.Lock()
-        self.batch = Counter[str]()  # records run in jobs (successes and errors), by row
-        self.batch_billed = Counter[str]()  # records answered in jobs, by row
+        self.lock = threading.RLock()
+        self.counts = Counter[str]()  # the contract's counts (``provider_cases.COUNTS``)
+        self.answerer = jobs.Answerer(self.settings, self.counts)
+        self.batch_rows = Counter[str]()  # records run in jobs, by row
+        self.batch_paid = Counter[str]()  # records answered in jobs, by row
         self.online = Counter[str]()  # InvokeModel / Converse answered, by row
         self.calls = Counter[str]()  # API calls, by operation
-        self.failed_once: set[tuple[str, str]] = set()
-        self._stopping = threading.Event()
-        self._worker = threading.Thread(target=self._work, daemon=True)
         handler = type("Handler", (_Handler,), {"fake": self})
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -145,26 +150,46 @@ class FakeBedrock:
 
     def start(self) -> FakeBedrock:
         self._thread.start()
-        self._worker.start()
         return self
 
     def close(self) -> None:
-        self._stopping.set()
         self.server.shutdown()
         self.server.server_close()
 
-    def stats(self) -> dict[str, Any]:
+    # -- what it counted --------------------------------------------------------------------
+    def settle_all(self) -> None:
         with self.lock:
-            paid = self.batch_billed + self.online
+            for job in self.jobs.values():
+                self._settle(job)
+
+    def snapshot(self) -> dict[str, int]:
+        """The contract's counts (``provider_cases.COUNTS``), every job worked out to now."""
+        self.settle_all()
+        with self.lock:
+            return {name: self.counts[name] for name in COUNTS} | dict(self.counts)
+
+    def processed(self) -> Counter[str]:
+        """Records run in jobs, per ``custom_id``."""
+        self.settle_all()
+        with self.lock:
+            return Counter(o.custom_id for j in self.jobs.values() for o in j.timing.outcomes)
+
+    def stats(self) -> dict[str, Any]:
+        """Jobs, records run and paid, by row, in batch and online."""
+        self.settle_all()
+        with self.lock:
+            paid = self.batch_paid + self.online
             return {
                 "jobs": len(self.jobs),
                 "creates": self.calls["create"],
-                "batch_records": sum(self.batch.values()),
+                "batch_records": sum(self.batch_rows.values()),
                 "online_requests": sum(self.online.values()),
                 "paid": sum(paid.values()),
                 "rows_paid": len(paid),
                 "paid_twice": sum(1 for n in paid.values() if n > 1),
-                "submitted_twice": sum(1 for n in (self.batch + self.online).values() if n > 1),
+                "submitted_twice": sum(
+                    1 for n in (self.batch_rows + self.online).values() if n > 1
+                ),
             }
 
     # -- the control plane ----------------------------------------------------------------
@@ -173,35 +198,78 @@ class FakeBedrock:
         for need in ("jobName", "roleArn", "modelId", "inputDataConfig", "outputDataConfig"):
             if need not in body:
                 return 400, {"message": f"{need} is required"}, "ValidationException"
+        now = self.clock()
         with self.lock:
             token = body.get("clientRequestToken")
             for job in self.jobs.values():
                 if token is not None and job.token == token:
                     return 200, {"jobArn": job.arn}, None
-            active = sum(j.status in ACTIVE for j in self.jobs.values())
-            if active >= self.settings.max_jobs:
+            active = sum(j.timing.phase(now) not in ENDED for j in self.jobs.values())
+            if active >= self.max_jobs:
                 message = (
-                    f"You have reached the quota of {self.settings.max_jobs} in-progress and "
-                    "submitted batch inference jobs for this model."
+                    f"You have reached the quota of {self.max_jobs} in-progress and submitted "
+                    "batch inference jobs for this model."
                 )
                 return 400, {"message": message}, "ServiceQuotaExceededException"
-            job_id = secrets.token_hex(6)
-            job = Job(
-                arn=f"arn:aws:bedrock:us-east-1:{ACCOUNT}:model-invocation-job/{job_id}",
-                name=body["jobName"],
-                token=token,
-                model=body["modelId"],
-                role=body["roleArn"],
-                input_uri=body["inputDataConfig"]["s3InputDataConfig"]["s3Uri"],
-                output_uri=body["outputDataConfig"]["s3OutputDataConfig"]["s3Uri"],
-                submitted=datetime.now(UTC),
-                tags=body.get("tags", []),
+            uri = body["inputDataConfig"]["s3InputDataConfig"]["s3Uri"]
+            bucket, _, key = uri.removeprefix("s3://").partition("/")
+            text = self.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+            name, model = body["jobName"], body["modelId"]
+            requests = [
+                (f"{name}-{int(r['recordId'])}", {"model": model, **r["modelInput"]})
+                for r in records
+            ]
+            timing = jobs.Job(
+                id=secrets.token_hex(6),
+                endpoint=jobs.MESSAGES,
+                requests=requests,
+                created=now,
+                settings=self.settings,
+                expiring=jobs.expires(self.settings, API, len(self.jobs) + 1),
             )
-            self.jobs[job_id] = job
+            if len(records) < self.min_records:
+                timing.problems.append(
+                    {
+                        "message": f"The number of records ({len(records)}) is below the "
+                        f"minimum number of records per batch inference job ({self.min_records})."
+                    }
+                )
+            job = Job(
+                arn=f"arn:aws:bedrock:us-east-1:{ACCOUNT}:model-invocation-job/{timing.id}",
+                name=name,
+                token=token,
+                model=model,
+                role=body["roleArn"],
+                input_uri=uri,
+                output_uri=body["outputDataConfig"]["s3OutputDataConfig"]["s3Uri"],
+                submitted=datetime.fromtimestamp(now, UTC),
+                timing=timing,
+                records=records,
+            )
+            self.jobs[timing.id] = job
+            self.counts["creates"] += 1
+            self.counts["submitted"] += len(records)
         return 200, {"jobArn": job.arn}, None
 
     def job(self, identifier: str) -> Job | None:
-        return self.jobs.get(unquote(identifier).rsplit("/", 1)[-1])
+        with self.lock:
+            job = self.jobs.get(unquote(identifier).rsplit("/", 1)[-1])
+            if job is not None:
+                self._settle(job)
+            return job
+
+    def stop(self, job: Job) -> bool:
+        now = self.clock()
+        with self.lock:
+            if job.timing.phase(now) not in jobs.CANCELLABLE:
+                return False
+            job.timing.advance(now, self.answerer)
+            self._count_new(job)
+            job.timing.cancelled_at = now
+            self.counts["cancels"] += 1
+            self._settle(job)
+        return True
 
     def list_jobs(self, query: dict[str, list[str]]) -> dict[str, Any]:
         self.calls["list"] += 1
@@ -210,11 +278,12 @@ class FakeBedrock:
         since = datetime.fromisoformat(after.replace("Z", "+00:00")) if after else None
         limit = int(query.get("maxResults", ["50"])[0])
         start = int(query.get("nextToken", ["0"])[0])
+        now = self.clock()
         with self.lock:
-            jobs = sorted(self.jobs.values(), key=lambda j: j.submitted, reverse=True)
+            listed = sorted(self.jobs.values(), key=lambda j: j.submitted, reverse=True)
             found = [
-                j.describe()
-                for j in jobs
+                j.describe(now)
+                for j in listed
                 if name in j.name and (since is None or j.submitted >= since)
             ]
         page = found[start : start + limit]
@@ -223,101 +292,102 @@ class FakeBedrock:
             {"nextToken": str(start + limit)} if more else {}
         )
 
-    # -- the jobs' worker ---------------------------------------------------------------------
-    def _work(self) -> None:
-        while not self._stopping.is_set():
-            with self.lock:
-                jobs = [j for j in self.jobs.values() if j.status in ACTIVE]
-            for job in jobs:
-                try:
-                    self._step(job)
-                except Exception as e:  # a fake's bug shows as the job's failure
-                    job.status, job.message = "Failed", f"fake: {type(e).__name__}: {e}"
-            time.sleep(0.02)
-
-    def _step(self, job: Job) -> None:
-        s = self.settings
-        if job.status == "Submitted":
-            if (datetime.now(UTC) - job.submitted).total_seconds() < s.start_delay:
-                return
-            bucket, _, key = job.input_uri.removeprefix("s3://").partition("/")
-            text = self.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-            job.records = [json.loads(line) for line in text.splitlines() if line.strip()]
-            if len(job.records) < s.min_records:
-                job.status = "Failed"
-                job.message = (
-                    f"The number of records ({len(job.records)}) is below the minimum number of "
-                    f"records per batch inference job ({s.min_records})."
-                )
-                return
-            job.status = "InProgress"
-            job.started = time.monotonic()
+    # -- a job worked out to now ------------------------------------------------------------
+    def _settle(self, job: Job) -> None:
+        """Run the records due by now; once the job has ended, count what it left unrun and
+        write its output (inside the lock)."""
+        now = self.clock()
+        job.timing.advance(now, self.answerer)
+        self._count_new(job)
+        phase = job.timing.phase(now)
+        if phase not in ENDED or job.written:
             return
-        if job.status in ("InProgress", "Stopping"):
-            if not job.stop:
-                elapsed = time.monotonic() - job.started
-                due = min(len(job.records), int(elapsed * s.records_per_second) + 1)
-                for record in job.records[len(job.lines) : due]:
-                    job.lines.append(self._run(job, record))
-                if len(job.lines) < len(job.records):
-                    return
+        unrun = len(job.records) - len(job.timing.outcomes)
+        if phase is Phase.EXPIRED:
+            self.counts["expired"] += unrun
+        elif phase is Phase.CANCELLED:
+            self.counts["cancelled"] += unrun
+        if phase is not Phase.FAILED:
             self._write(job)
-            failed = any("error" in line for line in job.lines)
-            with self.lock:
-                job.status = (
-                    "Stopped" if job.stop else "PartiallyCompleted" if failed else "Completed"
-                )
-                job.ended = datetime.now(UTC)
+        job.written = True
 
-    def _run(self, job: Job, record: dict[str, Any]) -> dict[str, Any]:
-        body = record["modelInput"]
-        row = row_of(body)
-        line = {"recordId": record["recordId"], "modelInput": body}
-        with self.lock:
-            self.batch[row] += 1
-            n = self.settings.error_every
-            if n and int(record["recordId"]) % n == 0 and (job.name, row) not in self.failed_once:
-                self.failed_once.add((job.name, row))
-                return line | {"error": {"errorCode": 500, "errorMessage": "Internal error"}}
-            self.batch_billed[row] += 1
-        return line | {"modelOutput": answer(body, job.model)}
+    def _count_new(self, job: Job) -> None:
+        counted = getattr(job, "_counted", 0)
+        for outcome in job.timing.outcomes[counted:]:
+            index = int(outcome.custom_id.rpartition("-")[2])
+            body = job.records[index]["modelInput"]
+            try:
+                row = row_of(body)
+            except (KeyError, IndexError, TypeError):
+                row = outcome.custom_id
+            self.batch_rows[row] += 1
+            if outcome.status == 200:
+                self.batch_paid[row] += 1
+        job._counted = len(job.timing.outcomes)  # type: ignore[attr-defined]
 
     def _write(self, job: Job) -> None:
         output = job.output_uri if job.output_uri.endswith("/") else job.output_uri + "/"
         bucket, _, prefix = output.removeprefix("s3://").partition("/")
-        job_id = job.arn.rsplit("/", 1)[-1]
+        lines = []
+        for outcome in job.timing.outcomes:
+            index = int(outcome.custom_id.rpartition("-")[2])
+            record = job.records[index]
+            line = {"recordId": record["recordId"], "modelInput": record["modelInput"]}
+            if outcome.status == 200:
+                line["modelOutput"] = outcome.body
+            else:
+                message = outcome.error[1] if outcome.error else "error"
+                line["error"] = {"errorCode": outcome.status, "errorMessage": message}
+            lines.append(line)
+        random.Random(job.name).shuffle(lines)  # Bedrock keeps no order
         file = job.input_uri.rsplit("/", 1)[-1]
-        body = "".join(json.dumps(line) + "\n" for line in job.lines).encode()
-        self.s3.put_object(Bucket=bucket, Key=f"{prefix}{job_id}/{file}.out", Body=body)
-        failed = sum("error" in line for line in job.lines)
+        body = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        self.s3.put_object(Bucket=bucket, Key=f"{prefix}{job.timing.id}/{file}.out", Body=body)
+        failed = sum("error" in line for line in lines)
         manifest = {
             "totalRecordCount": len(job.records),
-            "processedRecordCount": len(job.lines),
-            "successRecordCount": len(job.lines) - failed,
+            "processedRecordCount": len(lines),
+            "successRecordCount": len(lines) - failed,
             "errorRecordCount": failed,
-            "inputTokenCount": 0,
-            "outputTokenCount": 0,
+            "inputTokenCount": sum(o.tokens[0] for o in job.timing.outcomes),
+            "outputTokenCount": sum(o.tokens[1] for o in job.timing.outcomes),
         }
-        key = f"{prefix}{job_id}/manifest.json.out"
+        key = f"{prefix}{job.timing.id}/manifest.json.out"
         self.s3.put_object(Bucket=bucket, Key=key, Body=json.dumps(manifest).encode())
 
     # -- the runtime ------------------------------------------------------------------------------
-    def invoke(self, model: str, body: dict[str, Any], converse: bool) -> dict[str, Any]:
+    def invoke(
+        self, model: str, body: dict[str, Any], converse: bool
+    ) -> tuple[int, dict[str, Any]]:
+        """One online answer (status, body): never a drawn error, as the local chat server."""
+        params = dict(body)
         if converse:
-            text = body["messages"][0]["content"][0]["text"]
-            with self.lock:
-                self.online[text] += 1
-            return {
-                "output": {
-                    "message": {"role": "assistant", "content": [{"text": f"answer: {text}"}]}
-                },
-                "stopReason": "end_turn",
-                "usage": {"inputTokens": 1, "outputTokens": 3, "totalTokens": 4},
-                "metrics": {"latencyMs": 1},
+            texts = [c.get("text") for m in body.get("messages", []) for c in m.get("content", [])]
+            params = {
+                "messages": [{"role": "user", "content": t} for t in texts if isinstance(t, str)],
+                "max_tokens": (body.get("inferenceConfig") or {}).get("maxTokens", 1024),
             }
+        try:
+            outcome = jobs._message("online", {"model": model, **params})
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return 400, {"message": "messages: a non-empty list of messages is required"}
         with self.lock:
-            self.online[row_of(body)] += 1
-        return answer(body, model)
+            self.online[row_of(params)] += 1
+        assert outcome.body is not None
+        if not converse:
+            return 200, outcome.body
+        text = outcome.body["content"][0]["text"]
+        usage = outcome.body["usage"]
+        return 200, {
+            "output": {"message": {"role": "assistant", "content": [{"text": text}]}},
+            "stopReason": "end_turn",
+            "usage": {
+                "inputTokens": usage["input_tokens"],
+                "outputTokens": usage["output_tokens"],
+                "totalTokens": usage["input_tokens"] + usage["output_tokens"],
+            },
+            "metrics": {"latencyMs": 1},
+        }
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -346,8 +416,6 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         parts = url.path.strip("/").split("/")
         fake = self.fake
-        if url.path == "/_fake/stats":
-            return self._send(200, fake.stats())
         if url.path == "/model-invocation-jobs":
             return self._send(200, fake.list_jobs(parse_qs(url.query)))
         if parts[0] == "model-invocation-job" and len(parts) == 2:
@@ -356,7 +424,7 @@ class _Handler(BaseHTTPRequestHandler):
             if job is None:
                 return self._send(404, {"message": "no such job"}, "ResourceNotFoundException")
             with fake.lock:
-                return self._send(200, job.describe())
+                return self._send(200, job.describe(fake.clock()))
         self._send(404, {"message": f"no route {url.path}"}, "ResourceNotFoundException")
 
     def do_POST(self) -> None:
@@ -372,22 +440,47 @@ class _Handler(BaseHTTPRequestHandler):
             job = fake.job(parts[1])
             if job is None:
                 return self._send(404, {"message": "no such job"}, "ResourceNotFoundException")
-            with fake.lock:
-                if job.status not in ACTIVE:
-                    return self._send(400, {"message": "job ended"}, "ConflictException")
-                job.stop, job.status = True, "Stopping"
+            if not fake.stop(job):
+                return self._send(400, {"message": "the job has ended"}, "ConflictException")
             return self._send(200, {})
         if parts[0] == "model" and len(parts) == 3 and parts[2] in ("invoke", "converse"):
-            model = unquote(parts[1])
-            return self._send(200, fake.invoke(model, body, converse=parts[2] == "converse"))
+            status, answer = fake.invoke(unquote(parts[1]), body, parts[2] == "converse")
+            return self._send(status, answer, None if status == 200 else "ValidationException")
         self._send(404, {"message": f"no route {url.path}"}, "ResourceNotFoundException")
 
 
 @contextmanager
-def serve(s3_endpoint: str, settings: Settings | None = None) -> Iterator[FakeBedrock]:
-    """The fake on a free port of 127.0.0.1, for the ``with`` block."""
-    fake = FakeBedrock(s3_endpoint, settings).start()
+def serve(
+    s3_endpoint: str,
+    settings: Settings | None = None,
+    clock: Callable[[], float] = time.time,
+    **kw: Any,
+) -> Iterator[FakeBedrock]:
+    """The fake on a free port of 127.0.0.1, for the ``with`` block (``kw``: ``min_records``,
+    ``max_jobs``)."""
+    fake = FakeBedrock(s3_endpoint, settings, clock, **kw).start()
     try:
         yield fake
     finally:
         fake.close()
+
+
+@contextmanager
+def moto_s3() -> Iterator[str]:
+    """moto's S3 server on a free port of 127.0.0.1, for the ``with`` block; its URL."""
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+    from werkzeug.serving import make_server
+
+    app = DomainDispatcherApplication(create_backend_app)
+    server = make_server("127.0.0.1", 0, app, True, request_handler=MotoRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        thread.join()

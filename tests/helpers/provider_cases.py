@@ -34,7 +34,13 @@ from typing import Any
 
 import dagster as dg
 
-from checkpoint_assets import AnthropicResource, AzureOpenAIResource, OpenAIResource, Price
+from checkpoint_assets import (
+    AnthropicResource,
+    AzureOpenAIResource,
+    BedrockResource,
+    OpenAIResource,
+    Price,
+)
 from checkpoint_assets.engine.providers.submissions import BatchProvider
 from examples import serving
 from examples.llm_batch import azure_api, compatible_api
@@ -272,11 +278,59 @@ OPENAI_COMPATIBLE = ProviderCase(
     draws="openai",
 )
 
+
+# -- Amazon Bedrock's fake (helpers/bedrock_fake.py), over S3 on moto's server -------------------
+@contextmanager
+def start_bedrock(settings: Settings, clock: Callable[[], float]) -> Iterator[Fake]:
+    """Bedrock's fake and an S3 server of its own with a bucket. Its minimum records per job is
+    1, so that the suite's small tables run as jobs (the minimum is test_bedrock.py's)."""
+    import boto3
+
+    from helpers.bedrock_fake import moto_s3, serve
+
+    with moto_s3() as s3, serve(s3, settings, clock, min_records=1) as fake:
+        bucket = "contract-bedrock"
+        keys = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+        client = boto3.client("s3", endpoint_url=s3, region_name="us-east-1", **keys)
+        client.create_bucket(Bucket=bucket)
+        yield Fake(
+            urls={"bedrock": fake.url, "s3": s3, "bucket": bucket},
+            counts=fake.snapshot,
+            processed=fake.processed,
+            online=lambda: sum(fake.online.values()),
+        )
+
+
+BEDROCK = ProviderCase(
+    name="bedrock",
+    key="bedrock",
+    start=start_bedrock,
+    # Credentials by reference: boto3's chain reads them from the environment (``secrets``).
+    resource=lambda urls: BedrockResource(
+        region="us-east-1",
+        model_id="anthropic.claude-3-5-haiku-20241022-v1:0",
+        max_tokens=8,
+        batch_role_arn="arn:aws:iam::123456789012:role/bedrock-batch",
+        input_prefix=f"s3://{urls['bucket']}/input/",
+        output_prefix=f"s3://{urls['bucket']}/output/",
+        endpoint_urls={"bedrock": urls["bedrock"], "bedrock-runtime": urls["bedrock"]}
+        | {"s3": urls["s3"]},
+        min_records_per_job=1,
+    ),
+    parse=anthropic_parse,
+    error="Bedrock error 500",
+    secrets={
+        "AWS_ACCESS_KEY_ID": "AKIACONTRACTBEDROCK7",
+        "AWS_SECRET_ACCESS_KEY": "bedrock-contract-5ecret",
+    },
+)
+
 #: Every provider the contract suite runs against; a provider adds its case on a line of its own.
 CASES: list[ProviderCase] = [
     OPENAI,
     ANTHROPIC,
     AZURE_OPENAI,
     OPENAI_COMPATIBLE,
+    BEDROCK,
 ]
 BY_NAME: dict[str, ProviderCase] = {case.name: case for case in CASES}

@@ -18,11 +18,13 @@ import dagster as dg
 import pytest
 from conftest import make_bucket
 from helpers import bedrock_defs
-from helpers.bedrock_fake import FakeBedrock, Settings, serve
+from helpers.bedrock_fake import FakeBedrock, serve
 from helpers.jobs import step_error
 
 from checkpoint_assets.engine import Checkpoint, open_store
 from checkpoint_assets.resources.bedrock import BedrockResource
+from examples.llm_batch.jobs import Settings
+from examples.llm_openai.answers import classify
 
 
 class Bedrock:
@@ -72,7 +74,7 @@ def test_four_shards_store_every_row_once_and_bedrock_runs_each_once(world: Bedr
     ids = sorted(i for frame in stored for i in frame.get_column(bedrock_defs.ID).to_list())
     assert ids == list(range(rows))
     answers = {r["ticket_id"]: r["answer"] for frame in stored for r in frame.to_dicts()}
-    assert all(answers[i] == f"answer: {bedrock_defs.text(i)}" for i in range(rows))
+    assert all(answers[i] == classify(bedrock_defs.text(i)) for i in range(rows))
     counted = world.fake.stats()
     assert counted["jobs"] == shards  # one job per shard of 500 rows
     assert counted["batch_records"] == counted["paid"] == counted["rows_paid"] == rows
@@ -99,24 +101,24 @@ def test_a_shard_below_the_minimum_records_per_job_is_sent_online(
 def test_transient_record_errors_are_sent_again_within_the_run(
     s3_server: str, tmp_path: Any
 ) -> None:
-    # Every 50th record of a job fails with a 500 once: its 20 rows come back as a submission
-    # below the minimum, sent online; each row is paid once.
-    with serve(s3_server, Settings(error_every=50)) as fake:
+    # 2 % of a job's records fail with a 500: their rows come back as a submission below the
+    # minimum, sent online; each row is paid once.
+    with serve(s3_server, Settings(error_rate=0.02, seed=1)) as fake:
         world = Bedrock(fake, s3_server, str(tmp_path / "checkpoints"))
         assert world.materialize(1_000, 1, "0-of-1").success
         stored = world.stored("0-of-1")
         assert stored.height == 1_000 and stored.get_column("_error").null_count() == 1_000
-        counted = fake.stats()
-        assert counted["batch_records"] == 1_000 and counted["online_requests"] == 20
+        counted, errored = fake.stats(), fake.snapshot()["errored"]
+        assert counted["batch_records"] == 1_000 and 0 < errored == counted["online_requests"]
         assert counted["paid"] == counted["rows_paid"] == 1_000
 
 
 def test_a_hybrid_run_past_its_deadline_pays_for_each_stored_row_once(
     s3_server: str, tmp_path: Any
 ) -> None:
-    # The job runs 300 records a second (1,000 rows): at the 1 s deadline it is stopped with
-    # part of its rows run; those are collected from its output, the others go online.
-    with serve(s3_server, Settings(records_per_second=300)) as fake:
+    # The job would take 4 s: at the 1 s deadline it is stopped with part of its rows run;
+    # those are collected from its output, the others go online.
+    with serve(s3_server, Settings(processing_delay=4.0)) as fake:
         world = Bedrock(fake, s3_server, str(tmp_path / "checkpoints"))
         config = {"ops": {bedrock_defs.ASSET: {"config": {"mode": "hybrid", "deadline": "1s"}}}}
         fast = {"max_concurrency": 8}
@@ -132,14 +134,14 @@ def test_a_hybrid_run_past_its_deadline_pays_for_each_stored_row_once(
 def test_a_job_refused_for_want_of_room_stops_the_run_and_the_next_run_creates_it(
     s3_server: str, tmp_path: Any
 ) -> None:
-    with serve(s3_server, Settings(max_jobs=0)) as fake:
+    with serve(s3_server, max_jobs=0) as fake:
         world = Bedrock(fake, s3_server, str(tmp_path / "checkpoints"))
         refused = world.materialize(500, 1, "0-of-1", raise_on_error=False)
         assert not refused.success
         said = step_error(refused)
         assert "BedrockQueueFullError" in said and "Bedrock refused the batch job" in said
         assert "for want of room" in said and "Service Quotas" in said
-        fake.settings.max_jobs = 20
+        fake.max_jobs = 20
         assert world.materialize(500, 1, "0-of-1").success
         counted = fake.stats()
         assert counted["jobs"] == 1 and counted["paid"] == counted["rows_paid"] == 500
