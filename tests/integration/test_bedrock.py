@@ -96,6 +96,7 @@ def test_a_shard_below_the_minimum_records_per_job_is_sent_online(
     assert counted["online_requests"] == counted["paid"] == stored.height
     # Its run said why.
     assert "below Bedrock's minimum of 100 records per batch job" in caplog.text
+    print(f"\nbedrock below the minimum: rows={stored.height} {counted}")  # the docs' figure (-s)
 
 
 def test_transient_record_errors_are_sent_again_within_the_run(
@@ -129,6 +130,7 @@ def test_a_hybrid_run_past_its_deadline_pays_for_each_stored_row_once(
         assert counted["paid_twice"] == 0
         assert 0 < counted["batch_records"] < 1_000 and counted["online_requests"] > 0
         assert fake.calls["stop"] == 1
+        print(f"\nbedrock hybrid past its deadline: stored={stored.height} {counted}")  # with -s
 
 
 def test_a_job_refused_for_want_of_room_stops_the_run_and_the_next_run_creates_it(
