@@ -75,6 +75,7 @@ class Job:
     timing: jobs.Job  # its requests, and when each is done
     records: list[dict[str, Any]] = field(default_factory=list)
     written: bool = False
+    counted: int = 0  # outcomes counted by row so far
 
     def status(self, now: float) -> str:
         phase = self.timing.phase(now)
@@ -312,8 +313,7 @@ class FakeBedrock:
         job.written = True
 
     def _count_new(self, job: Job) -> None:
-        counted = getattr(job, "_counted", 0)
-        for outcome in job.timing.outcomes[counted:]:
+        for outcome in job.timing.outcomes[job.counted :]:
             index = int(outcome.custom_id.rpartition("-")[2])
             body = job.records[index]["modelInput"]
             try:
@@ -323,7 +323,7 @@ class FakeBedrock:
             self.batch_rows[row] += 1
             if outcome.status == 200:
                 self.batch_paid[row] += 1
-        job._counted = len(job.timing.outcomes)  # type: ignore[attr-defined]
+        job.counted = len(job.timing.outcomes)
 
     def _write(self, job: Job) -> None:
         output = job.output_uri if job.output_uri.endswith("/") else job.output_uri + "/"
