@@ -144,7 +144,7 @@ class FakeBedrock:
         self.online = Counter[str]()  # InvokeModel / Converse answered, by row
         self.calls = Counter[str]()  # API calls, by operation
         handler = type("Handler", (_Handler,), {"fake": self})
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server = _Server(("127.0.0.1", 0), handler)
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         host, port = self.server.server_address[:2]
         self.url = f"http://{host!s}:{port}"
@@ -388,6 +388,13 @@ class FakeBedrock:
             },
             "metrics": {"latencyMs": 1},
         }
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client killed mid-request (the kill tests) resets its connection: not news
 
 
 class _Handler(BaseHTTPRequestHandler):

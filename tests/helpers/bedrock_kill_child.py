@@ -2,7 +2,9 @@
 batch jobs, SIGKILLed at a chosen point.
 
 Usage: ``python bedrock_kill_child.py FAKE_URL S3_ENDPOINT BUCKET BASE_DIR ROWS SHARDS PARTITION
-POINT``. The point is installed by wrapping ``BedrockBatches``' methods (no hook in the
+POINT``, or ``python bedrock_kill_child.py online FAKE_URL S3_ENDPOINT BUCKET BATCH_ID CALLS``: the
+poll of a submission below the minimum records (sent online), killed once ``CALLS`` requests have
+been sent. The point is installed by wrapping ``BedrockBatches``' methods (no hook in the
 package): ``after_upload`` (the file in S3, its URI not recorded), ``after_create`` (the job
 created, its ARN not recorded), ``downloading`` (half the shard's results read).
 """
@@ -74,5 +76,22 @@ def main(
     )
 
 
+def online(fake_url: str, s3: str, bucket: str, batch_id: str, calls: str) -> None:
+    api = bedrock_defs.resource(fake_url, s3, bucket).batch_provider()
+    invoke, sent = api._invoke, []
+
+    def counted(body: Any) -> dict[str, Any]:
+        sent.append(1)
+        if len(sent) > int(calls):
+            die()
+        return invoke(body)
+
+    api._invoke = counted  # type: ignore[method-assign]
+    api.poll(batch_id)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:9])
+    if sys.argv[1] == "online":
+        online(*sys.argv[2:7])
+    else:
+        main(*sys.argv[1:9])

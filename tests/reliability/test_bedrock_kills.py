@@ -22,6 +22,7 @@ from helpers import bedrock_defs
 from helpers.bedrock_fake import serve
 
 from checkpoint_assets.engine import Checkpoint, open_store
+from checkpoint_assets.engine.providers.submissions import Request, State, custom_id
 
 CHILD = Path(bedrock_defs.__file__).with_name("bedrock_kill_child.py")
 SHARDS = 4
@@ -72,6 +73,39 @@ def test_a_backfill_killed_after_upload_create_and_during_download_runs_each_row
         f"jobs={counted['jobs']} records_run={counted['batch_records']} "
         f"submitted_twice={counted['submitted_twice']} stored_before_rerun={before}"
     )
+
+
+def test_a_kill_during_the_online_calls_of_a_small_submission_pays_again_only_those_in_flight(
+    s3_server: str,
+) -> None:
+    # A submission of 60 rows, below the minimum of 100, is sent online when polled; the poll is
+    # killed after 20 requests were sent. The next poll sends only those without a stored answer.
+    bucket = make_bucket(s3_server)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    tag = "ca" + "7" * 32
+    with serve(s3_server) as fake:
+        api = bedrock_defs.resource(fake.url, s3_server, bucket).batch_provider()
+        requests = [
+            Request(custom_id(tag, i), bedrock_defs.request({"body": bedrock_defs.text(i)}))
+            for i in range(60)
+        ]
+        batch_id = api.create(requests, api.upload(requests, tag), tag)
+        args = ["online", fake.url, s3_server, bucket, batch_id, "20"]
+        killed = subprocess.run(
+            [sys.executable, str(CHILD), *args], capture_output=True, text=True, env=env
+        )
+        assert killed.returncode == -9, killed.stderr[-3000:]
+        sent_before = fake.stats()["online_requests"]
+        assert 20 <= sent_before < 60
+        status = api.poll(batch_id)
+        results = list(api.results(batch_id))
+        counted = fake.stats()
+    assert status.state is State.ENDED and status.total == 60
+    assert sorted(r.custom_id for r in results) == sorted(r.custom_id for r in requests)
+    assert all(r.error is None for r in results)
+    # Paid twice: only the requests in flight at the kill, at most the threads sending them.
+    assert counted["rows_paid"] == 60 and counted["paid_twice"] <= 8
+    print(f"\nbedrock online kill: sent before the kill={sent_before} {counted}")
 
 
 def partitions() -> list[str]:
