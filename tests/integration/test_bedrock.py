@@ -85,7 +85,7 @@ def test_a_shard_below_the_minimum_records_per_job_is_sent_online(
     world: Bedrock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="checkpoint_assets")
-    # 240 rows in 4 shards: 60 a shard, below Bedrock's 100 records per job.
+    # 240 rows in 4 shards: about 60 a shard, below Bedrock's 100 records per job.
     rows, shards = 240, 4
     result = world.materialize(rows, shards, "0-of-4")
     assert result.success
