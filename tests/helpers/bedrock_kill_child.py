@@ -1,12 +1,14 @@
-"""Child process of the Bedrock kill tests: one materialization of one shard through Bedrock's
-batch jobs, SIGKILLed at a chosen point.
+"""Child process of the Bedrock kill tests, SIGKILLed at a chosen point.
 
-Usage: ``python bedrock_kill_child.py FAKE_URL S3_ENDPOINT BUCKET BASE_DIR ROWS SHARDS PARTITION
-POINT``, or ``python bedrock_kill_child.py online FAKE_URL S3_ENDPOINT BUCKET BATCH_ID CALLS``: the
-poll of a submission below the minimum records (sent online), killed once ``CALLS`` requests have
-been sent. The point is installed by wrapping ``BedrockBatches``' methods (no hook in the
-package): ``after_upload`` (the file in S3, its URI not recorded), ``after_create`` (the job
-created, its ARN not recorded), ``downloading`` (half the shard's results read).
+``python bedrock_kill_child.py FAKE_URL S3_ENDPOINT BUCKET BASE_DIR ROWS SHARDS PARTITION POINT``:
+one materialization of one shard through Bedrock's batch jobs. The point is installed by
+wrapping ``BedrockBatches``' methods (no hook in the package): ``after_upload`` (the file in S3,
+its URI not recorded), ``after_create`` (the job created, its ARN not recorded), ``downloading``
+(half the shard's results read).
+
+``python bedrock_kill_child.py online FAKE_URL S3_ENDPOINT BUCKET BATCH_ID CALLS``: the poll of a
+submission below the minimum records (sent online), killed once ``CALLS`` requests have been
+answered (the last of them not stored).
 """
 
 from __future__ import annotations
@@ -81,10 +83,11 @@ def online(fake_url: str, s3: str, bucket: str, batch_id: str, calls: str) -> No
     invoke, sent = api._invoke, []
 
     def counted(body: Any) -> dict[str, Any]:
+        answer = invoke(body)
         sent.append(1)
-        if len(sent) > int(calls):
-            die()
-        return invoke(body)
+        if len(sent) >= int(calls):
+            die()  # answered, not stored
+        return answer
 
     api._invoke = counted  # type: ignore[method-assign]
     api.poll(batch_id)

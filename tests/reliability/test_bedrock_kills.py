@@ -79,7 +79,8 @@ def test_a_kill_during_the_online_calls_of_a_small_submission_pays_again_only_th
     s3_server: str,
 ) -> None:
     # A submission of 60 rows, below the minimum of 100, is sent online when polled; the poll is
-    # killed after 20 requests were sent. The next poll sends only those without a stored answer.
+    # killed once 20 requests were answered. The next poll sends only those without a stored
+    # answer.
     bucket = make_bucket(s3_server)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     tag = "ca" + "7" * 32
