@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from checkpoint_assets.resources import (
         AnthropicResource,
         AzureOpenAIResource,
+        GeminiResource,
         OpenAIResource,
     )
     from checkpoint_assets.resources.bedrock import BedrockResource
@@ -70,6 +71,7 @@ _LAZY = {
     "AnthropicResource": "checkpoint_assets.resources",
     "AzureOpenAIResource": "checkpoint_assets.resources",
     "BedrockResource": "checkpoint_assets.resources.bedrock",
+    "GeminiResource": "checkpoint_assets.resources",
     "OpenAIResource": "checkpoint_assets.resources",
 }
 
@@ -102,6 +104,7 @@ __all__ = [
     "CheckpointedAssetComponent",
     "CorruptCheckpointError",
     "FunctionError",
+    "GeminiResource",
     "InputChangedError",
     "InvalidIdsError",
     "JobChangedError",
