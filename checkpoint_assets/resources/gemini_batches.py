@@ -117,18 +117,25 @@ def with_defaults(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[
     return {**body, "generationConfig": config}
 
 
+def checked(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``body``, once it is known to hold only fields of a ``GenerateContentRequest``."""
+    unknown = set(body) - {"contents", "generationConfig", *_CONFIG_FIELDS}
+    if unknown:
+        raise ValueError(
+            f"request() returned fields that a GenerateContentRequest does not have: "
+            f"{sorted(unknown)}. Return contents, generationConfig, systemInstruction, "
+            "safetySettings, tools, toolConfig, cachedContent or labels (the REST names); the "
+            "resource names the model."
+        )
+    return body
+
+
 def sdk_arguments(body: Mapping[str, Any]) -> dict[str, Any]:
     """A REST ``GenerateContentRequest`` as the SDK's ``contents`` and ``config`` arguments:
     ``generationConfig``'s fields and the other settings go flat into ``config``."""
     from google.genai import types
 
-    unknown = set(body) - {"contents", "generationConfig", "model", *_CONFIG_FIELDS}
-    if unknown:
-        raise ValueError(
-            f"request() returned fields that a GenerateContentRequest does not have: "
-            f"{sorted(unknown)}. Return contents, generationConfig, systemInstruction, "
-            "safetySettings, tools, toolConfig, cachedContent or labels."
-        )
+    checked(body)
     flat = {**(body.get("generationConfig") or {})}
     flat.update({k: body[k] for k in _CONFIG_FIELDS if k in body})
     config = types.GenerateContentConfig.model_validate(flat) if flat else None
@@ -239,7 +246,8 @@ class GeminiBatches(_Jobs):
         self.inline_max_bytes = inline_max_bytes
 
     def _line(self, request: Request) -> bytes:
-        line = {"key": request.custom_id, "request": with_defaults(request.body, self.defaults)}
+        body = with_defaults(checked(request.body), self.defaults)
+        line = {"key": request.custom_id, "request": body}
         return json.dumps(line, separators=(",", ":")).encode() + b"\n"
 
     def size(self, request: Request) -> int:
@@ -339,7 +347,7 @@ class VertexBatches(_Jobs):
         self.limits = limits
 
     def _line(self, request: Request) -> bytes:
-        body = with_defaults(request.body, self.defaults)
+        body = with_defaults(checked(request.body), self.defaults)
         body["labels"] = {**(body.get("labels") or {}), KEY_LABEL: request.custom_id}
         return json.dumps({"request": body}, separators=(",", ":")).encode() + b"\n"
 

@@ -17,12 +17,13 @@ One server speaks both:
 
 A job is PENDING for ``pending_seconds``, RUNNING for ``running_seconds``, then SUCCEEDED: its
 requests are answered then, once (each answer counts in ``processed``, by the request's text in
-``texts``, so a row paid twice shows as ``paid_twice``). ``expire`` ends every job EXPIRED
-instead, with the first half of its requests answered; a cancel ends it CANCELLED the same
-way. ``error_every`` answers every n-th request (by its text's number) with a transient error.
+``texts``, so a row paid twice shows as ``paid_twice``). The first ``expire_jobs`` jobs end
+EXPIRED instead, with the first half of their requests answered; a cancel ends a job CANCELLED
+the same way. ``error_every`` answers every n-th request (by the last number in its text) with
+a transient error, the first time it is sent.
 Online, ``rate_limit_every`` answers every n-th ``generateContent`` with 429
-``RESOURCE_EXHAUSTED`` and a ``retryDelay`` of ``retry_delay`` seconds; a request sent before
-that delay has passed counts in ``early``.
+``RESOURCE_EXHAUSTED`` and a ``retryDelay`` of ``retry_delay`` seconds; a refused request sent
+again before its delay has passed counts in ``early``.
 
 The answer is the ticket's category: ``billing`` for a text with "charged" or "refund",
 ``technical`` for "crash" or "error", else ``other``.
@@ -58,7 +59,7 @@ V = "(?:v1|v1beta|v1beta1)"
 class Settings:
     pending_seconds: float = 0.05
     running_seconds: float = 0.1
-    expire: bool = False
+    expire_jobs: int = 0
     error_every: int = 0
     rate_limit_every: int = 0
     retry_delay: float = 0.5
@@ -74,6 +75,7 @@ class Job:
     vertex: bool
     requests: list[dict[str, Any]] = field(default_factory=list)  # {"key"?, "request"} each
     inline: bool = False
+    number: int = 0  # the order of its creation, from 1
     output_prefix: str = ""
     state: str = ""  # set once the job has ended
     output: dict[str, Any] = field(default_factory=dict)
@@ -139,8 +141,9 @@ class Fake:
         self.uploads: dict[str, dict[str, Any]] = {}
         self.counts: Counter[str] = Counter()
         self.texts: Counter[str] = Counter()  # answers paid, by the request's text
+        self.failed: set[str] = set()  # texts answered with an error once
         self.online_calls = 0
-        self.refused_until = 0.0
+        self.refused_until: dict[str, float] = {}  # a refused request's text: its retry time
         self.numbers = itertools.count(1)
         self.app = Starlette(
             routes=[
@@ -170,9 +173,15 @@ class Fake:
         self.texts[_text(request)] += 1
 
     def _fails(self, request: dict[str, Any]) -> bool:
+        """Whether the request fails this time: every ``error_every``-th text, once."""
         every = self.settings.error_every
-        numbers = re.findall(r"\d+", _text(request))
-        return bool(every and numbers and int(numbers[-1]) % every == every - 1)
+        text = _text(request)
+        numbers = re.findall(r"\d+", text)
+        if not (every and numbers and int(numbers[-1]) % every == every - 1):
+            return False
+        failed = text in self.failed
+        self.failed.add(text)
+        return not failed
 
     # -- routing -----------------------------------------------------------------------------
     async def dispatch(self, request: Request) -> Response:
@@ -216,14 +225,15 @@ class Fake:
     # -- online ------------------------------------------------------------------------------
     def _generate(self, body: dict[str, Any], model: str) -> JSONResponse:
         now = time.monotonic()
+        text = _text(body)
         with self.lock:
             self.online_calls += 1
-            if now < self.refused_until:
+            if now < self.refused_until.get(text, 0.0):
                 self.counts["early"] += 1
             every = self.settings.rate_limit_every
             if every and self.online_calls % every == 0:
                 self.counts["rate_limited"] += 1
-                self.refused_until = now + self.settings.retry_delay
+                self.refused_until[text] = now + self.settings.retry_delay
                 delay = f"{self.settings.retry_delay:g}s"
                 return _error(
                     429,
@@ -255,6 +265,7 @@ class Fake:
             name = f"batches/{uuid.uuid4().hex[:16]}"
             job = Job(name, batch.get("displayName", ""), f"models/{model}", time.time(), False)
             job.requests, job.inline = lines, inline
+            job.number = self.counts["creates"] + 1
             self.jobs[name] = job
             self.counts["creates"] += 1
             self.counts["submitted"] += len(lines)
@@ -269,7 +280,7 @@ class Fake:
             return "PENDING"
         if age < self.settings.pending_seconds + self.settings.running_seconds:
             return "RUNNING"
-        self._end(job, "EXPIRED" if self.settings.expire else "SUCCEEDED")
+        self._end(job, "EXPIRED" if job.number <= self.settings.expire_jobs else "SUCCEEDED")
         return job.state
 
     def _end(self, job: Job, state: str) -> None:
@@ -429,6 +440,7 @@ class Fake:
             job = Job(name, body.get("displayName", ""), body["model"], time.time(), True)
             job.requests = lines
             job.output_prefix = body["outputConfig"]["gcsDestination"]["outputUriPrefix"]
+            job.number = self.counts["creates"] + 1
             self.jobs[name] = job
             self.counts["creates"] += 1
             self.counts["submitted"] += len(lines)
