@@ -3,6 +3,8 @@
 >>> from checkpoint_assets import GeminiResource
 >>> GeminiResource(api_key="local", model="gemini-2.5-flash", temperature=0).request_defaults()
 {'temperature': 0.0}
+>>> GeminiResource(api_key="k", model="gemini-2.5-flash", max_output_tokens=8).request_defaults()
+{'max_output_tokens': 8}
 >>> GeminiResource(api_key="local", model="gemini-2.5-flash").checkpoint_fingerprint()
 {'api': 'gemini', 'model': 'gemini-2.5-flash', 'max_output_tokens': None, 'temperature': None}
 """
@@ -153,9 +155,10 @@ class GeminiResource(dg.ConfigurableResource):
     )
 
     def request_defaults(self) -> dict[str, Any]:
-        """The ``generationConfig`` settings every request takes from this resource, camelCase
-        as the API names them: ``maxOutputTokens`` and ``temperature`` when set."""
-        settings = {"maxOutputTokens": self.max_output_tokens, "temperature": self.temperature}
+        """The generation settings every request takes from this resource, as the SDK names
+        them: ``max_output_tokens`` and ``temperature`` when set. They go into each body's
+        ``generationConfig`` where it leaves them out."""
+        settings = {"max_output_tokens": self.max_output_tokens, "temperature": self.temperature}
         return {k: v for k, v in settings.items() if v is not None}
 
     def checkpoint_fingerprint(self) -> dict[str, Any]:

@@ -106,15 +106,23 @@ class GeminiQueueFullError(RuntimeError):
 
 
 def with_defaults(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """``body`` with ``defaults`` added to its ``generationConfig`` where it leaves them out.
+    """``body`` with ``defaults`` (the resource's ``request_defaults()``, snake_case as the SDK
+    names them) added to its ``generationConfig`` (camelCase, as the API names them) where it
+    leaves them out.
 
-    >>> with_defaults({"contents": []}, {"temperature": 0.0})
-    {'contents': [], 'generationConfig': {'temperature': 0.0}}
+    >>> with_defaults({"contents": []}, {"max_output_tokens": 8})
+    {'contents': [], 'generationConfig': {'maxOutputTokens': 8}}
     """
     if not defaults:
         return dict(body)
-    config = {**defaults, **(body.get("generationConfig") or {})}
+    camel = {_camel(k): v for k, v in defaults.items()}
+    config = {**camel, **(body.get("generationConfig") or {})}
     return {**body, "generationConfig": config}
+
+
+def _camel(name: str) -> str:
+    first, *rest = name.split("_")
+    return first + "".join(word.title() for word in rest)
 
 
 def checked(body: Mapping[str, Any]) -> Mapping[str, Any]:

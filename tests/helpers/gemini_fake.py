@@ -3,42 +3,47 @@ Google's documentation and from the requests the ``google-genai`` client sends.
 
 One server speaks both:
 
-- the Gemini API (``/v1beta``): ``models/{m}:generateContent``, Batch Mode
+- the Gemini API (``/v1`` or ``/v1beta``): ``models/{m}:generateContent``, Batch Mode
   (``models/{m}:batchGenerateContent``; ``batches`` get, list, ``:cancel``) with inline requests
   (``metadata.key``) answered inline and JSONL files (``{"key", "request"}``) answered as a
-  responses file; the Files API's resumable upload (``/upload/v1beta/files``), get and download
+  responses file; the Files API's resumable upload (``/upload/v1/files``), get and download
   (``files/{id}:download?alt=media``);
-- Vertex AI (``/v1/projects/{p}/locations/{l}``): ``publishers/google/models/{m}:generateContent``
-  and ``batchPredictionJobs`` (create, get, list with a ``display_name`` filter, ``:cancel``),
-  reading its JSONL input from Cloud Storage and writing ``predictions.jsonl`` beside it (on
-  fake-gcs-server, through gcsfs);
+- Vertex AI (``/v1`` or ``/v1beta1``, ``projects/{p}/locations/{l}``):
+  ``publishers/google/models/{m}:generateContent`` and ``batchPredictionJobs`` (create, get, list
+  with a ``display_name`` filter, ``:cancel``), reading the JSONL input from Cloud Storage and
+  writing ``predictions.jsonl`` under the output prefix (on fake-gcs-server, through gcsfs),
+  each line the request as sent, its ``response`` and ``status`` (the error's words);
 - ``/token``: an OAuth token endpoint, so that a service account's key file (application
   default credentials) gets its access token here.
 
-A job is PENDING for ``pending_seconds``, RUNNING for ``running_seconds``, then SUCCEEDED: its
-requests are answered then, once (each answer counts in ``processed``, by the request's text in
-``texts``, so a row paid twice shows as ``paid_twice``). The first ``expire_jobs`` jobs end
-EXPIRED instead, with the first half of their requests answered; a cancel ends a job CANCELLED
-the same way. ``error_every`` answers every n-th request (by the last number in its text) with
-a transient error, the first time it is sent.
-Online, ``rate_limit_every`` answers every n-th ``generateContent`` with 429
+A job moves as the local batch provider's batches do (``examples/llm_batch/jobs.py``, by its
+``Settings`` and its clock): PENDING while validating, RUNNING while its requests end one after
+another, then SUCCEEDED; EXPIRED with the first half answered when ``expires`` draws it (by
+``api``, ``gemini`` or ``vertex``, and the job's number); CANCELLED keeping what was answered
+before the cancel. A request is answered as a chat request of its text would be there (the
+ticket's department; a 500 for a share ``error_rate``, here ``INTERNAL``; a request with no
+text is ``INVALID_ARGUMENT``), in Gemini's shape. Its results come in an order of their own.
+
+Online, every ``rate_limit_every``-th ``generateContent`` is refused with 429
 ``RESOURCE_EXHAUSTED`` and a ``retryDelay`` of ``retry_delay`` seconds; a refused request sent
 again before its delay has passed counts in ``early``.
 
-The answer is the ticket's category: ``billing`` for a text with "charged" or "refund",
-``technical`` for "crash" or "error", else ``other``.
+``snapshot()`` (and ``GET /stats``) holds the ledger's counts (``processed``, ``succeeded``,
+``errored``, ``expired``, ``cancelled``, tokens), ``creates``, ``cancels``, ``submitted``,
+``uploads``, the online ``ok``, ``rate_limited`` and ``early``, and ``paid_twice``: the texts
+answered more than once (a row's text is its own, so a row paid twice shows).
 """
 
 from __future__ import annotations
 
-import itertools
+import atexit
 import json
 import re
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -50,78 +55,85 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from examples import serving
+from examples.llm_batch.common import Ledger
+from examples.llm_batch.jobs import CHAT, Answerer, Job, Outcome, Phase, Settings, expires
 
 # The API versions a client may name: the Gemini API's v1 and v1beta, Vertex AI's v1 and v1beta1.
 V = "(?:v1|v1beta|v1beta1)"
+_STATES = {
+    Phase.VALIDATING: "PENDING",
+    Phase.IN_PROGRESS: "RUNNING",
+    Phase.FINALIZING: "RUNNING",
+    Phase.CANCELLING: "CANCELLING",
+    Phase.COMPLETED: "SUCCEEDED",
+    Phase.EXPIRED: "EXPIRED",
+    Phase.CANCELLED: "CANCELLED",
+    Phase.FAILED: "FAILED",
+}
+_RPC = {400: "INVALID_ARGUMENT", 500: "INTERNAL"}
+_ZEROS = dict.fromkeys(
+    ("creates", "cancels", "submitted", "processed", "succeeded", "errored", "expired"), 0
+) | dict.fromkeys(("cancelled", "input_tokens", "output_tokens", "uploads", "ok"), 0)
 
 
 @dataclass
-class Settings:
-    pending_seconds: float = 0.05
-    running_seconds: float = 0.1
-    expire_jobs: int = 0
-    error_every: int = 0
-    rate_limit_every: int = 0
-    retry_delay: float = 0.5
-    storage_options: dict[str, Any] = field(default_factory=dict)  # gcsfs's, for Vertex jobs
+class Batch:
+    """One job of either API: the ledger's ``Job`` and what the API shows of it."""
 
-
-@dataclass
-class Job:
+    job: Job
     name: str
     display_name: str
     model: str
-    created: float
     vertex: bool
-    requests: list[dict[str, Any]] = field(default_factory=list)  # {"key"?, "request"} each
+    lines: list[dict[str, Any]]  # the input lines as sent: {"key", "request"} or {"request"}
     inline: bool = False
-    number: int = 0  # the order of its creation, from 1
     output_prefix: str = ""
-    state: str = ""  # set once the job has ended
-    output: dict[str, Any] = field(default_factory=dict)
-    output_directory: str = ""
-    stats: dict[str, int] = field(default_factory=dict)
+    output: dict[str, Any] = field(default_factory=dict)  # Gemini: inline responses or a file
+    output_directory: str = ""  # Vertex: where predictions.jsonl was written
 
 
-def answer(text: str) -> str:
-    lowered = text.lower()
-    if "charged" in lowered or "refund" in lowered:
-        return "billing"
-    if "crash" in lowered or "error" in lowered:
-        return "technical"
-    return "other"
-
-
-def _text(request: dict[str, Any]) -> str:
+def text_of(request: dict[str, Any]) -> str:
     return " ".join(
         str(part.get("text", ""))
         for content in request.get("contents") or []
         for part in content.get("parts") or []
-    )
+    ).strip()
+
+
+def _chat(request: dict[str, Any], model: str) -> dict[str, Any]:
+    """The chat request the ledger answers for a Gemini request (none of its text: invalid)."""
+    text = text_of(request)
+    return {"model": model, "messages": [{"role": "user", "content": text}] if text else []}
 
 
 def _iso(at: float) -> str:
     return datetime.fromtimestamp(at, UTC).isoformat().replace("+00:00", "Z")
 
 
-def _response(request: dict[str, Any], model: str) -> dict[str, Any]:
-    text = _text(request)
-    prompt = max(1, len(text) // 4)
-    return {
+def _gemini(outcome: Outcome, model: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """An outcome as Gemini's (response, error)."""
+    if outcome.status != 200 or outcome.body is None:
+        kind, message = outcome.error or ("error", "failed")
+        status = _RPC.get(outcome.status, "UNKNOWN")
+        return None, {"code": outcome.status, "message": f"{kind}: {message}", "status": status}
+    answer = outcome.body["choices"][0]["message"]["content"]
+    prompt, output = outcome.tokens
+    response = {
         "candidates": [
             {
-                "content": {"role": "model", "parts": [{"text": answer(text)}]},
+                "content": {"role": "model", "parts": [{"text": answer}]},
                 "finishReason": "STOP",
                 "index": 0,
             }
         ],
         "usageMetadata": {
             "promptTokenCount": prompt,
-            "candidatesTokenCount": 1,
-            "totalTokenCount": prompt + 1,
+            "candidatesTokenCount": output,
+            "totalTokenCount": prompt + output,
         },
         "modelVersion": model,
     }
+    return response, None
 
 
 def _error(code: int, status: str, message: str, **extra: Any) -> JSONResponse:
@@ -132,19 +144,28 @@ def _error(code: int, status: str, message: str, **extra: Any) -> JSONResponse:
 class Fake:
     """The fake's state and its ASGI app (``app``)."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
+    def __init__(
+        self,
+        settings: Settings,
+        clock: Callable[[], float] = time.time,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        rate_limit_every: int = 0,
+        retry_delay: float = 0.5,
+    ) -> None:
+        self.settings, self.clock = settings, clock
+        self.storage_options = storage_options or {}
+        self.rate_limit_every, self.retry_delay = rate_limit_every, retry_delay
         self.lock = threading.Lock()
-        self.ending = threading.Lock()  # one job ends at a time: its requests answered once
-        self.jobs: dict[str, Job] = {}
+        self.ledger = Ledger(settings, clock)
+        self.online_answers = Answerer(Settings(), Counter())  # online requests do not fail
+        self.batches: dict[str, Batch] = {}
+        self.numbers: Counter[str] = Counter()  # jobs created, by API
         self.files: dict[str, bytes] = {}
         self.uploads: dict[str, dict[str, Any]] = {}
         self.counts: Counter[str] = Counter()
-        self.texts: Counter[str] = Counter()  # answers paid, by the request's text
-        self.failed: set[str] = set()  # texts answered with an error once
-        self.online_calls = 0
         self.refused_until: dict[str, float] = {}  # a refused request's text: its retry time
-        self.numbers = itertools.count(1)
+        self.online_calls = 0
         self.app = Starlette(
             routes=[
                 Route("/stats", self.stats, methods=["GET"]),
@@ -160,39 +181,42 @@ class Fake:
 
     def snapshot(self) -> dict[str, int]:
         with self.lock:
-            twice = sum(1 for n in self.texts.values() if n > 1)
-            return {**self.counts, "paid_twice": twice, "paid_texts": len(self.texts)}
+            self._settle_all()
+            texts = Counter(
+                text_of(line["request"])
+                for b in self.batches.values()
+                for line in b.lines[: len(b.job.outcomes)]
+            )
+            twice = sum(1 for n in texts.values() if n > 1)
+            return {**_ZEROS, **self.ledger.counts, **self.counts, "paid_twice": twice}
+
+    def processed(self) -> Counter[str]:
+        """The requests processed in batches, per ``custom_id``."""
+        with self.lock:
+            self._settle_all()
+            return Counter(o.custom_id for b in self.batches.values() for o in b.job.outcomes)
+
+    def online(self) -> int:
+        with self.lock:
+            return self.counts["ok"]
+
+    def _settle_all(self) -> None:
+        now = self.clock()
+        for batch in self.batches.values():
+            self.ledger.settle(batch.job, now)
 
     async def token(self, request: Request) -> JSONResponse:
         self.counts["tokens"] += 1
         token = {"access_token": "fake-token", "expires_in": 3600, "token_type": "Bearer"}
         return JSONResponse(token)
 
-    def _pay(self, request: dict[str, Any]) -> None:
-        self.counts["processed"] += 1
-        self.texts[_text(request)] += 1
-
-    def _fails(self, request: dict[str, Any]) -> bool:
-        """Whether the request fails this time: every ``error_every``-th text, once."""
-        every = self.settings.error_every
-        text = _text(request)
-        numbers = re.findall(r"\d+", text)
-        if not (every and numbers and int(numbers[-1]) % every == every - 1):
-            return False
-        failed = text in self.failed
-        self.failed.add(text)
-        return not failed
-
     # -- routing -----------------------------------------------------------------------------
     async def dispatch(self, request: Request) -> Response:
         path = "/" + request.path_params["path"]
-        method = request.method
         raw = await request.body()
-        shape = re.sub(r"[0-9a-f]{8,}|\d+", "*", path)
-        with self.lock:
-            self.counts[f"{method} {shape}"] += 1
         try:
-            return self._route(method, path, request, raw)
+            with self.lock:
+                return self._route(request.method, path, request, raw)
         except KeyError as e:
             return _error(404, "NOT_FOUND", f"not found: {e}")
 
@@ -204,9 +228,10 @@ class Fake:
             return self._gemini_create(json.loads(raw), m.group(1))
         m = re.fullmatch(rf"/{V}/batches/([^/:]+)(:cancel)?", path)
         if m:
+            name = f"batches/{m.group(1)}"
             if m.group(2):
-                return self._cancel(f"batches/{m.group(1)}")
-            return JSONResponse(self._operation(self.jobs[f"batches/{m.group(1)}"]))
+                return self._cancel(name)
+            return JSONResponse(self._operation(self.batches[name]))
         if re.fullmatch(rf"/{V}/batches", path):
             return self._list(request, vertex=False)
         if re.fullmatch(rf"/upload/{V}/files", path):
@@ -219,160 +244,154 @@ class Fake:
             return JSONResponse(self._file(name))
         m = re.fullmatch(rf"/{V}/projects/([^/]+)/locations/([^/]+)/(.*)", path)
         if m:
-            return self._vertex(method, m.group(1), m.group(2), m.group(3), request, raw)
+            return self._vertex(
+                method, f"projects/{m.group(1)}/locations/{m.group(2)}", m[3], request, raw
+            )
         return _error(404, "NOT_FOUND", f"the fake has no {method} {path}")
 
     # -- online ------------------------------------------------------------------------------
     def _generate(self, body: dict[str, Any], model: str) -> JSONResponse:
         now = time.monotonic()
-        text = _text(body)
-        with self.lock:
-            self.online_calls += 1
-            if now < self.refused_until.get(text, 0.0):
-                self.counts["early"] += 1
-            every = self.settings.rate_limit_every
-            if every and self.online_calls % every == 0:
-                self.counts["rate_limited"] += 1
-                self.refused_until[text] = now + self.settings.retry_delay
-                delay = f"{self.settings.retry_delay:g}s"
-                return _error(
-                    429,
-                    "RESOURCE_EXHAUSTED",
-                    "You exceeded your current quota, please retry later.",
-                    details=[
-                        {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": delay}
-                    ],
-                )
-            self.counts["ok"] += 1
-            self._pay(body)
-        return JSONResponse(_response(body, model))
+        text = text_of(body)
+        self.online_calls += 1
+        if now < self.refused_until.get(text, 0.0):
+            self.counts["early"] += 1
+        if self.rate_limit_every and self.online_calls % self.rate_limit_every == 0:
+            self.counts["rate_limited"] += 1
+            self.refused_until[text] = now + self.retry_delay
+            retry = {"@type": "type.googleapis.com/google.rpc.RetryInfo"}
+            retry["retryDelay"] = f"{self.retry_delay:g}s"
+            message = "You exceeded your current quota, please retry later."
+            return _error(429, "RESOURCE_EXHAUSTED", message, details=[retry])
+        outcome = self.online_answers.answer(CHAT, "online", _chat(body, model))
+        response, error = _gemini(outcome, model)
+        if error is not None:
+            return _error(error["code"], error["status"], error["message"])
+        self.counts["ok"] += 1
+        return JSONResponse(response)
 
-    # -- the Gemini API's Batch Mode ---------------------------------------------------------
-    def _gemini_create(self, body: dict[str, Any], model: str) -> JSONResponse:
-        batch = body["batch"]
-        source = batch["inputConfig"]
-        if "requests" in source:
-            lines = [
-                {"key": (r.get("metadata") or {}).get("key"), "request": r["request"]}
-                for r in source["requests"]["requests"]
+    # -- both APIs' jobs ---------------------------------------------------------------------
+    def _new(
+        self,
+        name: str,
+        display: str,
+        model: str,
+        lines: list[dict[str, Any]],
+        ids: list[str],
+        vertex: bool,
+    ) -> Batch:
+        api = "vertex" if vertex else "gemini"
+        self.numbers[api] += 1
+        requests = [(i, _chat(line["request"], model)) for i, line in zip(ids, lines, strict=True)]
+        job = Job(
+            name,
+            CHAT,
+            requests,
+            self.clock(),
+            self.settings,
+            expiring=expires(self.settings, api, self.numbers[api]),
+        )
+        batch = Batch(job, name, display, model, vertex, lines)
+        job.on_end = lambda _, phase: self._ended(batch)
+        self.batches[name] = batch
+        self.counts["creates"] += 1
+        self.counts["submitted"] += len(lines)
+        return batch
+
+    def _phase(self, batch: Batch) -> str:
+        return _STATES[self.ledger.settle(batch.job, self.clock())]
+
+    def _answered(self, batch: Batch) -> list[tuple[dict[str, Any], Any, Any]]:
+        """The lines answered, each with its (response, error), in an order of their own."""
+        pairs = [
+            (line, *_gemini(outcome, batch.model))
+            for line, outcome in zip(batch.lines, batch.job.outcomes, strict=False)
+        ]
+        order = self.ledger.shuffled(batch.job, [{"i": i} for i in range(len(pairs))])
+        return [pairs[o["i"]] for o in order]
+
+    def _ended(self, batch: Batch) -> None:
+        answered = self._answered(batch)
+        if batch.vertex:
+            self._write_predictions(batch, answered)
+            return
+        keyed = [
+            ({"response": r} if r is not None else {"error": e}) | {"key": line["key"]}
+            for line, r, e in answered
+        ]
+        if batch.inline:
+            inlined = [
+                {k: v for k, v in item.items() if k != "key"} | {"metadata": {"key": item["key"]}}
+                for item in keyed
             ]
-            inline = True
-        else:
-            data = self.files[source["fileName"]]
-            lines = [json.loads(line) for line in data.splitlines() if line.strip()]
-            inline = False
-        with self.lock:
-            name = f"batches/{uuid.uuid4().hex[:16]}"
-            job = Job(name, batch.get("displayName", ""), f"models/{model}", time.time(), False)
-            job.requests, job.inline = lines, inline
-            job.number = self.counts["creates"] + 1
-            self.jobs[name] = job
-            self.counts["creates"] += 1
-            self.counts["submitted"] += len(lines)
-        return JSONResponse(self._operation(job))
-
-    def _state(self, job: Job) -> str:
-        """The job's state now; it ends (and its requests are answered) once its time is up."""
-        if job.state:
-            return job.state
-        age = time.time() - job.created
-        if age < self.settings.pending_seconds:
-            return "PENDING"
-        if age < self.settings.pending_seconds + self.settings.running_seconds:
-            return "RUNNING"
-        self._end(job, "EXPIRED" if job.number <= self.settings.expire_jobs else "SUCCEEDED")
-        return job.state
-
-    def _end(self, job: Job, state: str) -> None:
-        """Answer the job's requests (all, or the first half when it did not succeed)."""
-        with self.ending:
-            if not job.state:
-                self._answer(job, state)
-
-    def _answer(self, job: Job, state: str) -> None:
-        with self.lock:
-            ran = job.requests if state == "SUCCEEDED" else job.requests[: len(job.requests) // 2]
-            answered = []
-            for line in ran:
-                request = line["request"]
-                if self._fails(request):
-                    error = {"code": 503, "message": "overloaded", "status": "UNAVAILABLE"}
-                    answered.append((line, None, error))
-                    self.counts["errors"] += 1
-                else:
-                    self._pay(request)
-                    answered.append((line, _response(request, job.model), None))
-            job.stats = {
-                "succeeded": sum(1 for _, r, _ in answered if r is not None),
-                "failed": sum(1 for _, r, _ in answered if r is None),
-                "incomplete": len(job.requests) - len(answered),
-            }
-            self.counts[f"jobs_{state.lower()}"] += 1
-            self.counts["unrun"] += len(job.requests) - len(answered)
-        if job.vertex:
-            self._write_predictions(job, answered)
-        elif job.inline:
-            job.output = {
-                "inlinedResponses": {
-                    "inlinedResponses": [
-                        {"metadata": {"key": line["key"]}, "response": response}
-                        if response is not None
-                        else {"metadata": {"key": line["key"]}, "error": error}
-                        for line, response, error in answered
-                    ]
-                }
-            }
+            batch.output = {"inlinedResponses": {"inlinedResponses": inlined}}
         else:
             name = f"files/batch-{uuid.uuid4().hex[:12]}"
-            self.files[name] = b"".join(
-                json.dumps(
-                    {"key": line["key"], "response": response}
-                    if response is not None
-                    else {"key": line["key"], "error": error}
-                ).encode()
-                + b"\n"
-                for line, response, error in answered
-            )
-            job.output = {"responsesFile": name}
-        job.state = state
-
-    def _operation(self, job: Job) -> dict[str, Any]:
-        state = self._state(job)
-        metadata: dict[str, Any] = {
-            "@type": "type.googleapis.com/google.ai.generativelanguage.v1beta.GenerateContentBatch",
-            "model": job.model,
-            "displayName": job.display_name,
-            "createTime": _iso(job.created),
-            "updateTime": _iso(time.time()),
-            "state": f"BATCH_STATE_{state}",
-            "batchStats": {"requestCount": str(len(job.requests))},
-        }
-        if job.output:
-            metadata["output"] = job.output
-        return {"name": job.name, "metadata": metadata, "done": bool(job.state)}
+            self.files[name] = b"".join(json.dumps(item).encode() + b"\n" for item in keyed)
+            batch.output = {"responsesFile": name}
 
     def _cancel(self, name: str) -> JSONResponse:
-        job = self.jobs[name]
+        batch = self.batches[name]
         self.counts["cancels"] += 1
-        if self._state(job) in ("PENDING", "RUNNING"):
-            self._end(job, "CANCELLED")
+        now = self.clock()
+        self.ledger.settle(batch.job, now)
+        if batch.job.phase(now) in (Phase.VALIDATING, Phase.IN_PROGRESS, Phase.FINALIZING):
+            batch.job.cancelled_at = now
         return JSONResponse({})
 
     def _list(self, request: Request, vertex: bool, parent: str = "") -> JSONResponse:
         size = int(request.query_params.get("pageSize") or 50)
         start = int(request.query_params.get("pageToken") or 0)
         wanted = re.fullmatch(r'display_name="([^"]*)"', request.query_params.get("filter", ""))
-        jobs = [j for j in self.jobs.values() if j.vertex == vertex and j.name.startswith(parent)]
+        found = [
+            b for b in self.batches.values() if b.vertex == vertex and b.name.startswith(parent)
+        ]
         if wanted:
-            jobs = [j for j in jobs if j.display_name == wanted.group(1)]
-        jobs.sort(key=lambda j: j.created, reverse=True)  # newest first
-        page = jobs[start : start + size]
+            found = [b for b in found if b.display_name == wanted.group(1)]
+        found.sort(key=lambda b: b.job.created, reverse=True)  # newest first
+        page = found[start : start + size]
         key = "batchPredictionJobs" if vertex else "operations"
-        shown = [self._vertex_job(j) if vertex else self._operation(j) for j in page]
+        shown = [self._vertex_job(b) if vertex else self._operation(b) for b in page]
         body: dict[str, Any] = {key: shown}
-        if start + size < len(jobs):
+        if start + size < len(found):
             body["nextPageToken"] = str(start + size)
         return JSONResponse(body)
+
+    # -- the Gemini API's Batch Mode ---------------------------------------------------------
+    def _gemini_create(self, body: dict[str, Any], model: str) -> JSONResponse:
+        batch = body["batch"]
+        source = batch["inputConfig"]
+        inline = "requests" in source
+        if inline:
+            lines = [
+                {"key": (r.get("metadata") or {}).get("key"), "request": r["request"]}
+                for r in source["requests"]["requests"]
+            ]
+        else:
+            data = self.files[source["fileName"]]
+            lines = [json.loads(line) for line in data.splitlines() if line.strip()]
+        name = f"batches/{uuid.uuid4().hex[:16]}"
+        ids = [str(line["key"]) for line in lines]
+        created = self._new(
+            name, batch.get("displayName", ""), f"models/{model}", lines, ids, False
+        )
+        created.inline = inline
+        return JSONResponse(self._operation(created))
+
+    def _operation(self, batch: Batch) -> dict[str, Any]:
+        state = self._phase(batch)
+        metadata: dict[str, Any] = {
+            "@type": "type.googleapis.com/google.ai.generativelanguage.v1main.GenerateContentBatch",
+            "model": batch.model,
+            "displayName": batch.display_name,
+            "createTime": _iso(batch.job.created),
+            "updateTime": _iso(self.clock()),
+            "state": f"BATCH_STATE_{state}",
+            "batchStats": {"requestCount": str(len(batch.lines))},
+        }
+        if batch.output:
+            metadata["output"] = batch.output
+        return {"name": batch.name, "metadata": metadata, "done": bool(batch.output)}
 
     # -- the Files API -----------------------------------------------------------------------
     def _upload(self, request: Request, raw: bytes) -> Response:
@@ -403,9 +422,8 @@ class Fake:
 
     # -- Vertex AI -----------------------------------------------------------------------------
     def _vertex(
-        self, method: str, project: str, location: str, rest: str, request: Request, raw: bytes
+        self, method: str, parent: str, rest: str, request: Request, raw: bytes
     ) -> Response:
-        parent = f"projects/{project}/locations/{location}"
         m = re.fullmatch(r"publishers/google/models/([^/:]+):generateContent", rest)
         if m and method == "POST":
             return self._generate(json.loads(raw), m.group(1))
@@ -418,37 +436,34 @@ class Fake:
             name = f"{parent}/batchPredictionJobs/{m.group(1)}"
             if m.group(2):
                 return self._cancel(name)
-            return JSONResponse(self._vertex_job(self.jobs[name]))
+            return JSONResponse(self._vertex_job(self.batches[name]))
         return _error(404, "NOT_FOUND", f"the fake has no {method} {parent}/{rest}")
 
     def _fs(self) -> Any:
         from gcsfs.core import GCSFileSystem
 
-        return GCSFileSystem(**self.settings.storage_options, skip_instance_cache=True)
+        return GCSFileSystem(**self.storage_options, skip_instance_cache=True)
 
     def _vertex_create(self, body: dict[str, Any], parent: str) -> JSONResponse:
         source = body["inputConfig"]
         if "gcsSource" not in source or "gcsDestination" not in body.get("outputConfig", {}):
             return _error(400, "INVALID_ARGUMENT", "the fake takes Cloud Storage jobs only")
-        lines = []
+        lines: list[dict[str, Any]] = []
         fs = self._fs()
         for uri in source["gcsSource"]["uris"]:
             with fs.open(uri, "rb") as f:
                 lines += [json.loads(line) for line in f if line.strip()]
-        with self.lock:
-            name = f"{parent}/batchPredictionJobs/{next(self.numbers)}"
-            job = Job(name, body.get("displayName", ""), body["model"], time.time(), True)
-            job.requests = lines
-            job.output_prefix = body["outputConfig"]["gcsDestination"]["outputUriPrefix"]
-            job.number = self.counts["creates"] + 1
-            self.jobs[name] = job
-            self.counts["creates"] += 1
-            self.counts["submitted"] += len(lines)
-        return JSONResponse(self._vertex_job(job))
+        ids = [
+            str((line["request"].get("labels") or {}).get("checkpoint_assets_id")) for line in lines
+        ]
+        name = f"{parent}/batchPredictionJobs/{self.counts['creates'] + 1}"
+        created = self._new(name, body.get("displayName", ""), body["model"], lines, ids, True)
+        created.output_prefix = body["outputConfig"]["gcsDestination"]["outputUriPrefix"]
+        return JSONResponse(self._vertex_job(created))
 
-    def _write_predictions(self, job: Job, answered: list[Any]) -> None:
-        stamp = datetime.fromtimestamp(job.created, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        directory = f"{job.output_prefix.rstrip('/')}/prediction-model-{stamp}"
+    def _write_predictions(self, batch: Batch, answered: list[Any]) -> None:
+        stamp = datetime.fromtimestamp(batch.job.created, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        directory = f"{batch.output_prefix.rstrip('/')}/prediction-model-{stamp}"
         lines = []
         for line, response, error in answered:
             status = "" if error is None else f"{error['status']}: {error['message']}"
@@ -458,41 +473,60 @@ class Fake:
             lines.append(json.dumps(out).encode() + b"\n")
         with self._fs().open(f"{directory}/predictions.jsonl", "wb") as f:
             f.write(b"".join(lines))
-        job.output_directory = directory
+        batch.output_directory = directory
 
-    def _vertex_job(self, job: Job) -> dict[str, Any]:
-        state = self._state(job)
+    def _vertex_job(self, batch: Batch) -> dict[str, Any]:
+        state = self._phase(batch)
         shown: dict[str, Any] = {
-            "name": job.name,
-            "displayName": job.display_name,
-            "model": job.model,
+            "name": batch.name,
+            "displayName": batch.display_name,
+            "model": batch.model,
             "state": f"JOB_STATE_{state}",
-            "createTime": _iso(job.created),
-            "updateTime": _iso(time.time()),
+            "createTime": _iso(batch.job.created),
+            "updateTime": _iso(self.clock()),
             "outputConfig": {
                 "predictionsFormat": "jsonl",
-                "gcsDestination": {"outputUriPrefix": job.output_prefix},
+                "gcsDestination": {"outputUriPrefix": batch.output_prefix},
             },
         }
-        if job.state:
-            shown["endTime"] = _iso(time.time())
+        if batch.job.settled:
+            outcomes = batch.job.outcomes
+            ok = sum(1 for o in outcomes if o.status == 200)
+            shown["endTime"] = _iso(batch.job.ended_at())
             shown["completionStats"] = {
-                "successfulCount": str(job.stats["succeeded"]),
-                "failedCount": str(job.stats["failed"]),
-                "incompleteCount": str(job.stats["incomplete"]),
+                "successfulCount": str(ok),
+                "failedCount": str(len(outcomes) - ok),
+                "incompleteCount": str(len(batch.lines) - len(outcomes)),
             }
-            if job.output_directory:
-                shown["outputInfo"] = {"gcsOutputDirectory": job.output_directory}
+            if batch.output_directory:
+                shown["outputInfo"] = {"gcsOutputDirectory": batch.output_directory}
         return shown
 
 
 @contextmanager
-def serve(settings: Settings | None = None) -> Iterator[tuple[str, Fake]]:
-    """Run the fake in a thread of this process; yield its base URL (no path) and itself."""
-    fake = Fake(settings or Settings())
+def serve(
+    settings: Settings | None = None, clock: Callable[[], float] = time.time, **options: Any
+) -> Iterator[tuple[str, Fake]]:
+    """Run the fake in a thread of this process; yield its base URL (no path) and itself.
+    ``options``: :class:`Fake`'s (``storage_options``, ``rate_limit_every``, ``retry_delay``)."""
+    fake = Fake(settings or Settings(), clock, **options)
     with serving.in_thread(fake.app, "gemini fake") as url:
         fake.base = url.removesuffix("/v1")
         yield fake.base, fake
+
+
+_GCS: list[Any] = []
+
+
+def gcs() -> Any:
+    """This process's fake-gcs-server (``helpers.clouds.GcsEmulator``), started on first use
+    and stopped when the process ends."""
+    if not _GCS:
+        from helpers.clouds import GcsEmulator
+
+        _GCS.append(GcsEmulator())
+        atexit.register(_GCS[0].stop)
+    return _GCS[0]
 
 
 def service_account_file(path: str, base_url: str, project: str = "test-project") -> str:

@@ -26,6 +26,8 @@ yields a :class:`Fake`, and a ``ProviderCase``; add the case to ``CASES`` (one l
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -38,6 +40,7 @@ from checkpoint_assets import (
     AnthropicResource,
     AzureOpenAIResource,
     BedrockResource,
+    GeminiResource,
     OpenAIResource,
     Price,
 )
@@ -325,6 +328,91 @@ BEDROCK = ProviderCase(
     },
 )
 
+
+# -- Gemini: the Gemini API's Batch Mode and Vertex AI's batch prediction (helpers/gemini_fake.py)
+@contextmanager
+def start_gemini(settings: Settings, clock: Callable[[], float]) -> Iterator[Fake]:
+    """The Gemini API's fake: ``urls["base_url"]`` (no path)."""
+    from helpers.gemini_fake import serve
+
+    with serve(settings, clock) as (url, fake):
+        yield Fake({"base_url": url}, fake.snapshot, fake.processed, fake.online)
+
+
+@contextmanager
+def start_vertex(settings: Settings, clock: Callable[[], float]) -> Iterator[Fake]:
+    """Vertex AI's fake, its batch files in a new bucket of fake-gcs-server; the service
+    account key file that ``GOOGLE_APPLICATION_CREDENTIALS`` names is written for its tokens."""
+    from helpers.gemini_fake import gcs, serve, service_account_file
+
+    storage, options = gcs().new_storage()
+    with serve(settings, clock, storage_options=options) as (url, fake):
+        service_account_file(os.environ["GOOGLE_APPLICATION_CREDENTIALS"], url)
+        urls = {
+            "base_url": url,
+            "gcs_endpoint": options["endpoint_url"],
+            "gcs_prefix": storage.replace("/checkpoints", "/batches"),
+        }
+        yield Fake(urls, fake.snapshot, fake.processed, fake.online)
+
+
+def gemini_request(text: str) -> dict[str, Any]:
+    return {"contents": [{"role": "user", "parts": [{"text": text}]}]}
+
+
+def gemini_parse(body: dict[str, Any]) -> dict[str, Any]:
+    usage = body["usageMetadata"]
+    return {
+        "answer": body["candidates"][0]["content"]["parts"][0]["text"],
+        "input_tokens": usage["promptTokenCount"],
+        "output_tokens": usage["candidatesTokenCount"],
+    }
+
+
+GEMINI = ProviderCase(
+    name="gemini",
+    key="gemini",
+    start=start_gemini,
+    resource=lambda urls: GeminiResource(
+        base_url=urls["base_url"],
+        api_key=dg.EnvVar("GEMINI_API_KEY"),
+        model="gemini-test",
+        max_output_tokens=8,
+        inline_max_bytes=100_000,  # a 300-row shard inline, a 2,000-row one as a file
+    ),
+    parse=gemini_parse,
+    error="INTERNAL: ",
+    request=gemini_request,
+    invalid={"contents": [{"role": "user", "parts": []}]},
+    secrets={"GEMINI_API_KEY": "AIza-contract-gemini-5ecret"},
+)
+VERTEX = ProviderCase(
+    name="vertex",
+    key="gemini",
+    start=start_vertex,
+    resource=lambda urls: GeminiResource(
+        vertexai=True,
+        project="test-project",
+        location="us-central1",
+        base_url=urls["base_url"],
+        gcs_prefix=urls["gcs_prefix"],
+        storage_options={"endpoint_url": urls["gcs_endpoint"], "token": "anon"},
+        model="gemini-test",
+        max_output_tokens=8,
+    ),
+    parse=gemini_parse,
+    error="INTERNAL: ",
+    request=gemini_request,
+    invalid={"contents": [{"role": "user", "parts": []}]},
+    # Application default credentials: the key file of a service account (its path is all the
+    # environment holds; the fake's start writes the file).
+    secrets={
+        "GOOGLE_APPLICATION_CREDENTIALS": os.path.join(
+            tempfile.gettempdir(), f"checkpoint-assets-vertex-key-{os.getpid()}.json"
+        )
+    },
+)
+
 #: Every provider the contract suite runs against; a provider adds its case on a line of its own.
 CASES: list[ProviderCase] = [
     OPENAI,
@@ -332,5 +420,7 @@ CASES: list[ProviderCase] = [
     AZURE_OPENAI,
     OPENAI_COMPATIBLE,
     BEDROCK,
+    GEMINI,
+    VERTEX,
 ]
 BY_NAME: dict[str, ProviderCase] = {case.name: case for case in CASES}
