@@ -35,6 +35,7 @@ a server error or a deadline (HTTP 429, 500, 503, 504; ``RESOURCE_EXHAUSTED``,
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import tempfile
@@ -318,7 +319,11 @@ class GeminiBatches(_Jobs):
 
     def _file_results(self, file_name: str) -> Iterator[Result]:
         with tempfile.TemporaryFile() as spool:
-            self.client.files.download(file=file_name, destination=spool)
+            download = self.client.files.download
+            if "destination" in inspect.signature(download).parameters:
+                download(file=file_name, destination=spool)  # streamed to disk (google-genai 3)
+            else:
+                spool.write(download(file=file_name))  # google-genai 2 reads it whole
             spool.seek(0)
             for raw in spool:
                 if raw.strip():
