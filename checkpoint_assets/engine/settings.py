@@ -306,6 +306,13 @@ class RunStats:
     mode: str | None = None
     rows_online: int = 0
     batch_results_dropped: int = 0
+    # Provider batches and the provider's queue (engine/providers/queue.py): submissions it
+    # refused for want of room, seconds the run waited for room, the highest share of the queue's
+    # limit its claims took when the run looked (None: no limit known), rows left waiting for room.
+    submissions_refused: int = 0
+    queue_wait_seconds: float = 0.0
+    queue_use: float | None = None
+    rows_waiting_for_queue: int = 0
     failed_calls: int = 0
     throttled_calls: int = 0
     throttle_events: int = 0

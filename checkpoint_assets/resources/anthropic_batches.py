@@ -27,24 +27,34 @@ Results stream from the batch's results URL line by line:
 
 An error of a server, an overload, a rate limit or a timeout is transient (``Result.retry``).
 Anthropic asks that an ``invalid_request_error`` be fixed before it is sent again, so it is not.
+
+Queue room. Anthropic bounds the batch requests waiting in a workspace's processing queue
+(``queued_requests``), and answers a create past it with 429. ``create`` raises
+:class:`QueueFull` for a 429 (after the client's own retries), with the limit its message states
+and the wait its ``retry-after`` asks, when they are there.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final
 
 from checkpoint_assets.engine.providers.submissions import (
+    QUEUED_REQUESTS,
     Limits,
+    Queue,
+    QueueFull,
     Request,
     Result,
     State,
     Status,
     index_of,
+    queue_key,
 )
 
 if TYPE_CHECKING:
@@ -62,6 +72,7 @@ _TRANSIENT: Final = frozenset(
     {"api_error", "overloaded_error", "rate_limit_error", "timeout_error"}
 )
 _log = logging.getLogger("checkpoint_assets")
+_STATED: Final = re.compile(r"limit(?: of|:)\s*([\d,]+)", re.IGNORECASE)
 
 
 class SubmissionUndecidedError(RuntimeError):
@@ -72,7 +83,9 @@ class SubmissionUndecidedError(RuntimeError):
 
 class AnthropicBatches:
     """Anthropic's Message Batches, each request's ``params`` completed with ``defaults`` (the
-    resource's ``model`` and ``max_tokens``) where the body leaves them out."""
+    resource's ``model`` and ``max_tokens``) where the body leaves them out. ``queued_requests``
+    is the workspace's limit of batch requests waiting, when known: the queue (``queue``) is
+    shared by every submission to the same URL and key."""
 
     name = "anthropic"
 
@@ -82,12 +95,15 @@ class AnthropicBatches:
         defaults: Mapping[str, Any] | None = None,
         limits: Limits = LIMITS,
         *,
+        queued_requests: int | None = None,
         find_wait_seconds: float = 900.0,
         find_poll_seconds: float = 5.0,
     ) -> None:
         self.client = client
         self.defaults = dict(defaults or {})
         self.limits = limits
+        stated = {QUEUED_REQUESTS: queued_requests} if queued_requests else {}
+        self.queue = Queue(queue_key(self.name, client.base_url, client.api_key), stated)
         self.find_wait_seconds = find_wait_seconds
         self.find_poll_seconds = find_poll_seconds
 
@@ -106,8 +122,19 @@ class AnthropicBatches:
     def create(self, requests: Sequence[Request], upload: str | None, tag: str) -> str:
         if not requests:
             raise ValueError(f"submission {tag}: a message batch needs its requests")
+        import anthropic
+
         entries = [self._entry(r) for r in requests]
-        return self.client.messages.batches.create(requests=entries).id  # type: ignore[arg-type]
+        try:
+            return self.client.messages.batches.create(requests=entries).id  # type: ignore[arg-type]
+        except anthropic.RateLimitError as e:
+            message = _message(e)
+            stated = _STATED.search(message)
+            limit = {QUEUED_REQUESTS: int(stated[1].replace(",", ""))} if stated else {}
+            after = e.response.headers.get("retry-after")
+            raise QueueFull(
+                f"HTTP 429: {message}", stated=limit, retry_after=_seconds(after)
+            ) from e
 
     def find(self, tag: str, since: float) -> str | None:
         waiting = self._created_since(since)
@@ -198,6 +225,19 @@ def _result(line: Mapping[str, Any]) -> Result | None:
     if kind in ("canceled", "expired"):
         return None
     return Result(custom, None, f"unexpected result in the batch's results: {result!r}")
+
+
+def _message(e: Any) -> str:
+    body = e.body if isinstance(e.body, dict) else {}
+    error = body.get("error")
+    return str((error.get("message") if isinstance(error, dict) else None) or e)
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _undecided(tag: str, since: float, running: list[str]) -> SubmissionUndecidedError:

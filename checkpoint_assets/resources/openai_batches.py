@@ -14,21 +14,33 @@ Those lines are no results: their rows are submitted again.
 
 An error status the ``openai`` client itself retries (408, 409, 429, 5xx) is a transient error
 (``Result.retry``). Any other error status (400 for an invalid request) is not.
+
+Queue room. OpenAI bounds the input tokens enqueued per model (``enqueued_tokens``). A batch past
+it is created ``failed`` with the error code ``token_limit_exceeded``, and a message that states
+the limit ("Limit: 2,000,000 enqueued tokens"). ``create`` raises :class:`QueueFull` for it (or
+for a 429 on create), and ``poll`` answers ``REFUSED`` when validation refuses it later. A 429
+whose code is ``insufficient_quota`` is no queue: the account's credit is spent, and
+:class:`QuotaExhaustedError` stops the run.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from checkpoint_assets.engine.providers.submissions import (
+    ENQUEUED_TOKENS,
     TAG_KEY,
     Limits,
+    Queue,
+    QueueFull,
     Request,
     Result,
     State,
     Status,
+    queue_key,
 )
 
 if TYPE_CHECKING:
@@ -41,6 +53,8 @@ DEFAULT_ENDPOINT: Final = "/v1/chat/completions"
 _UNRUN: Final = frozenset({"batch_expired", "batch_cancelled"})
 # The error statuses the openai client retries on its own (``_should_retry``): sent again.
 _TRANSIENT: Final = frozenset({408, 409, 429})
+_QUEUE_FULL: Final = "token_limit_exceeded"  # a batch's error code: no room in the queue
+_STATED: Final = re.compile(r"Limit:\s*([\d,]+)\s*enqueued tokens", re.IGNORECASE)
 _STATES: Final = {
     "validating": State.RUNNING,
     "in_progress": State.RUNNING,
@@ -53,12 +67,19 @@ _STATES: Final = {
 }
 
 
+class QuotaExhaustedError(RuntimeError):
+    """The provider refused a request because the account's quota or spend limit is used up.
+
+    Waiting does not help: someone must raise the limit or add credit."""
+
+
 class OpenAIBatches:
     """OpenAI's Batch API for one ``endpoint``.
 
     The endpoint is ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/responses``... Each body
     is completed with ``defaults`` (the resource's model and request settings) where it leaves
-    them out."""
+    them out. ``enqueued_tokens`` is the organization's limit for the model, when known: the
+    queue (``queue``) is shared by every submission to the same URL, key and model."""
 
     name = "openai"
 
@@ -68,11 +89,15 @@ class OpenAIBatches:
         endpoint: str = DEFAULT_ENDPOINT,
         defaults: Mapping[str, Any] | None = None,
         limits: Limits = LIMITS,
+        enqueued_tokens: int | None = None,
     ) -> None:
         self.client = client
         self.endpoint = endpoint
         self.defaults = dict(defaults or {})
         self.limits = limits
+        key = queue_key(self.name, client.base_url, client.api_key, self.defaults.get("model"))
+        stated = {ENQUEUED_TOKENS: enqueued_tokens} if enqueued_tokens else {}
+        self.queue = Queue(key, stated)
         self._sized: dict[str, bytes] = {}  # lines encoded by ``size``, until uploaded
 
     def _line(self, request: Request) -> bytes:
@@ -95,12 +120,20 @@ class OpenAIBatches:
     def create(self, requests: Sequence[Request], upload: str | None, tag: str) -> str:
         if upload is None:
             upload = self.upload(requests, tag)
-        batch = self.client.batches.create(
-            input_file_id=upload,
-            endpoint=self.endpoint,  # type: ignore[arg-type]  # the client lists the known ones
-            completion_window="24h",
-            metadata={TAG_KEY: tag},
-        )
+        import openai
+
+        try:
+            batch = self.client.batches.create(
+                input_file_id=upload,
+                endpoint=self.endpoint,  # type: ignore[arg-type]  # the client lists known ones
+                completion_window="24h",
+                metadata={TAG_KEY: tag},
+            )
+        except openai.RateLimitError as e:
+            raise _refusal(e) from e
+        errors = batch.errors.data if batch.errors and batch.errors.data else []
+        if batch.status == "failed" and any(e.code == _QUEUE_FULL for e in errors):
+            raise _queue_full(batch.id, errors)
         return batch.id
 
     def find(self, tag: str, since: float) -> str | None:
@@ -115,6 +148,9 @@ class OpenAIBatches:
         batch = self.client.batches.retrieve(batch_id)
         counts = batch.request_counts
         errors = batch.errors.data if batch.errors and batch.errors.data else []
+        if batch.status == "failed" and any(e.code == _QUEUE_FULL for e in errors):
+            refusal = _queue_full(batch_id, errors)
+            return Status(State.REFUSED, detail=refusal.message, refusal=refusal)
         return Status(
             _STATES.get(batch.status, State.RUNNING),
             succeeded=counts.completed if counts else 0,
@@ -138,6 +174,37 @@ class OpenAIBatches:
 
     def cancel(self, batch_id: str) -> None:
         self.client.batches.cancel(batch_id)
+
+
+def _queue_full(batch_id: str, errors: Sequence[Any]) -> QueueFull:
+    """The refusal of a batch failed with ``token_limit_exceeded``, with the limit it states."""
+    message = next(e.message or "" for e in errors if e.code == _QUEUE_FULL)
+    stated = _STATED.search(message)
+    limit = {ENQUEUED_TOKENS: int(stated[1].replace(",", ""))} if stated else {}
+    return QueueFull(f"batch {batch_id}: {_QUEUE_FULL}: {message}", stated=limit)
+
+
+def _refusal(e: Any) -> Exception:
+    """A 429 on create: the account's quota (``insufficient_quota``), else no queue room."""
+    body = e.body if isinstance(e.body, dict) else {}
+    code = body.get("code") or getattr(e, "code", None)
+    message = str(body.get("message") or e)
+    if code == "insufficient_quota":
+        return QuotaExhaustedError(
+            f"OpenAI refused the batch: the account's quota is used up ({message}). Add credit "
+            "or raise the organization's usage limit, then run again: nothing was lost."
+        )
+    stated = _STATED.search(message)
+    limit = {ENQUEUED_TOKENS: int(stated[1].replace(",", ""))} if stated else {}
+    after = e.response.headers.get("retry-after") if e.response is not None else None
+    return QueueFull(f"HTTP 429: {message}", stated=limit, retry_after=_seconds(after))
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _result(line: Mapping[str, Any]) -> Result:

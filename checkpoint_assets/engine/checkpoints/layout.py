@@ -13,6 +13,10 @@ relative to the root (``UNPARTITIONED`` for an unpartitioned asset):
 - ``<name>.parquet.submissions/<tag>.json``: one provider batch submission of the checkpoint's
   rows (``submission_records.py``).
 
+The shards that submit to one provider queue share what waits in it through
+``_provider_queues/<queue key>/``: one claim per submission waiting there (``<tag>.json``) and the
+limits its refusals stated (``limits.json``), see ``engine/providers/queue.py``.
+
 Ordinary (not checkpointed) outputs of the IO manager go to ``<asset path>.parquet``, or
 ``<asset path>/<partition>.parquet`` for a partition. The global resume table of one tag goes to
 ``<asset path>_global_resume/<tag>.parquet``, as if the tag were a partition of that asset.
@@ -47,6 +51,7 @@ META = ".parquet.meta.json"
 LOCK = ".parquet.lock"
 QUARANTINE = ".parquet.quarantine"
 SUBMISSIONS = ".parquet.submissions"
+QUEUES = "_provider_queues"
 _PART = re.compile(r"^part-(\d+)-(\d+)-[0-9a-f]+\.parquet$")
 _SAFE = "-_.=+,@"
 
@@ -140,6 +145,11 @@ class Files:
         return posixpath.join(
             self.parts, f"part-{first:012d}-{last:012d}-{uuid.uuid4().hex[:12]}.parquet"
         )
+
+
+def queue_folder(root: str, key: str) -> str:
+    """The folder of the provider queue ``key``'s claims and stated limits (module docstring)."""
+    return posixpath.join(root, QUEUES, encode(key, "queue key"))
 
 
 def part_range(file_name: str) -> tuple[int, int] | None:

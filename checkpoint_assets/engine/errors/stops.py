@@ -252,21 +252,45 @@ class BatchesPendingError(CheckpointError):
     They are recorded in the checkpoint, and the shard is not finished."""
 
     def __init__(
-        self, label: str, rows: int, batches: Sequence[str], done: int, due: float | None = None
+        self,
+        label: str,
+        rows: int,
+        batches: Sequence[str],
+        done: int,
+        due: float | None = None,
+        *,
+        unsubmitted: int = 0,
     ) -> None:
         self.rows = rows
         self.batches = list(batches)
         self.done = done
         self.due = due  # when the provider ends the last of them at the latest (epoch seconds)
+        self.unsubmitted = unsubmitted  # rows the provider's queue had no room for yet
+        said = []
+        if self.batches:
+            said.append(
+                f"{rows:,} row(s) are submitted in {len(self.batches)} provider batch(es) "
+                f"that have not ended yet ({', '.join(self.batches[:5])}"
+                f"{', ...' if len(self.batches) > 5 else ''}); they are recorded in the "
+                "checkpoint and will not be submitted again"
+            )
+        if unsubmitted:
+            said.append(
+                f"{unsubmitted:,} row(s) wait for room in the provider's queue, to be submitted "
+                "by a later run"
+            )
         super().__init__(
-            f"{label}: {rows:,} row(s) are submitted in {len(self.batches)} provider batch(es) "
-            f"that have not ended yet ({', '.join(self.batches[:5])}"
-            f"{', ...' if len(self.batches) > 5 else ''}); they are recorded in the checkpoint "
-            f"and will not be submitted again; {_ran(done)}. The shard is not finished yet."
+            f"{label}: {'; '.join(said)}; {_ran(done)}. The shard is not finished yet."
         )
 
     def engine_remedy(self) -> str:
+        if self.unsubmitted and not self.batches:
+            return (
+                "Run it again once the provider's queue has room (batches of other shards end), "
+                "or run with waiting on to wait for room and for the batches."
+            )
         return (
             "Run it again once they end (it collects their results without submitting them "
-            "again), or run with waiting on to wait for them."
+            "again, and submits the rows that waited for room), or run with waiting on to wait "
+            "for them."
         )

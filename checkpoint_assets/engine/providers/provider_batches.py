@@ -9,9 +9,10 @@ parts, finalize, usage and the stop rules are the same as for computed rows. Its
 
 1. **Re-attach** the open submission records of the checkpoint (``submission_records.py``).
    Those with a batch id are polled; the others are found on the provider by their tag.
-2. **Submit** the rows to do that no open submission holds, split within the provider's limits.
+2. **Submit** the rows to do that no open submission holds, split within the provider's limits
+   and the room left in its queue, shared with every shard that submits to it (``queue.py``).
    Each submission is recorded (intent) before its upload; its file and batch ids are recorded
-   as they come.
+   as they come. Rows without room yet wait in the run and are submitted as batches end.
 3. **Collect**, polling with backoff (``poll_seconds`` doubling up to ``max_poll_seconds``). A
    submission that ended is downloaded, parsed and stored as one part. It is then marked
    collected, or returned when some of its rows are sent again (below).
@@ -25,8 +26,16 @@ parts, finalize, usage and the stop rules are the same as for computed rows. Its
    is durable and the old one is marked returned. Other per-request errors (an invalid
    request) are failed rows at once. So are transient ones at the last attempt; the next run
    computes them again while ``retry_failed`` is on.
-5. **End**, with ``wait`` off, as soon as every submission is created and what had ended is
-   collected. The run ends with :class:`BatchesPendingError`, the shard unfinished.
+5. **End**, with ``wait`` off, as soon as the submissions that had room are created and what had
+   ended is collected. The run ends with :class:`BatchesPendingError`, the shard unfinished; it
+   says how many rows still wait for room in the queue, for the run that submits them.
+
+Queue room. A submission the provider refuses for want of room in its queue
+(``submissions.QueueFull``, or a poll in state ``REFUSED``) is no failure: nothing of it ran or is
+billed. It is recorded as refused, the limit its refusal states is written down for every shard,
+and its rows wait, at the same attempt, until the queue has room: this shard's batches or
+others' end, or the time the provider asked passes. Such refusals make no failed row and are
+not attempts.
 
 Answers. Each collected row keeps its response body in ``_answer`` (``keep_answers``). When
 ``parse`` changed since the stored rows were computed, the run first parses their answers again,
@@ -71,10 +80,16 @@ from checkpoint_assets.engine.loop.sink import PartWriter
 from checkpoint_assets.engine.providers.answers import ANSWER, dumps, parse_error, rederive
 from checkpoint_assets.engine.providers.handoff import Handoff
 from checkpoint_assets.engine.providers.job import Mode, ProviderJob
-from checkpoint_assets.engine.providers.splits import Split, rows_of, splits
+from checkpoint_assets.engine.providers.queue import Claim, SharedQueue, Use, enough, kind_of
+from checkpoint_assets.engine.providers.splits import Room, Split, rows_of, splits
 from checkpoint_assets.engine.providers.submission_records import Records, Submission
 from checkpoint_assets.engine.providers.submissions import (
+    CONCURRENT_JOBS,
+    ENQUEUED_TOKENS,
+    QUEUED_REQUESTS,
     WINDOW_SECONDS,
+    Queue,
+    QueueFull,
     Result,
     State,
     Status,
@@ -119,14 +134,29 @@ class ProviderRun(ShardRun):
         self.reserved: dict[str, float] = {}  # the estimates of this run's submissions, by tag
         self.refused: BudgetExceededError | None = None  # a submission the budget did not take
         self.handoff = Handoff(self, self.job)  # rows finished online, batches cancelled
+        queue = getattr(self.provider, "queue", None)
+        self.queue = SharedQueue(
+            self.sink.checkpoint.store,
+            queue if isinstance(queue, Queue) else Queue(self.provider.name),
+            self._ended,
+        )
+        self.checkpoint_name = self.sink.checkpoint.name
+        self.claims: dict[str, Claim] = {}  # this run's claims of queue room, by tag
+        # Rows to submit (keys) and their attempt, oldest first: those without room yet wait here.
+        self.backlog: list[tuple[pl.DataFrame, int]] = []
+        self.room_at = 0.0  # no submission before this time (monotonic): a refusal asked to wait
+        self.tokens_per_row: float | None = None  # of the submissions made, for the room needed
         waiting = [s for s in self.records.load() if s.open and self._attach(s)]
         sent = {i for s in waiting for i in s.ids}
         fresh = todo.filter(~pl.col(self.id).is_in(list(sent))) if sent else todo
         if self.job.mode is Mode.online:
             self.handoff.take(self.attempts, fresh.get_column(self.id).to_list())
-        else:
-            waiting += self._submit(fresh)
+        elif fresh.height:
+            self.backlog.append((fresh, 1))
+            waiting += self._submit_backlog()
         pending = self._collect_all(waiting)
+        self.stats.rows_waiting_for_queue = self._unsubmitted()
+        self.stats.queue_use = round(self.queue.peak, 3) if self.queue.limits() else None
         if self.spend is not None and self.spend.problem is not None:
             return self.spend.problem  # a result whose cost is unknown
         return self._over_budget_of(pending) if self.refused is not None else pending
@@ -144,6 +174,9 @@ class ProviderRun(ShardRun):
                 self.records.advance(s, "dropped", note=note)
                 return False
             self.records.advance(s, "created", batch_id=found)
+        claim = Claim(s.tag, self.checkpoint_name, s.tokens, len(s.ids), batch_id=s.batch_id)
+        self.queue.hold(claim)
+        self.claims[s.tag] = claim
         self.log.info(
             "%s: re-attached to provider batch %s (%d rows): nothing is submitted again.",
             self.label,
@@ -152,15 +185,129 @@ class ProviderRun(ShardRun):
         )
         return True
 
-    def _submit(self, rows: pl.DataFrame, attempt: int = 1) -> list[Submission]:
-        """Submit ``rows`` in as many submissions as the provider's limits take, until the
-        spend budget refuses one (then nothing more is submitted)."""
-        made = []
-        for split in splits(self.provider, rows_of(self.prepared, rows), self._body, self.id):
-            if self.refused is not None or not self._reserve(split):
+    def _submit_backlog(self) -> list[Submission]:
+        """Submit the rows of the backlog that the provider's limits and its queue's room take,
+        oldest first, until the room or the spend budget runs out (see the module docstring)."""
+        made: list[Submission] = []
+        while self.backlog and self.refused is None:
+            keys, attempt = self.backlog[0]
+            keys = keys.filter(pl.col(self.id).is_in(list(self.attempts)))  # not stored since
+            if keys.height == 0:
+                self.backlog.pop(0)
+                continue
+            room = self._room(keys.height)
+            if room is None:
                 break
-            made.append(self._send(split, attempt))
+            sent: list[Any] = []
+            for split in splits(
+                self.provider, rows_of(self.prepared, keys), self._body, self.id, room
+            ):
+                s = self._claimed_send(split, attempt)
+                if s is None:
+                    break
+                made.append(s)
+                sent += split.ids
+                per_row = split.tokens / len(split.ids)
+                self.tokens_per_row = max(self.tokens_per_row or 0.0, per_row)
+            left = keys.filter(~pl.col(self.id).is_in(sent)) if sent else keys
+            if left.height:
+                self.backlog[0] = (left, attempt)
+                break  # the room, or the budget, ran out before these rows
+            self.backlog.pop(0)
         return made
+
+    def _room(self, rows: int) -> Room | None:
+        """The room the next submissions of ``rows`` rows may take in the provider's queue, or
+        None when they should wait (too little room, or a refusal asked to wait)."""
+        if time.monotonic() < self.room_at:
+            return None
+        claims = self.queue.claims()
+        limits = self.queue.limits()
+        if not limits:
+            return Room()  # unknown: the claims take turns until a refusal states the limit
+        tokens = self.tokens_per_row
+        need = Use(rows * int(tokens + 1) if tokens else 2**62, rows, 1)
+        room = self.queue.room(claims)
+        assert room is not None
+        if not enough(room, limits, need):
+            # Room frees when batches end, not when collected: poll the batches of the claims.
+            claims = self.queue.claims(poll=True)
+            room = self.queue.room(claims)
+            assert room is not None
+            if not enough(room, limits, need):
+                return None
+        return Room(room.get(QUEUED_REQUESTS), room.get(ENQUEUED_TOKENS), room.get(CONCURRENT_JOBS))
+
+    def _claimed_send(self, split: Split, attempt: int) -> Submission | None:
+        """Claim ``split``'s room in the queue, reserve its cost, send it; None when the queue or
+        the budget has no room for it (it stays in the backlog)."""
+        claim = Claim(split.tag, self.checkpoint_name, split.tokens, len(split.requests))
+        if not self.queue.take(claim):
+            self.room_at = time.monotonic() + self.queue.step_back()
+            return None
+        if not self._reserve(split):
+            self.queue.release(split.tag)
+            return None
+        self.claims[split.tag] = claim
+        tag, requests = split.tag, split.requests
+        s = Submission(
+            tag, self.provider.name, split.ids, split.hashes, attempt=attempt, tokens=split.tokens
+        )
+        self.records.record_intent(s)
+        try:
+            file_id = self.provider.upload(requests, tag)
+            if file_id is not None:
+                self.records.advance(s, "uploaded", file_id=file_id)
+            batch_id = self.provider.create(requests, file_id, tag)
+        except QueueFull as e:
+            self._refused(s, e)
+            return None
+        self.records.advance(s, "created", batch_id=batch_id)
+        self.queue.created(claim, batch_id)
+        self.stats.calls += len(requests)
+        self.log.info(
+            "%s: submitted %d rows to %s as batch %s (submission %s).",
+            self.label,
+            len(requests),
+            self.provider.name,
+            batch_id,
+            tag,
+        )
+        return s
+
+    def _refused(self, s: Submission, refusal: QueueFull) -> None:
+        """The provider had no room for ``s`` in its queue: record it refused (nothing ran, nothing
+        is billed), free its claim and reservation, and write down what the refusal says."""
+        self.records.advance(s, "refused", note=refusal.message)
+        self.queue.release(s.tag)
+        self.claims.pop(s.tag, None)
+        if self.spend is not None:
+            self.spend.release(self.reserved.pop(s.tag, 0.0))
+        self.stats.submissions_refused += 1
+        used = self.queue.used(self.queue.claims())
+        learned = self.queue.learn(refusal, kind_of(refusal, self.queue.queue), used)
+        wait = refusal.retry_after if refusal.retry_after is not None else 0.0
+        if not learned and not self.queue.limits():
+            wait = max(wait, self.job.poll_seconds)  # nothing known of the queue: wait a while
+        self.room_at = max(self.room_at, time.monotonic() + wait)
+        known = ", ".join(f"{k} {v:,}" for k, v in self.queue.limits().items()) or "not stated"
+        self.log.warning(
+            "%s: %s had no room in its queue for submission %s (%d rows): %s. Nothing of it ran "
+            "or is billed; its rows are submitted again once the queue has room (its limit: %s).",
+            self.label,
+            self.provider.name,
+            s.tag,
+            len(s.ids),
+            refusal.message,
+            known,
+        )
+
+    def _ended(self, batch_id: str) -> bool:
+        """Whether ``batch_id`` (any shard's) has left the queue; False when the poll fails."""
+        try:
+            return self.provider.poll(batch_id).state is not State.RUNNING
+        except Exception:
+            return False
 
     def _reserve(self, split: Split) -> bool:
         """Reserve the estimated cost of ``split`` in the spend budget; False when it does not
@@ -209,26 +356,6 @@ class ProviderRun(ShardRun):
             raise FunctionError(self.label, problem, self.done_rows)
         return body
 
-    def _send(self, split: Split, attempt: int) -> Submission:
-        tag, requests = split.tag, split.requests
-        s = Submission(tag, self.provider.name, split.ids, split.hashes, attempt=attempt)
-        self.records.record_intent(s)
-        file_id = self.provider.upload(requests, tag)
-        if file_id is not None:
-            self.records.advance(s, "uploaded", file_id=file_id)
-        batch_id = self.provider.create(requests, file_id, tag)
-        self.records.advance(s, "created", batch_id=batch_id)
-        self.stats.calls += len(requests)
-        self.log.info(
-            "%s: submitted %d rows to %s as batch %s (submission %s).",
-            self.label,
-            len(requests),
-            self.provider.name,
-            batch_id,
-            tag,
-        )
-        return s
-
     # -- collecting ----------------------------------------------------------------------
     def _collect_all(self, waiting: list[Submission]) -> CheckpointError | None:
         delay = self.job.poll_seconds
@@ -239,39 +366,83 @@ class ProviderRun(ShardRun):
                 status = self.provider.poll(s.batch_id)
                 if status.state is State.RUNNING:
                     left.append(s)
-                    continue
-                again = self._collect(s, status)
-                if again:
-                    delay = self.job.poll_seconds  # new batches: poll them from the start
-                left += again
+                elif status.state is State.REFUSED:
+                    self._refused(s, status.refusal or QueueFull(status.detail or "no detail"))
+                    self.stats.calls -= len(s.ids)  # none of them ran
+                    self._back(s.ids, s.attempt)
+                else:
+                    self._collect(s, status)
             waiting = left
+            if self.backlog and self.refused is None:
+                made = self._submit_backlog()
+                if made:
+                    waiting += made
+                    delay = self.job.poll_seconds  # new batches: poll them from the start
             if self.handoff.rows:
                 stopped = self.handoff.finish(self.todo)
                 if stopped is not None:
                     return stopped  # open submissions stay recorded: the next run re-attaches
-            if not waiting:
+            unsubmitted = self._unsubmitted()
+            if not waiting and not unsubmitted:
                 return None
             if self.handoff.past_deadline() and self.handoff.cancel(waiting):
                 delay = self.job.poll_seconds  # cancelled batches end soon
             rows = sum(len(s.ids) for s in waiting)
             if not self.job.wait and self.job.mode is Mode.batch:
                 batches = [s.batch_id or s.tag for s in waiting]
-                due = max(s.created_at for s in waiting) + WINDOW_SECONDS
-                return BatchesPendingError(self.label, rows, batches, self.done_rows, due)
-            self.log.info(
-                "%s: %d row(s) wait in %d provider batch(es); next poll in %.0f s. %s",
-                self.label,
-                rows,
-                len(waiting),
-                delay,
-                self.progress_line(time.monotonic()),
-            )
-            time.sleep(delay)
+                due = max((s.created_at for s in waiting), default=None)
+                return BatchesPendingError(
+                    self.label,
+                    rows,
+                    batches,
+                    self.done_rows,
+                    None if due is None else due + WINDOW_SECONDS,
+                    unsubmitted=unsubmitted,
+                )
+            nap = delay
+            if unsubmitted:
+                nap = min(delay, max(self.room_at - time.monotonic(), self.job.poll_seconds))
+                self.log.info(
+                    "%s: %d row(s) wait for room in %s's queue (its limit: %s); %d row(s) wait "
+                    "in %d provider batch(es); next look in %.0f s. %s",
+                    self.label,
+                    unsubmitted,
+                    self.provider.name,
+                    ", ".join(f"{k} {v:,}" for k, v in self.queue.limits().items()) or "not stated",
+                    rows,
+                    len(waiting),
+                    nap,
+                    self.progress_line(time.monotonic()),
+                )
+                self.stats.queue_wait_seconds += nap
+            else:
+                self.log.info(
+                    "%s: %d row(s) wait in %d provider batch(es); next poll in %.0f s. %s",
+                    self.label,
+                    rows,
+                    len(waiting),
+                    nap,
+                    self.progress_line(time.monotonic()),
+                )
+            time.sleep(nap)
             delay = min(delay * 2, self.job.max_poll_seconds)
 
-    def _collect(self, s: Submission, status: Status) -> list[Submission]:
-        """Store the results of the ended submission ``s`` as one part, then mark it; returns
-        the submissions of its rows sent again (see the module docstring)."""
+    def _unsubmitted(self) -> int:
+        """Rows of the backlog still to submit (none once the budget refused a submission)."""
+        if self.refused is not None:
+            return 0
+        return sum(keys.height for keys, _ in self.backlog)
+
+    def _back(self, ids: list[Any], attempt: int) -> None:
+        """Put the rows ``ids`` (those not stored) back in the backlog at ``attempt``."""
+        ids = [i for i in ids if i in self.attempts]
+        keys = self.todo.filter(pl.col(self.id).is_in(ids))
+        if keys.height:
+            self.backlog.append((keys, attempt))
+
+    def _collect(self, s: Submission, status: Status) -> None:
+        """Store the results of the ended submission ``s`` as one part, then mark it; its rows
+        to send again go to the backlog (see the module docstring)."""
         assert s.batch_id is not None
         seen = [False] * len(s.ids)
         failed: list[_Failed] = []
@@ -301,9 +472,11 @@ class ProviderRun(ShardRun):
         assert isinstance(self.sink, PartWriter)
         self.sink.wait_for_writes()  # durable before the record says collected or returned
         back = [s.ids[i] for i in transient + unrun if s.ids[i] in self.attempts]
+        self.queue.release(s.tag)  # it has left the queue
+        self.claims.pop(s.tag, None)
         if not back:
             self.records.advance(s, "collected")
-            return []
+            return
         for i in transient:  # each was a call the provider answered
             if s.ids[i] in self.attempts:
                 self.attempts[s.ids[i]] += 1
@@ -314,7 +487,7 @@ class ProviderRun(ShardRun):
                 "%s: provider batch %s: %s; finishing them online.", self.label, s.batch_id, note
             )
             self.handoff.take(self.attempts, back)
-            return []
+            return
         self.records.advance(s, "returned", note=note)
         self.log.warning(
             "%s: provider batch %s: %s; sending them again (attempt %d of %d).",
@@ -324,7 +497,7 @@ class ProviderRun(ShardRun):
             s.attempt + 1,
             self.s.max_attempts,
         )
-        return self._submit(self.todo.filter(pl.col(self.id).is_in(back)), s.attempt + 1)
+        self._back(back, s.attempt + 1)
 
     def _no_result(self, s: Submission, status: Status) -> str:
         """Why a request of the ended submission ``s`` is a failed row without a result."""

@@ -2,7 +2,11 @@
 
 The input rows are read a slice at a time as the submissions take them (``rows_of``), each
 turned into its request body by the job's ``request``. A submission closes when the next request
-would pass the provider's ``max_requests`` or ``max_bytes`` (``splits``).
+would pass the provider's ``max_requests`` or ``max_bytes`` (``splits``), or the room left in the
+provider's queue (``Room``: requests, estimated input tokens, batches).
+
+A request's input tokens, as a queue counts them, are estimated from the text its body bills
+(``calls/tokens.py``'s ``text_of``): its bytes over 4, rounded up.
 
 Spend budget. Before a submission is recorded or sent, its cost is estimated and reserved in the
 run's spend (``Spend.reserve``, at the batch price):
@@ -29,6 +33,7 @@ from typing import Any
 import polars as pl
 
 from checkpoint_assets.engine.calls.budget import Budget
+from checkpoint_assets.engine.calls.tokens import text_of
 from checkpoint_assets.engine.plan.inputs import Prepared
 from checkpoint_assets.engine.providers.submission_records import new_tag
 from checkpoint_assets.engine.providers.submissions import BatchProvider, Request, custom_id
@@ -49,12 +54,14 @@ class Split:
     sizes: list[int] = field(default_factory=list)
     ids: list[Any] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
+    tokens: int = 0  # estimated input tokens of its requests, as a queue counts them
 
-    def add(self, request: Request, size: int, row_id: Any, input_hash: int) -> None:
+    def add(self, request: Request, size: int, row_id: Any, input_hash: int, tokens: int) -> None:
         self.requests.append(request)
         self.sizes.append(size)
         self.ids.append(row_id)
         self.hashes.append(input_hash)
+        self.tokens += tokens
 
     def estimate(self, budget: Budget, defaults: Mapping[str, Any]) -> float:
         """USD the submission may cost at the batch price (see the module docstring)."""
@@ -68,30 +75,70 @@ class Split:
         return sum(budget.cost(m, i, o, batch=True) for m, (i, o) in tokens.items())
 
 
+@dataclass
+class Room:
+    """What the submissions still to make may take of the provider's queue (None: no bound).
+
+    ``splits`` takes what each submission holds off it as it makes them."""
+
+    requests: int | None = None
+    tokens: int | None = None
+    batches: int | None = None
+
+
+def request_tokens(body: Any) -> int:
+    """A request's input tokens, estimated as a queue counts them (see the module docstring)."""
+    return -(-len(text_of(body).encode()) // _BYTES_PER_TOKEN)
+
+
 def splits(
     provider: BatchProvider,
     rows: Iterable[tuple[dict[str, Any], int]],
     body: Callable[[dict[str, Any]], dict[str, Any]],
     id_column: str,
+    room: Room | None = None,
 ) -> Iterator[Split]:
     """``rows`` (input dicts with their input hashes) as submissions within ``provider``'s
-    limits; ``body(row)`` is a row's request body."""
-    limits = provider.limits
+    limits and the ``room`` left in its queue; ``body(row)`` is a row's request body. It stops
+    at the first row that no room is left for: the rows after it wait for another call."""
+    limits, room = provider.limits, room or Room()
     split, size = Split(new_tag()), 0
+
+    def fits(split: Split, size: int, tokens: int) -> bool:
+        if len(split.requests) >= limits.max_requests or size > limits.max_bytes:
+            return False
+        if room.requests is not None and len(split.requests) >= room.requests:
+            return False
+        return room.tokens is None or split.tokens + tokens <= room.tokens
+
+    def close(split: Split) -> Split:
+        for name, taken in (("requests", len(split.requests)), ("tokens", split.tokens)):
+            if getattr(room, name) is not None:
+                setattr(room, name, getattr(room, name) - taken)
+        if room.batches is not None:
+            room.batches -= 1
+        return split
+
     for row, input_hash in rows:
+        if room.batches is not None and room.batches <= 0:
+            return
         request = Request(custom_id(split.tag, len(split.requests)), body(row))
-        request_size = provider.size(request)
-        grown = size + request_size
-        full = len(split.requests) >= limits.max_requests or grown > limits.max_bytes
-        if split.requests and full:
-            yield split
-            split = Split(new_tag())
+        request_size, tokens = provider.size(request), request_tokens(request.body)
+        if not fits(split, size + request_size, tokens):
+            if not split.requests:
+                return  # no room for this row at all
+            yield close(split)
+            if room.batches is not None and room.batches <= 0:
+                return
+            split, size = Split(new_tag()), 0
             request = Request(custom_id(split.tag, 0), request.body)
-            grown = request_size = provider.size(request)
-        split.add(request, request_size, row[id_column], input_hash)
-        size = grown
+            request_size = provider.size(request)
+            if not fits(split, request_size, tokens):
+                return
+        split.add(request, request_size, row[id_column], input_hash, tokens)
+        size += request_size
     if split.requests:
-        yield split
+        yield close(split)
 
 
 def rows_of(prepared: Prepared, keys: pl.DataFrame) -> Iterator[tuple[dict[str, Any], int]]:

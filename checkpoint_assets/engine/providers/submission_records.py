@@ -15,6 +15,8 @@ and each is durable before the next request to the provider:
   part of its other results is durable, before the new submission's intent.
 - ``dropped``: nothing of it reached the provider. After a crash, neither its batch nor its file
   was found. Its rows are submitted again in a new submission.
+- ``refused``: the provider had no room for it in its queue (``submissions.QueueFull``). Nothing
+  of it ran or is billed; its rows are submitted again, at the same attempt, once there is room.
 
 A run that died at any point reads the records that are still open (intent, uploaded, created)
 and re-attaches. A batch id is polled. An intent or an upload without one is looked up on the
@@ -58,7 +60,8 @@ class Submission:
     created_at: float = field(default_factory=time.time)
     file_id: str | None = None
     batch_id: str | None = None
-    note: str = ""  # why it was returned or dropped
+    note: str = ""  # why it was returned, dropped or refused
+    tokens: int = 0  # its estimated input tokens, as the provider's queue counts them
 
     @property
     def open(self) -> bool:

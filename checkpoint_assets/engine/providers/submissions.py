@@ -34,13 +34,23 @@ The call sequence for one submission (each step's result recorded before the nex
 - ``poll(batch_id) -> Status``.
 - ``results(batch_id) -> Iterator[Result]``, once the state is not RUNNING.
 - ``cancel(batch_id)``.
+
+Queue room. Providers bound what may wait in their queue at once: tokens enqueued per model
+(OpenAI), requests waiting (Anthropic), jobs running (Bedrock, Vertex). A batch that does not fit
+is refused as a whole and nothing of it runs or is billed. The adapter says so by raising
+:class:`QueueFull` from ``create``, or by a ``poll`` whose state is ``REFUSED`` (a batch created,
+then refused at validation). The engine records the submission as refused, keeps its rows
+unsubmitted, and submits them again once there is room (``queue.py``). An adapter whose
+provider has such a queue may also have ``queue``, a :class:`Queue`: which queue it is and the
+limits its resource states.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import hashlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, runtime_checkable
 
 TAG_KEY: Final = "checkpoint_assets_submission"  # the key of the tag in a batch's metadata
@@ -56,6 +66,7 @@ class State(enum.StrEnum):
     EXPIRED = "expired"  # the window passed: the requests without a result go back to the rows
     CANCELLED = "cancelled"  # cancelled: the requests without a result go back to the rows
     FAILED = "failed"  # refused as a whole (validation): no request ran, ``Status.detail`` says why
+    REFUSED = "refused"  # no room in the provider's queue: no request ran, ``Status.refusal`` says
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,54 @@ class Status:
     failed: int = 0
     total: int = 0
     detail: str = ""  # the provider's words about the state (validation errors)
+    refusal: QueueFull | None = None  # REFUSED: the provider's words and what it stated
+
+
+#: The kinds of queue limit, as a :class:`Queue` and :class:`QueueFull` name them.
+ENQUEUED_TOKENS: Final = "enqueued_tokens"  # input tokens of the batches waiting (per model)
+QUEUED_REQUESTS: Final = "queued_requests"  # requests of the batches waiting
+CONCURRENT_JOBS: Final = "concurrent_jobs"  # batches waiting or running
+KINDS: Final = (ENQUEUED_TOKENS, QUEUED_REQUESTS, CONCURRENT_JOBS)
+
+
+@dataclass(frozen=True)
+class Queue:
+    """One provider queue: ``key`` names it (the account, endpoint and model, hashed: never a
+    secret), ``limits`` what may wait in it at once, by kind (``KINDS``), as the resource states
+    them. Every submission to one key shares its queue, whichever shard or process sends it."""
+
+    key: str
+    limits: Mapping[str, int] = field(default_factory=dict)
+
+
+def queue_key(*parts: Any) -> str:
+    """A queue's key from what names it (URL, key, model): a hash, so no secret is written.
+
+    >>> len(queue_key("https://api.openai.com/v1", "sk-...", "gpt-4o-mini"))
+    24
+    """
+    text = "\n".join(str(p) for p in parts)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+class QueueFull(Exception):
+    """The provider refused a submission for want of room in its queue.
+
+    Nothing of it ran and nothing is billed. ``stated`` holds the limits the provider's message
+    states (by kind, ``KINDS``), ``retry_after`` the seconds it asked to wait, when it says.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stated: Mapping[str, int] | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.stated = dict(stated or {})
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -119,7 +178,8 @@ class BatchProvider(Protocol):
 
     def create(self, requests: Sequence[Request], upload: str | None, tag: str) -> str:
         """Create the batch tagged ``tag`` and return its id. ``upload`` is what ``upload``
-        returned (then ``requests`` may be empty: the file of an earlier run is reused)."""
+        returned (then ``requests`` may be empty: the file of an earlier run is reused).
+        :class:`QueueFull` when the provider's queue has no room for it."""
         ...
 
     def find(self, tag: str, since: float) -> str | None:
