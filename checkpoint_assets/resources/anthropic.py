@@ -68,6 +68,14 @@ class AnthropicResource(EndpointResource):
         description="Most tokens an answer may have, sent with every request "
         "(`request_defaults()`); the Messages API requires it.",
     )
+    queued_requests: int | None = Field(
+        default=None,
+        gt=0,
+        description="Provider batches: the most batch requests your workspace may have waiting "
+        "in Anthropic's processing queue (the Message Batches limit of your tier). Shards "
+        "submit no more than this between them. Unset, a 429 on create makes the shard wait "
+        "for room and submit again.",
+    )
 
     def client(self) -> anthropic.AsyncAnthropic:
         """The ``anthropic.AsyncAnthropic`` client of the running event loop: made once, then
@@ -100,4 +108,6 @@ class AnthropicResource(EndpointResource):
                 "endpoint unset, or use OpenAIResource for OpenAI's endpoints."
             )
         client = self.sync_client().with_options(max_retries=_BATCH_API_RETRIES)
-        return AnthropicBatches(client, self.request_defaults())
+        return AnthropicBatches(
+            client, self.request_defaults(), queued_requests=self.queued_requests
+        )

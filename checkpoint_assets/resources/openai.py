@@ -75,6 +75,14 @@ class OpenAIResource(EndpointResource):
         description="Sampling temperature sent with every request (`request_defaults()`); "
         "unset leaves the endpoint's default.",
     )
+    enqueued_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="Provider batches: the most input tokens your organization may have "
+        "waiting in OpenAI's batch queue for `model` (the Batch API's enqueued token limit of "
+        "your tier, such as 2,000,000). Shards submit no more than this between them. Unset, "
+        "the limit is learned from OpenAI's first refusal, which states it.",
+    )
 
     batch_completion_window: str = Field(
         default="24h",
@@ -140,4 +148,5 @@ class OpenAIResource(EndpointResource):
             limits,
             window=self.batch_completion_window,
             metadata=self.batch_metadata,
+            enqueued_tokens=self.enqueued_tokens,
         )

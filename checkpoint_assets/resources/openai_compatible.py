@@ -55,8 +55,9 @@ class CompatibleBatches(OpenAIBatches):
         *,
         window: str = OPENAI_WINDOW,
         metadata: bool = True,
+        enqueued_tokens: int | None = None,
     ) -> None:
-        super().__init__(client, endpoint, defaults, limits)
+        super().__init__(client, endpoint, defaults, limits, enqueued_tokens)
         self.window, self.metadata = check_window(window), metadata
 
     def create(self, requests: Sequence[Request], upload: str | None, tag: str) -> str:

@@ -8,6 +8,9 @@ checked as the requests run (a malformed one is ``errored``), as Anthropic does.
 ``in_progress`` (its validation included), ``canceling`` after a cancel, then ``ended``; its
 ``request_counts`` stay all ``processing`` until it ends, and its results (one line per request:
 ``succeeded``, ``errored``, ``canceled``, ``expired``) are at ``results_url`` once it has.
+With ``anthropic_queued_requests`` set, a create whose requests would take the requests of the
+batches still processing past it is refused with ``429`` ``rate_limit_error`` and
+``retry-after``, as Anthropic's queue limit.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from examples.llm_batch.common import (
     json_object,
     limit,
     page,
+    waiting,
 )
 from examples.llm_batch.jobs import (
     CANCELLABLE,
@@ -83,6 +87,18 @@ class MessageBatchAPI:
         if len({c for c, _ in pairs}) < len(pairs):
             raise Refused(400, "requests: each custom_id must be unique within the batch")
         now, batches = self.ledger.clock(), self.ledger.message_batches
+        if s.anthropic_queued_requests:
+            queued = sum(len(j.requests) for j in waiting(batches, self.ledger))
+            if queued + len(pairs) > s.anthropic_queued_requests:
+                self.counts["queue_refused"] += 1
+                raise Refused(
+                    429,
+                    f"Number of batch requests in the processing queue would exceed your "
+                    f"workspace's limit of {s.anthropic_queued_requests:,}. Wait for batches to "
+                    "end, then submit again.",
+                    "rate_limit_error",
+                    retry_after=s.queue_retry_after,
+                )
         job = Job(
             id=f"msgbatch_{uuid.uuid4().hex[:24]}",
             endpoint=MESSAGES,
@@ -94,6 +110,8 @@ class MessageBatchAPI:
         batches[job.id] = job
         self.counts["creates"] += 1
         self.counts["submitted"] += len(pairs)
+        queued = sum(len(j.requests) for j in waiting(batches, self.ledger))
+        self.counts["queued_peak"] = max(self.counts["queued_peak"], queued)
         return JSONResponse(self._json(job, now, request))
 
     async def _retrieve(self, request: Request) -> Response:
@@ -202,4 +220,10 @@ def _result(outcome: Outcome) -> dict[str, Any]:
 
 def _error(e: Refused) -> Response:
     body = {"type": "error", "error": {"type": e.kind, "message": e.message}}
-    return JSONResponse(body, status_code=e.status)
+    headers = {}
+    if e.retry_after is not None:
+        headers = {
+            "retry-after": str(max(1, round(e.retry_after))),
+            "retry-after-ms": str(round(e.retry_after * 1000)),
+        }
+    return JSONResponse(body, status_code=e.status, headers=headers)

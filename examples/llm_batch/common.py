@@ -28,9 +28,16 @@ DAY: Final = 24 * 3600
 class Refused(Exception):
     """A call refused with ``status``, the API's error ``kind`` (its type) and a message."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.kind, self.message = status, kind, message
+        self.retry_after = retry_after  # seconds, sent as retry-after(-ms) when set
 
 
 class Ledger:
@@ -81,6 +88,31 @@ class Ledger:
         if batch_id not in jobs:
             raise Refused(404, f"No {what} found with id '{batch_id}'.", "not_found_error")
         return jobs[batch_id]
+
+
+def waiting(jobs: dict[str, Job], ledger: Ledger) -> list[Job]:
+    """The batches of ``jobs`` that still wait in the queue (not ended, not refused)."""
+    now = ledger.clock()
+    return [j for j in jobs.values() if not j.problems and ledger.settle(j, now) not in ENDED]
+
+
+def prompt_tokens(body: Any) -> int:
+    """The input tokens a queue counts for one request: the bytes of its strings (but the model
+    and roles) over 4, rounded up."""
+    found: list[str] = []
+
+    def walk(value: Any, key: str = "") -> None:
+        if isinstance(value, str) and key not in ("model", "role"):
+            found.append(value)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, k)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v, key)
+
+    walk(body)
+    return -(-len("\n".join(found).encode()) // 4)
 
 
 def answering(route: Route, error: Callable[[Refused], Response], counts: Counter[str]) -> Route:

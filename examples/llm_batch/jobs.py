@@ -65,6 +65,12 @@ class Settings:
             input file may hold: 50,000 and 200 MB, as OpenAI's Batch API.
         anthropic_max_requests, anthropic_max_bytes: the most requests and bytes (of the
             create's body) in one message batch: 100,000 and 256 MB, as Anthropic's.
+        openai_enqueued_tokens: the most input tokens of one model that OpenAI batches not
+            ended may hold (0: no limit); past it a batch is created and fails validation with
+            ``token_limit_exceeded``, as OpenAI's. Tokens are the prompt's bytes over 4.
+        anthropic_queued_requests: the most requests message batches still processing may hold
+            (0: no limit); past it a create is refused with 429, as Anthropic's.
+        queue_retry_after: the seconds that 429 asks to wait (``retry-after``).
     """
 
     processing_delay: float = 0.0
@@ -79,6 +85,9 @@ class Settings:
     openai_max_bytes: int = 200_000_000
     anthropic_max_requests: int = 100_000
     anthropic_max_bytes: int = 256_000_000
+    openai_enqueued_tokens: int = 0
+    anthropic_queued_requests: int = 0
+    queue_retry_after: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("error_rate", "expire_rate"):
@@ -91,6 +100,7 @@ class Settings:
             "finalizing_seconds",
             "cancelling_seconds",
             "expire_after",
+            "queue_retry_after",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
@@ -102,6 +112,9 @@ class Settings:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("openai_enqueued_tokens", "anthropic_queued_requests"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
 
     def argv(self) -> list[str]:
         """These settings as options of ``python -m examples.llm_batch.provider``."""
@@ -180,6 +193,7 @@ class Job:
     outcomes: list[Outcome] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # "output"/"error" -> file id, once ended
     settled: bool = False  # whether its end was counted and ``on_end`` called
+    enqueued: int = 0  # the input tokens it holds in the queue while it has not ended
     on_end: Callable[[Job, Phase], None] | None = None  # what its API does once it has ended
 
     def phase(self, now: float) -> Phase:

@@ -8,7 +8,10 @@ repeated ``custom_id``, another ``url`` or method) or mixed models make the batc
 after validation, with ``errors`` naming the lines. Once a batch ends its files are written:
 an output file of the successes and an error file of the per-request errors (``400``, ``500``)
 and, for an expired batch, of its unrun requests (``error.code`` ``batch_expired``, no
-``response``); a cancelled batch's unrun requests are in neither file.
+``response``); a cancelled batch's unrun requests are in neither file. With
+``openai_enqueued_tokens`` set, a batch whose input tokens would take the batches of its model
+that have not ended past it fails validation with ``token_limit_exceeded``, its message stating
+the limit, as OpenAI's enqueued token limit.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from examples.llm_batch.common import (
     json_object,
     limit,
     page,
+    prompt_tokens,
+    waiting,
 )
 from examples.llm_batch.jobs import CANCELLABLE, CHAT, EMBEDDINGS, Job, Phase, expires, jsonl
 
@@ -157,6 +162,9 @@ class OpenAIBatchAPI:
             raise Refused(400, f"Invalid 'input_file_id': no batch input file {file_id!r}")
         requests, problems = _read_input(self.files[file_id].data, endpoint)
         now, batches = self.ledger.clock(), self.ledger.batches
+        enqueued = sum(prompt_tokens(b) for _, b in requests)
+        if not problems and self.settings.openai_enqueued_tokens:
+            problems = self._queue_full(requests, enqueued)
         job = Job(
             id=f"batch_{uuid.uuid4().hex[:24]}",
             endpoint=endpoint,
@@ -168,11 +176,29 @@ class OpenAIBatchAPI:
             metadata=metadata,
             input_file_id=file_id,
             on_end=self._write_files,
+            enqueued=0 if problems else enqueued,
         )
         batches[job.id] = job
+        used = sum(j.enqueued for j in waiting(batches, self.ledger))
+        self.counts["enqueued_peak"] = max(self.counts["enqueued_peak"], used)
         self.counts["creates"] += 1
         self.counts["submitted"] += 0 if problems else len(requests)
         return JSONResponse(self._json(job, now))
+
+    def _queue_full(self, requests: list[tuple[str, Any]], enqueued: int) -> list[dict[str, Any]]:
+        """The validation error of a batch past the enqueued token limit (none if it fits)."""
+        limit_ = self.settings.openai_enqueued_tokens
+        model = next((b.get("model") for _, b in requests if isinstance(b, dict)), None)
+        same = [j for j in waiting(self.ledger.batches, self.ledger) if _model(j) == model]
+        if sum(j.enqueued for j in same) + enqueued <= limit_:
+            return []
+        self.counts["queue_refused"] += 1
+        message = (
+            f"Enqueued token limit reached for {model} in organization org-local. Limit: "
+            f"{limit_:,} enqueued tokens. Please try submitting an equal or smaller batch once "
+            "some of your batches have completed."
+        )
+        return [{"code": "token_limit_exceeded", "message": message, "param": None, "line": None}]
 
     async def _retrieve(self, request: Request) -> Response:
         job = self.ledger.find(self.ledger.batches, request, "batch")
@@ -263,6 +289,10 @@ class OpenAIBatchAPI:
                 file = _File(f"{job.id}_{name}.jsonl", "batch_output", data, job.ended_at())
                 self.files[file.id] = file
                 job.files[name] = file.id
+
+
+def _model(job: Job) -> Any:
+    return next((b.get("model") for _, b in job.requests[:1] if isinstance(b, dict)), None)
 
 
 def _error(e: Refused) -> Response:

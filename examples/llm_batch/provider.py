@@ -22,7 +22,9 @@ in each API's error shape) and writes as results; ``common.py`` holds what they 
 ``GET /stats`` counts the calls (``uploads``, ``creates``, ``retrieves`` and ``lists`` whose sum
 is ``polls``, ``downloads``, ``cancels``, ``deletes``, ``refused``) and the requests
 (``submitted`` in batches created, ``processed`` = ``succeeded`` + ``errored``; ``expired`` and
-``cancelled`` ones left unrun; tokens), so a test can hold "requests paid == rows".
+``cancelled`` ones left unrun; tokens), so a test can hold "requests paid == rows"; and the queue:
+batches refused for want of room (``queue_refused``), the most input tokens (OpenAI,
+``enqueued_peak``) and requests (Anthropic, ``queued_peak``) waiting at once.
 
 Start it from a shell (the first line printed is the OpenAI base URL; Anthropic's is the same
 without ``/v1``)::
@@ -78,6 +80,9 @@ STATS: Final = (
     "cancelled",
     "input_tokens",
     "output_tokens",
+    "queue_refused",
+    "enqueued_peak",
+    "queued_peak",
 )
 _DEFAULTS: Final = Settings()
 

@@ -1,0 +1,134 @@
+"""Provider batches against a provider whose queue is smaller than a shard's rows: real Dagster
+materializations, the local batch provider over HTTP (``examples/llm_batch/provider.py``, with
+OpenAI's enqueued token limit and Anthropic's queued requests limit), the real clients.
+
+A submission refused for want of room in the queue is no failure: it leaves no failed row, is no
+attempt, and the run that waits submits its rows again once there is room. Shards in different
+processes share the queue through the checkpoint store, so together they stay within it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_provider_batches import ANTHROPIC, OPENAI, SHARD, TEXTS, Api, Setup
+
+from checkpoint_assets.engine import open_store
+from checkpoint_assets.engine.checkpoints.layout import QUEUES
+from checkpoint_assets.engine.providers.submission_records import Records, Submission
+from checkpoint_assets.engine.rows import ATTEMPTS
+from examples.llm_batch.jobs import ManualClock, Settings
+from examples.llm_batch.provider import serve, stats
+
+ID = "ticket_id"
+# Rows of the three texts of ``test_provider_batches.tickets``: their input tokens as the
+# provider counts them (bytes over 4), 2 to 10 a row.
+ROWS = 2_000
+TOKENS = sum(-(-len(TEXTS[i % 3].encode()) // 4) for i in range(ROWS))
+
+
+def records(setup: Setup, partition: str = SHARD) -> list[Submission]:
+    checkpoint = setup.checkpoint(partition)
+    return Records(checkpoint.store, checkpoint.files).load()
+
+
+def no_failed_rows_and_no_attempt_spent(setup: Setup, partition: str = SHARD) -> None:
+    stored = setup.stored(partition)
+    assert stored.height == ROWS
+    assert stored.get_column("_error").null_count() == ROWS  # no failed row
+    assert stored.get_column(ATTEMPTS).unique().to_list() == [1]  # one request each, paid once
+
+
+@pytest.fixture
+def queued(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Setup]:
+    api: Api = request.param
+    limits = {"openai_enqueued_tokens": 6_000, "anthropic_queued_requests": 700}
+    settings = Settings(processing_delay=0.4, queue_retry_after=0.05, **limits)
+    with serve(settings) as url:
+        yield Setup(str(tmp_path / "checkpoints"), url, ROWS, ManualClock(), api)
+
+
+@pytest.mark.parametrize("queued", [OPENAI, ANTHROPIC], ids=["openai", "anthropic"], indirect=True)
+def test_a_queue_refusal_is_no_failed_row_and_no_attempt(queued: Setup) -> None:
+    setup = queued
+    # The queue holds about a third of the shard. Nothing tells the run its size: the first
+    # submission (the whole shard) is refused, and the refusal states the limit.
+    result = setup.materialize(setup.asset())
+    assert result.success  # a run that waits never fails for want of room
+    no_failed_rows_and_no_attempt_spent(setup)
+    setup.stored_once()
+    provider = setup.provider()
+    assert provider["submitted"] == provider["processed"] == ROWS  # none paid twice
+    done = records(setup)
+    refused = [s for s in done if s.stage == "refused"]
+    assert len(refused) == 1 and len(refused[0].ids) == ROWS  # the first, whole-shard one
+    assert "limit" in refused[0].note.lower()
+    assert all(s.attempt == 1 for s in done)  # a refusal is no attempt
+    collected = [s for s in done if s.stage == "collected"]
+    assert len(collected) >= 3 and sum(len(s.ids) for s in collected) == ROWS
+    if setup.api is OPENAI:
+        assert provider["queue_refused"] == 1
+        assert provider["enqueued_peak"] <= 6_000
+        assert all(s.tokens <= 6_000 for s in collected)
+    else:  # the client's own retries of the 429 are refused too, then the run waits
+        assert provider["queue_refused"] >= 1
+        assert provider["queued_peak"] <= 700
+        assert all(len(s.ids) <= 700 for s in collected)
+    # The limit the refusal stated is written down for every shard of the queue.
+    store = open_store(setup.base_dir)
+    (limits,) = [
+        json.loads(store.get(f.path))
+        for f in store.list_recursive(store.path(QUEUES))
+        if f.name == "limits.json"
+    ]
+    assert limits == (
+        {"enqueued_tokens": 6_000} if setup.api is OPENAI else {"queued_requests": 700}
+    )
+    # Every claim of the queue is released once its batch is collected.
+    assert [f.name for f in store.list_recursive(store.path(QUEUES))] == ["limits.json"]
+
+
+CHILD = Path(__file__).parent.parent / "helpers" / "queue_child.py"
+
+
+def test_two_shards_in_two_processes_share_the_queue_and_stay_within_it(tmp_path: Path) -> None:
+    # Each shard's rows take about 80% of the queue: submitted at once, one would be refused
+    # unless the shards know of each other's submissions.
+    tokens_per_shard = TOKENS // 2
+    limit = int(tokens_per_shard / 0.8)
+    settings = Settings(processing_delay=1.0, openai_enqueued_tokens=limit)
+    base_dir = str(tmp_path / "checkpoints")
+    with serve(settings) as url:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        children = [
+            subprocess.Popen(
+                [sys.executable, str(CHILD), url, base_dir, str(ROWS), shard, str(limit)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for shard in ("0-of-2", "1-of-2")
+        ]
+        outs = []
+        started = time.monotonic()
+        for child in children:
+            out, err = child.communicate(timeout=300)
+            assert child.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+        provider = stats(url)
+    assert all(o["success"] for o in outs), outs
+    assert provider["queue_refused"] == 0  # the queue was never asked for more than it holds
+    assert provider["enqueued_peak"] <= limit
+    assert provider["submitted"] == provider["processed"] == ROWS
+    assert sum(o["rows"] for o in outs) == ROWS
+    assert sum(o["failed"] for o in outs) == 0
+    # One shard's batch waited for the other's to end.
+    assert time.monotonic() - started < 300
