@@ -19,8 +19,8 @@ Queue room. OpenAI bounds the input tokens enqueued per model (``enqueued_tokens
 it is created ``failed`` with the error code ``token_limit_exceeded``, and a message that states
 the limit ("Limit: 2,000,000 enqueued tokens"). ``create`` raises :class:`QueueFull` for it (or
 for a 429 on create), and ``poll`` answers ``REFUSED`` when validation refuses it later. A 429
-whose code is ``insufficient_quota`` is no queue: the account's credit is spent, and
-:class:`QuotaExhaustedError` stops the run.
+whose code is ``insufficient_quota`` is no queue: the account's credit is spent, and the
+client's error reaches the engine, which stops the run.
 """
 
 from __future__ import annotations
@@ -65,12 +65,6 @@ _STATES: Final = {
     "cancelled": State.CANCELLED,
     "failed": State.FAILED,
 }
-
-
-class QuotaExhaustedError(RuntimeError):
-    """The provider refused a request because the account's quota or spend limit is used up.
-
-    Waiting does not help: someone must raise the limit or add credit."""
 
 
 class OpenAIBatches:
@@ -130,6 +124,8 @@ class OpenAIBatches:
                 metadata={TAG_KEY: tag},
             )
         except openai.RateLimitError as e:
+            if _code(e) == "insufficient_quota":
+                raise  # the account's credit: no queue, waiting does not help
             raise _refusal(e) from e
         errors = batch.errors.data if batch.errors and batch.errors.data else []
         if batch.status == "failed" and any(e.code == _QUEUE_FULL for e in errors):
@@ -184,16 +180,15 @@ def _queue_full(batch_id: str, errors: Sequence[Any]) -> QueueFull:
     return QueueFull(f"batch {batch_id}: {_QUEUE_FULL}: {message}", stated=limit)
 
 
-def _refusal(e: Any) -> Exception:
-    """A 429 on create: the account's quota (``insufficient_quota``), else no queue room."""
+def _code(e: Any) -> Any:
     body = e.body if isinstance(e.body, dict) else {}
-    code = body.get("code") or getattr(e, "code", None)
+    return body.get("code") or getattr(e, "code", None)
+
+
+def _refusal(e: Any) -> QueueFull:
+    """A 429 on create, other than ``insufficient_quota``: no room in the queue."""
+    body = e.body if isinstance(e.body, dict) else {}
     message = str(body.get("message") or e)
-    if code == "insufficient_quota":
-        return QuotaExhaustedError(
-            f"OpenAI refused the batch: the account's quota is used up ({message}). Add credit "
-            "or raise the organization's usage limit, then run again: nothing was lost."
-        )
     stated = _STATED.search(message)
     limit = {ENQUEUED_TOKENS: int(stated[1].replace(",", ""))} if stated else {}
     after = e.response.headers.get("retry-after") if e.response is not None else None

@@ -64,6 +64,9 @@ class Api(Protocol):
     def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
         """An error response in the API's shape, which its client turns into an exception."""
 
+    def quota_spent(self) -> Response:
+        """The API's answer once the account's quota is spent (no retry helps)."""
+
     def answer(self, asked: Asked, answer: str, tokens: tuple[int, int], number: int) -> Response:
         """The answer, with ``tokens`` = (prompt, completion) as the API's usage."""
 

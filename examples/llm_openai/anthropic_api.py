@@ -54,6 +54,13 @@ class AnthropicMessages:
         body = {"type": "error", "error": {"type": self._KINDS[status], "message": message}}
         return JSONResponse(body, status_code=status, headers=headers)
 
+    def quota_spent(self) -> Response:
+        return self.error(
+            400,
+            "You have reached your specified API usage limits. You will regain access on "
+            "2030-01-01 at 00:00 UTC.",
+        )
+
     def answer(self, asked: Asked, answer: str, tokens: tuple[int, int], number: int) -> Response:
         input_tokens, output_tokens = tokens
         return JSONResponse(

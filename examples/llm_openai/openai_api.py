@@ -45,6 +45,11 @@ class OpenAIChat:
         body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
         return JSONResponse(body, status_code=status, headers=headers)
 
+    def quota_spent(self) -> Response:
+        message = "You exceeded your current quota, please check your plan and billing details."
+        error = {"message": message, "type": "insufficient_quota", "param": None}
+        return JSONResponse({"error": {**error, "code": "insufficient_quota"}}, status_code=429)
+
     def answer(self, asked: Asked, answer: str, tokens: tuple[int, int], number: int) -> Response:
         prompt_tokens, completion_tokens = tokens
         return JSONResponse(

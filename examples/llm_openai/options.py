@@ -32,6 +32,9 @@ class Settings:
             shorter makes tests quick): a full budget is a window's worth.
         limit_headers: state the budgets in every answer's headers (False: enforce them
             silently, as a proxy in front of a server may).
+        quota_requests: after this many answered requests, refuse every request with the API's
+            spent-quota error (OpenAI's ``insufficient_quota`` 429, Anthropic's spend limit
+            400); None: no quota.
     """
 
     latency_ms: float = 0.0
@@ -47,6 +50,7 @@ class Settings:
     tokens_per_minute: int | None = None
     budget_window_seconds: float = 60.0
     limit_headers: bool = True
+    quota_requests: int | None = None
 
     def argv(self) -> list[str]:
         """These settings as options of ``python -m examples.llm_openai.server``."""
@@ -61,6 +65,8 @@ class Settings:
         ]
         if self.max_in_flight is not None:
             argv += ["--max-in-flight", str(self.max_in_flight)]
+        if self.quota_requests is not None:
+            argv += ["--quota-requests", str(self.quota_requests)]
         for option, value in (
             ("--requests-per-minute", self.requests_per_minute),
             ("--tokens-per-minute", self.tokens_per_minute),
@@ -147,6 +153,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_false",
         help="enforce the budgets without stating them in headers",
     )
+    p.add_argument("--quota-requests", type=int, help="answer this many, then the quota is spent")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name (default {DEFAULT_MODEL})")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
     return p.parse_args(argv)
@@ -173,6 +180,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
         rate_drop=args.rate_drop,
         rate_529=args.rate_529,
         retry_after_seconds=args.retry_after,
+        quota_requests=args.quota_requests,
         max_in_flight=args.max_in_flight,
         limit_schedule=args.limit_schedule,
         seed=args.seed,

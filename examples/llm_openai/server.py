@@ -20,6 +20,8 @@ misbehave the way real endpoints do, on both routes:
 * ``requests_per_minute``, ``tokens_per_minute``: the key's budgets, enforced and stated in
   every answer's headers the way OpenAI and Anthropic do (``budget.py``); a request that does
   not fit gets ``429`` with the ``Retry-After`` after which it would.
+* ``quota_requests``: once that many requests are answered, every request gets the API's
+  spent-quota error: OpenAI's ``429`` ``insufficient_quota``, Anthropic's ``400`` spend limit.
 * ``limit_schedule``: ``(seconds, limit)`` steps that change ``max_in_flight`` that many seconds
   after the first chat request, e.g. ``((4, 8), (10, 32))``: a provider lowering its limit for
   a while, at the same moments in every run.
@@ -97,6 +99,7 @@ OUTCOMES: Final = (
     "bad_request",
     "overloaded",
     "over_budget",
+    "quota_spent",
 )
 
 
@@ -202,6 +205,9 @@ class ChatServer:
             self.counts["bad_request"] += 1
             return api.error(400, api.bad_request)
         s = self.settings
+        if s.quota_requests is not None and self.counts["ok"] >= s.quota_requests:
+            self.counts["quota_spent"] += 1
+            return api.quota_spent()
         text_bytes = sum(len(t.encode()) for t in asked.texts)
         wait = self.budget.charge(text_bytes, asked.max_tokens, time.monotonic())
         limits = api.limit_headers(self.budget, time.time()) if s.limit_headers else {}
@@ -277,6 +283,7 @@ def serve(
     tokens_per_minute: int | None = None,
     budget_window_seconds: float = 60.0,
     limit_headers: bool = True,
+    quota_requests: int | None = None,
     model: str = DEFAULT_MODEL,
 ) -> Iterator[str]:
     """Run the server in a thread of this process on a free port; yield its base URL.
@@ -302,6 +309,7 @@ def serve(
         tokens_per_minute=tokens_per_minute,
         budget_window_seconds=budget_window_seconds,
         limit_headers=limit_headers,
+        quota_requests=quota_requests,
     )
     with serving.in_thread(ChatServer(settings, model), "chat server") as url:
         yield url

@@ -132,3 +132,29 @@ def test_two_shards_in_two_processes_share_the_queue_and_stay_within_it(tmp_path
     assert sum(o["failed"] for o in outs) == 0
     # One shard's batch waited for the other's to end.
     assert time.monotonic() - started < 300
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+def test_a_spent_quota_online_stops_the_run_naming_it_and_keeps_what_is_done(
+    tmp_path: Path, api: str
+) -> None:
+    from helpers.jobs import step_error
+    from test_modes import Setup as ModesSetup
+
+    from examples.llm_batch.online import serve as serve_both
+    from examples.llm_openai.server import Settings as ChatSettings
+
+    with serve_both(Settings(), ChatSettings(quota_requests=300)) as (url, servers):
+        setup = ModesSetup(str(tmp_path / "checkpoints"), url, servers, 1_000, api)
+        result = setup.materialize(setup.asset(), mode="online")
+        assert not result.success
+        error = step_error(result)
+        assert error.startswith("QuotaExhaustedError")
+        said = "insufficient_quota" if api == "openai" else "spend limit"
+        assert said in error and "Waiting does not help" in error
+        chat = servers.chat.snapshot()
+        # It stopped at the first refusal of each call in flight: no retries, no pauses.
+        assert chat["quota_spent"] <= 8  # max_concurrency
+        stored = setup.stored()
+        assert stored.height == chat["ok"] == 300  # what was done is kept
+        assert stored.get_column("_error").null_count() == stored.height  # no failed row

@@ -53,7 +53,7 @@ from checkpoint_assets.engine.calls.batches import (
     batches,
 )
 from checkpoint_assets.engine.calls.budget import Spend
-from checkpoint_assets.engine.calls.refusals import throttled
+from checkpoint_assets.engine.calls.refusals import quota_spent, throttled
 from checkpoint_assets.engine.calls.throttle import Throttle
 
 BatchFn = Callable[[pl.DataFrame], Any]
@@ -126,6 +126,7 @@ class Caller:
         self.halt = halt  # why no call may start (the lock lost, the run over), or None
         self.outage = False  # declared once; every batch in flight then stops
         self.broken: str | None = None  # what is wrong with the function, once seen
+        self.quota: str | None = None  # the quota the provider said is spent, once seen
         self.last_error = ""  # of the latest failed call, for messages
         self._lock = threading.Lock()
         self._started = 0  # calls started so far; each call's number orders it
@@ -269,6 +270,11 @@ class Caller:
                 self._finish(True, number)
                 return batch.failures(str(e), used, self.id_column)
             except Exception as e:
+                spent = quota_spent(e)
+                if spent is not None:  # waiting or retrying cannot help: stop the shard
+                    self.quota = self.quota or spent
+                    self._broke(spent)
+                    return None
                 asked = throttled(e)
                 if asked is not None:
                     outcome.throttled_calls += 1

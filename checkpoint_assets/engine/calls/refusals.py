@@ -12,6 +12,10 @@ not count as an attempt, marks no row failed and is not part of an outage streak
 without ``Retry-After`` is an ordinary failed call, retried as any other.
 
 How the shard answers refusals (waits, concurrency, pauses) is ``throttle.py``'s.
+
+A spent quota is no refusal: waiting does not help. ``quota_spent`` recognises the errors that
+say so, OpenAI's ``insufficient_quota`` (a 429) and Anthropic's spend limits and credit balance
+(a 400), so the shard stops at once, keeping what is done, instead of waiting or retrying.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ def throttled(error: BaseException) -> Throttled | None:
     while current is not None and seen < 5:
         if isinstance(current, RetryAfter):
             return Throttled(current.seconds, str(current))
+        if quota_spent(current) is not None:
+            return None
         status, headers = _status_and_headers(current)
         if status in THROTTLE_STATUSES:
             return Throttled(retry_after_seconds(headers), f"HTTP {status}")
@@ -67,6 +73,30 @@ def throttled(error: BaseException) -> Throttled | None:
             wait = retry_after_seconds(headers)
             if wait is not None:  # the server said when to come back
                 return Throttled(wait, f"HTTP {status}")
+        current = current.__cause__
+        seen += 1
+    return None
+
+
+# Anthropic's words for a spent spend limit or credit balance (a 400 invalid_request_error).
+_SPENT_WORDS = ("usage limits", "spend limit", "credit balance is too low")
+
+
+def quota_spent(error: BaseException) -> str | None:
+    """The quota ``error`` says is spent, in words naming it; None for any other error.
+
+    Follows ``__cause__`` as :func:`throttled` does."""
+    seen = 0
+    current: BaseException | None = error
+    while current is not None and seen < 5:
+        body = getattr(current, "body", None)
+        found = body.get("error", body) if isinstance(body, dict) else None
+        if isinstance(found, dict):
+            code, message = found.get("code"), str(found.get("message") or "")
+            if code == "insufficient_quota":
+                return f"OpenAI says the account's quota is spent (insufficient_quota: {message})"
+            if any(words in message.lower() for words in _SPENT_WORDS):
+                return f"the provider says a spend limit is reached ({message})"
         current = current.__cause__
         seen += 1
     return None

@@ -123,28 +123,39 @@ class OutageError(CheckpointError):
 
 
 class QuotaExhaustedError(CheckpointError):
-    """The endpoint kept rate limiting the shard for ``max_throttle_seconds``: the quota looks
-    spent.
+    """The shard stopped for a spent quota: the provider said so (``stated``, such as OpenAI's
+    ``insufficient_quota`` or Anthropic's spend limit), or the endpoint kept rate limiting the
+    shard for ``max_throttle_seconds``.
 
-    The shard had no successful call in that time. Everything done is checkpointed, and no row
-    was marked failed.
+    Everything done is checkpointed, and no row was marked failed.
     """
 
-    def __init__(self, label: str, why: str, done: int) -> None:
+    def __init__(self, label: str, why: str, done: int, *, stated: bool = False) -> None:
         self.why = why
         self.done = done
+        self.stated = stated
+        said = "Waiting does not help" if stated else "The quota looks spent"
         super().__init__(
-            f"{label}: stopped early, {why}. The quota looks spent; {_ran(done)}, and no row was "
-            "marked failed."
+            f"{label}: stopped early, {why}. {said}; {_ran(done)}, and no row was marked failed."
         )
 
     def engine_remedy(self) -> str:
+        if self.stated:
+            return (
+                "Raise the limit or add credit in the provider's billing settings, then run "
+                "again: it resumes, and sends only the rows not done."
+            )
         return (
             "Check the endpoint's quota or plan, or raise max_throttle_seconds; running again "
             "resumes."
         )
 
     def dagster_remedy(self) -> str:
+        if self.stated:
+            return (
+                "Raise the limit or add credit in the provider's billing settings; then "
+                f"{_RERUN[0].lower()}{_RERUN[1:]}"
+            )
         return (
             "Check the endpoint's quota or plan, or raise the asset's `max_throttle_seconds`; "
             f"then {_RERUN[0].lower()}{_RERUN[1:]}"

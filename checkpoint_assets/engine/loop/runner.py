@@ -217,6 +217,8 @@ class Run(ShardRun):
         halted = self.sink.halt_error(self.label, self.done_rows)
         if halted is not None:
             return halted
+        if caller.quota is not None:
+            return QuotaExhaustedError(self.label, caller.quota, self.done_rows, stated=True)
         if caller.broken is not None:
             return FunctionError(self.label, caller.broken, self.done_rows)
         if caller.outage:

@@ -69,11 +69,13 @@ from typing import Any
 import polars as pl
 
 from checkpoint_assets.engine.calls.batches import Broken, Check, RowResult
+from checkpoint_assets.engine.calls.refusals import quota_spent
 from checkpoint_assets.engine.errors import (
     BatchesPendingError,
     BudgetExceededError,
     CheckpointError,
     FunctionError,
+    QuotaExhaustedError,
 )
 from checkpoint_assets.engine.loop.shard_run import ShardRun
 from checkpoint_assets.engine.loop.sink import PartWriter
@@ -262,6 +264,13 @@ class ProviderRun(ShardRun):
         except QueueFull as e:
             self._refused(s, e)
             return None
+        except Exception as e:
+            spent = quota_spent(e)
+            if spent is None:
+                raise
+            # Its record stays open: the next run finds or creates its batch.
+            self.queue.release(split.tag)
+            raise QuotaExhaustedError(self.label, spent, self.done_rows, stated=True) from e
         self.records.advance(s, "created", batch_id=batch_id)
         self.queue.created(claim, batch_id)
         self.stats.calls += len(requests)
