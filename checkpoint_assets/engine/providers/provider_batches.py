@@ -307,7 +307,7 @@ class ProviderRun(ShardRun):
             self.provider.name,
             s.tag,
             len(s.ids),
-            refusal.message,
+            refusal.message.rstrip(". "),
             known,
         )
 
