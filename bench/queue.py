@@ -162,10 +162,11 @@ def finish(children: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
 
 
 @contextmanager
-def provider(limit_tokens: int, limit_requests: int) -> Iterator[str]:
+def provider(limit_tokens: int, limit_requests: int, seconds: float = 4.0) -> Iterator[str]:
     from examples import serving
 
     argv = [f"--enqueued-tokens={limit_tokens}", f"--queued-requests={limit_requests}"]
+    argv += [f"--seconds={seconds}"]
     with serving.in_process("bench.queue_provider", argv, "queue provider") as url:
         yield url
 
@@ -289,6 +290,13 @@ def main() -> None:
     p.add_argument("--apis", default="openai,anthropic")
     p.add_argument("--ways", default="wait,sensor,split")
     p.add_argument("--tick", type=float, default=1.0, help="the sensor loop's interval (s)")
+    p.add_argument("--wait-seconds", type=float, default=4.0, help="a batch's time, way wait")
+    p.add_argument(
+        "--sensor-seconds",
+        type=float,
+        default=20.0,
+        help="a batch's time, way sensor: long beside a run's start, as real batches are",
+    )
     p.add_argument("--split-rows", type=int, default=200_000)
     # a shard's run (internal)
     p.add_argument("--child", action="store_true")
@@ -312,8 +320,9 @@ def main() -> None:
             for shards in (int(n) for n in args.shards.split(",")):
                 sizes = [tokens_of(s, shards) for s in range(shards)]
                 limit_tokens, limit_requests = max(sizes), ROWS_PER_SHARD
+                seconds = args.wait_seconds if way == "wait" else args.sensor_seconds
                 with (
-                    provider(limit_tokens, limit_requests) as url,
+                    provider(limit_tokens, limit_requests, seconds) as url,
                     tempfile.TemporaryDirectory() as base,
                 ):
                     run_way = way_wait if way == "wait" else way_sensor

@@ -133,7 +133,10 @@ class AnthropicBatches:
             limit = {QUEUED_REQUESTS: int(stated[1].replace(",", ""))} if stated else {}
             after = e.response.headers.get("retry-after")
             raise QueueFull(
-                f"HTTP 429: {message}", stated=limit, retry_after=_seconds(after)
+                f"HTTP 429: {message}",
+                kind=QUEUED_REQUESTS,
+                stated=limit,
+                retry_after=_seconds(after),
             ) from e
 
     def find(self, tag: str, since: float) -> str | None:

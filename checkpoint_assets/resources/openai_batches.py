@@ -177,7 +177,9 @@ def _queue_full(batch_id: str, errors: Sequence[Any]) -> QueueFull:
     message = next(e.message or "" for e in errors if e.code == _QUEUE_FULL)
     stated = _STATED.search(message)
     limit = {ENQUEUED_TOKENS: int(stated[1].replace(",", ""))} if stated else {}
-    return QueueFull(f"batch {batch_id}: {_QUEUE_FULL}: {message}", stated=limit)
+    return QueueFull(
+        f"batch {batch_id}: {_QUEUE_FULL}: {message}", kind=ENQUEUED_TOKENS, stated=limit
+    )
 
 
 def _code(e: Any) -> Any:
@@ -192,7 +194,9 @@ def _refusal(e: Any) -> QueueFull:
     stated = _STATED.search(message)
     limit = {ENQUEUED_TOKENS: int(stated[1].replace(",", ""))} if stated else {}
     after = e.response.headers.get("retry-after") if e.response is not None else None
-    return QueueFull(f"HTTP 429: {message}", stated=limit, retry_after=_seconds(after))
+    return QueueFull(
+        f"HTTP 429: {message}", kind=ENQUEUED_TOKENS, stated=limit, retry_after=_seconds(after)
+    )
 
 
 def _seconds(value: str | None) -> float | None:

@@ -228,8 +228,10 @@ def enough(room: Mapping[str, int], limits: Mapping[str, int], need: Use) -> boo
 
 
 def kind_of(refusal: QueueFull, queue: Queue) -> str | None:
-    """The kind of limit a refusal is about: the one it states, else the resource's only one,
-    else None."""
+    """The kind of limit a refusal is about: the adapter's word, else the one it states, else
+    the resource's only one, else None."""
+    if refusal.kind is not None:
+        return refusal.kind
     if refusal.stated:
         return next(iter(refusal.stated))
     if len(queue.limits) == 1:

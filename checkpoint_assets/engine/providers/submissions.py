@@ -111,19 +111,22 @@ def queue_key(*parts: Any) -> str:
 class QueueFull(Exception):
     """The provider refused a submission for want of room in its queue.
 
-    Nothing of it ran and nothing is billed. ``stated`` holds the limits the provider's message
-    states (by kind, ``KINDS``), ``retry_after`` the seconds it asked to wait, when it says.
+    Nothing of it ran and nothing is billed. ``kind`` is the limit it is about (``KINDS``), when
+    the adapter knows; ``stated`` holds the limits the provider's message states (by kind),
+    ``retry_after`` the seconds it asked to wait, when it says.
     """
 
     def __init__(
         self,
         message: str,
         *,
+        kind: str | None = None,
         stated: Mapping[str, int] | None = None,
         retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
+        self.kind = kind
         self.stated = dict(stated or {})
         self.retry_after = retry_after
 
