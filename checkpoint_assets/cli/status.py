@@ -24,12 +24,13 @@ from checkpoint_assets.engine.storage import FileInfo, Store, open_store
 STATUS_READERS = 16  # checkpoints `status` reads at once
 
 
-@click.command(short_help="One row per checkpoint: rows, parts, size, lock.")
+@click.command(short_help="One row per checkpoint: rows, parts, size, lock, queue waits.")
 @click.argument("base_dir", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, for scripts.")
 @shared.storage_options
 def status(base_dir: str | None, as_json: bool, options: dict[str, Any]) -> None:
-    """One row per checkpoint: rows ok and failed, parts, size, last write, lock holder, usage.
+    """One row per checkpoint: rows ok and failed, parts, size, last write, lock holder, usage,
+    and the rows of provider batches that wait for room in the provider's queue.
 
     BASE_DIR defaults to $DAGSTER_HOME/checkpoints, the IO manager's default. Rows are counted
     in unmerged parts too (a run that was interrupted before it finished). Usage is the sum of
@@ -43,6 +44,8 @@ def status(base_dir: str | None, as_json: bool, options: dict[str, Any]) -> None
     - lock: the holder, or null;
     - lock_stale: why the holder is dead, so that the next writer takes the lock over, or null;
     - usage: the sum of each usage column, by column;
+    - rows_waiting_for_queue: provider batches: rows the provider's queue had no room for yet
+      (0 when none);
     - error: why the checkpoint could not be read, or null.
     """
     if base_dir is None:
@@ -69,7 +72,9 @@ def status(base_dir: str | None, as_json: bool, options: dict[str, Any]) -> None
     columns = ["asset", "tag", "partition", "rows ok", "rows failed", "parts", "size"]
     columns += ["last write", "lock"]
     with_usage = any(s["usage"] for s in summaries)
-    rows = shared.table(*columns, *(["usage"] if with_usage else []))
+    with_queue = any(s["rows_waiting_for_queue"] for s in summaries)
+    extra = (["usage"] if with_usage else []) + (["waiting for queue"] if with_queue else [])
+    rows = shared.table(*columns, *extra)
     for s in summaries:
         counts = ["?", "?"] if s["error"] else [f"{s['rows_ok']:,}", f"{s['rows_failed']:,}"]
         usage = ", ".join(f"{c} {v:,.6g}" for c, v in s["usage"].items()) or "-"
@@ -83,6 +88,7 @@ def status(base_dir: str | None, as_json: bool, options: dict[str, Any]) -> None
             shared.when(s["last_write"]),
             (f"{s['lock']} (stale: {s['lock_stale']})" if s["lock_stale"] else s["lock"]) or "-",
             *([usage] if with_usage else []),
+            *([f"{s['rows_waiting_for_queue']:,}"] if with_queue else []),
         )
     shared.console().print(rows)
     for s in summaries:
@@ -116,6 +122,12 @@ def _summary(store: Store, name: str, files: Sequence[FileInfo]) -> dict[str, An
             usage = {c: float(current.get_column(c).sum() or 0) for c in usage if c in current}
     except CheckpointError as e:
         error = str(e)
+    waiting = 0
+    if any(f.path == checkpoint.files.queue_waiting for f in files):
+        try:
+            waiting = int(json.loads(store.get(checkpoint.files.queue_waiting))["rows"])
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            waiting = 0  # gone since the listing, or torn: the next run writes it again
     lease = Lease(store, checkpoint.files.lock)
     holder = lease.read() if any(f.path == checkpoint.files.lock for f in files) else None
     # A lock whose holder is dead is taken over by the next writer (see ``lock.py``).
@@ -132,6 +144,7 @@ def _summary(store: Store, name: str, files: Sequence[FileInfo]) -> dict[str, An
         "lock": holder.describe() if holder else None,
         "lock_stale": stale,
         "usage": usage,
+        "rows_waiting_for_queue": waiting,
         "error": error,
     }
 

@@ -59,6 +59,11 @@ BATCH_RESULTS_DROPPED = "batch_results_dropped"
 COST_SAVED_USD = "cost_saved_usd"
 ROWS_REPARSED = "rows_reparsed"
 ROWS_WITHOUT_ANSWER = "rows_without_answer"
+# Provider batches and the provider's queue (engine/providers/queue.py).
+SUBMISSIONS_REFUSED = "submissions_refused"
+QUEUE_WAIT_SECONDS = "queue_wait_seconds"
+QUEUE_USE = "queue_use"
+ROWS_WAITING_FOR_QUEUE = "rows_waiting_for_queue"
 # The failure of a run that submitted and ended: when the provider ends the last of its batches
 # at the latest (their 24 h window), and which sensor collects them.
 RESULTS_DUE_BY = "results_due_by"
@@ -149,6 +154,12 @@ MATERIALIZATION: dict[str, str] = {
     "no request.",
     ROWS_WITHOUT_ANSWER: "Provider batches, when `parse` changed: finished rows with no stored "
     "answer. They keep their outputs unless the run sets `recompute_unanswered: true`.",
+    SUBMISSIONS_REFUSED: "Provider batches: submissions the provider refused for want of room "
+    "in its queue. Nothing of them ran or was billed; their rows were submitted again.",
+    QUEUE_WAIT_SECONDS: "Provider batches: seconds the run waited for room in the provider's "
+    "queue.",
+    QUEUE_USE: "Provider batches, when the queue's limit is known: the highest share of it "
+    "that the submissions of every shard on the key took when the run looked.",
     ROW_COUNT: "Rows of the partition's result, failed ones included (Dagster's standard key).",
     COLUMN_SCHEMA: "The result's columns and types: the id, the outputs and `_error` "
     "(Dagster's standard key).",
@@ -161,6 +172,8 @@ OBSERVATION: dict[str, str] = {
     BATCHES_PENDING: "A provider batch run that submitted and ended: the provider's ids of the "
     "batches the partition waits for (JSON list). `provider_batches_sensor` follows it.",
     ROWS_PENDING: "A provider batch run that submitted and ended: rows in those batches.",
+    ROWS_WAITING_FOR_QUEUE: "A provider batch run that submitted and ended: rows the "
+    "provider's queue had no room for yet, which a later run submits.",
     COST_USD: "With a `budget`, a run that spent and stopped, or a running shard under "
     "`max_asset_cost`: what the shard's calls cost so far in this run.",
     COST_BY_MODEL: "With a `budget`, a run that spent and stopped: `cost_usd` by model.",
@@ -172,6 +185,8 @@ OBSERVATION: dict[str, str] = {
 PENDING_FAILURE: dict[str, str] = {
     ROWS_PENDING: "Rows that wait in provider batches.",
     BATCHES_PENDING: "The provider's ids of those batches (JSON list).",
+    ROWS_WAITING_FOR_QUEUE: "Rows the provider's queue had no room for yet: a later run "
+    "submits them.",
     RESULTS_DUE_BY: "When the provider ends the last of them at the latest (its 24 h window).",
     COLLECTED_BY: "The `provider_batches_sensor` that requests the run collecting them.",
 }
@@ -250,11 +265,18 @@ def _modes(runs: Sequence[RunStats]) -> dict[str, Any]:
     modes = list(dict.fromkeys(r.mode for r in runs if r.mode is not None))
     if not modes:
         return {}
-    return {
+    out: dict[str, Any] = {
         MODE: ",".join(modes),
         ROWS_ONLINE: sum(r.rows_online for r in runs),
         BATCH_RESULTS_DROPPED: sum(r.batch_results_dropped for r in runs),
     }
+    if "online" not in modes or len(modes) > 1:
+        out[SUBMISSIONS_REFUSED] = sum(r.submissions_refused for r in runs)
+        out[QUEUE_WAIT_SECONDS] = round(sum(r.queue_wait_seconds for r in runs), 3)
+    used = [r.queue_use for r in runs if r.queue_use is not None]
+    if used:
+        out[QUEUE_USE] = max(used)
+    return out
 
 
 def _function(runs: Sequence[RunStats]) -> dict[str, Any]:

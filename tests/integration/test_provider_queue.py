@@ -158,3 +158,67 @@ def test_a_spent_quota_online_stops_the_run_naming_it_and_keeps_what_is_done(
         stored = setup.stored()
         assert stored.height == chat["ok"] == 300  # what was done is kept
         assert stored.get_column("_error").null_count() == stored.height  # no failed row
+
+
+def test_submit_and_end_leaves_rows_waiting_for_room_and_the_sensor_asks_for_the_rest(
+    tmp_path: Path,
+) -> None:
+    import dagster as dg
+    from click.testing import CliRunner
+
+    from checkpoint_assets import OpenAIResource, failed_partitions_sensor, provider_batches_sensor
+    from checkpoint_assets.cli import cli
+    from checkpoint_assets.integration.watch.pending import PENDING_TAG
+
+    limit = int(TOKENS * 0.4)  # the queue holds 40% of the shard
+    clock = ManualClock()
+    settings = Settings(processing_delay=600, openai_enqueued_tokens=limit)
+    with serve(settings, clock=clock) as url:
+        setup = Setup(str(tmp_path / "checkpoints"), url, ROWS, clock, OPENAI)
+        setup.resource = OpenAIResource(
+            base_url=url, api_key="local", model="m", enqueued_tokens=limit
+        )
+        routed = setup.asset(wait=False)
+        collect = provider_batches_sensor(routed)
+        retry = failed_partitions_sensor(routed, backoff_seconds=0)
+        runs, waiting_seen = 0, []
+        with (
+            dg.build_sensor_context(
+                instance=setup.instance, resources={"openai": setup.resource}
+            ) as context,
+            dg.build_sensor_context(instance=setup.instance) as retry_context,
+        ):
+            while True:
+                runs += 1
+                result = setup.materialize(routed, raise_on_error=False)
+                if result.success:
+                    break
+                failure = next(e for e in result.all_events if e.is_step_failure)
+                assert failure.step_failure_data is not None
+                said = failure.step_failure_data.user_failure_data
+                assert said is not None and said.description is not None
+                meta = {k: v.value for k, v in said.metadata.items()}
+                waiting_seen.append(meta["rows_waiting_for_queue"])
+                if meta["rows_waiting_for_queue"]:
+                    assert "wait for room in the provider's queue" in said.description
+                    shown = CliRunner().invoke(cli, ["status", setup.base_dir, "--json"])
+                    (row,) = json.loads(shown.output)
+                    assert row["rows_waiting_for_queue"] == meta["rows_waiting_for_queue"]
+                run = setup.instance.get_run_by_id(result.run_id)
+                assert run is not None and PENDING_TAG in run.tags
+                assert not retry(retry_context).run_requests  # no retry of a run that waits
+                early = collect(context)
+                assert not early.run_requests  # its batches still run
+                context.update_cursor(early.cursor)
+                clock.advance(601)  # they end: room frees
+                ready = collect(context)
+                assert [r.partition_key for r in ready.run_requests] == [SHARD]
+                context.update_cursor(ready.cursor)
+                assert runs < 8
+        provider = setup.provider()
+    # Each run submitted what the queue had room for; none was refused or failed a row.
+    assert waiting_seen[0] > 0 and runs >= 3
+    assert provider["queue_refused"] == 0 and provider["enqueued_peak"] <= limit
+    assert provider["submitted"] == provider["processed"] == ROWS
+    no_failed_rows_and_no_attempt_spent(setup)
+    setup.stored_once()

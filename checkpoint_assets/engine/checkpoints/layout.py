@@ -11,7 +11,8 @@ relative to the root (``UNPARTITIONED`` for an unpartitioned asset):
 - ``<name>.parquet.quarantine/<file>.<UTC time>-<hex>.damaged``: damaged files moved aside.
   They are never read again, and deleted only by ``checkpoint-assets clean``.
 - ``<name>.parquet.submissions/<tag>.json``: one provider batch submission of the checkpoint's
-  rows (``submission_records.py``).
+  rows (``submission_records.py``); ``<name>.parquet.submissions/queue.waiting``: how many of its
+  rows wait for room in the provider's queue, while some do.
 
 The shards that submit to one provider queue share what waits in it through
 ``_provider_queues/<queue key>/``: one claim per submission waiting there (``<tag>.json``) and the
@@ -140,6 +141,11 @@ class Files:
     def submission(self, tag: str) -> str:
         """The record of the provider batch submission ``tag``."""
         return posixpath.join(self.submissions, f"{tag}.json")
+
+    @property
+    def queue_waiting(self) -> str:
+        """How many rows wait for room in the provider's queue (absent when none)."""
+        return posixpath.join(self.submissions, "queue.waiting")
 
     def new_part(self, first: int, last: int) -> str:
         return posixpath.join(

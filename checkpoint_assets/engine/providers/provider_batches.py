@@ -63,6 +63,7 @@ them. A kill costs the work of the step that was under way:
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -148,6 +149,7 @@ class ProviderRun(ShardRun):
         self.backlog: list[tuple[pl.DataFrame, int]] = []
         self.room_at = 0.0  # no submission before this time (monotonic): a refusal asked to wait
         self.tokens_per_row: float | None = None  # of the submissions made, for the room needed
+        self.noted_waiting = -1  # the rows waiting for room last recorded (-1: unknown)
         waiting = [s for s in self.records.load() if s.open and self._attach(s)]
         sent = {i for s in waiting for i in s.ids}
         fresh = todo.filter(~pl.col(self.id).is_in(list(sent))) if sent else todo
@@ -158,6 +160,7 @@ class ProviderRun(ShardRun):
             waiting += self._submit_backlog()
         pending = self._collect_all(waiting)
         self.stats.rows_waiting_for_queue = self._unsubmitted()
+        self._note_waiting(self.stats.rows_waiting_for_queue)
         self.stats.queue_use = round(self.queue.peak, 3) if self.queue.limits() else None
         if self.spend is not None and self.spend.problem is not None:
             return self.spend.problem  # a result whose cost is unknown
@@ -409,6 +412,7 @@ class ProviderRun(ShardRun):
                     unsubmitted=unsubmitted,
                 )
             nap = delay
+            self._note_waiting(unsubmitted)
             if unsubmitted:
                 nap = min(delay, max(self.room_at - time.monotonic(), self.job.poll_seconds))
                 self.log.info(
@@ -435,6 +439,18 @@ class ProviderRun(ShardRun):
                 )
             time.sleep(nap)
             delay = min(delay * 2, self.job.max_poll_seconds)
+
+    def _note_waiting(self, rows: int) -> None:
+        """Record in the checkpoint how many rows wait for queue room (``checkpoint-assets
+        status`` shows it); nothing is written while the count stays the same."""
+        if rows == self.noted_waiting:
+            return
+        store, path = self.records.store, self.records.files.queue_waiting
+        if rows:
+            store.put(path, json.dumps({"rows": rows, "at": time.time()}).encode())
+        else:
+            store.delete([path])
+        self.noted_waiting = rows
 
     def _unsubmitted(self) -> int:
         """Rows of the backlog still to submit (none once the budget refused a submission)."""

@@ -4,8 +4,10 @@ The step fails with a ``dg.Failure``. Its description and metadata say what wait
 batches), by when the provider ends it, and which sensor collects it. The run carries the tag
 ``checkpoint_assets/batches_pending`` (the rows left). ``failed_partitions_sensor`` reads that tag
 as "not a failure: do not retry". Each shard's pending batches are recorded as an
-``AssetObservation`` of its partition (``batches_pending``: their ids).
-``provider_batches_sensor`` follows those to request the run that collects them once they end.
+``AssetObservation`` of its partition (``batches_pending``: their ids), with the rows the
+provider's queue had no room for yet (``rows_waiting_for_queue``). ``provider_batches_sensor``
+follows those to request the run that collects them once they end, and submits the rows that
+waited.
 
 Why a failure rather than a skipped output:
 
@@ -41,6 +43,7 @@ def end_pending(
 ) -> dg.Failure:
     """Record the pending batches of each shard, tag the run, and return the step's failure."""
     rows = sum(e.rows for e in pending.values())
+    waiting = sum(e.unsubmitted for e in pending.values())
     batches = [b for e in pending.values() for b in e.batches]
     due = max((e.due for e in pending.values() if e.due is not None), default=None)
     for partition, error in pending.items():
@@ -49,13 +52,17 @@ def end_pending(
                 asset_key=context.asset_key,
                 partition=partition,
                 metadata=md.declared(
-                    {md.BATCHES_PENDING: json.dumps(error.batches), md.ROWS_PENDING: error.rows},
+                    {
+                        md.BATCHES_PENDING: json.dumps(error.batches),
+                        md.ROWS_PENDING: error.rows,
+                        md.ROWS_WAITING_FOR_QUEUE: error.unsubmitted,
+                    },
                     md.OBSERVATION,
                 ),
             )
         )
         context.log.info(str(error))
-    context.instance.add_run_tags(context.run.run_id, {PENDING_TAG: str(rows)})
+    context.instance.add_run_tags(context.run.run_id, {PENDING_TAG: str(rows + waiting)})
     shards = ", ".join(p or UNPARTITIONED for p in pending)
     sensor = sensor_name(context.asset_key)
     shown = ", ".join(batches[:3]) + (", ..." if len(batches) > 3 else "")
@@ -67,16 +74,27 @@ def end_pending(
     metadata: dict[str, Any] = {
         md.ROWS_PENDING: rows,
         md.BATCHES_PENDING: json.dumps(batches),
+        md.ROWS_WAITING_FOR_QUEUE: waiting,
         md.COLLECTED_BY: sensor,
     }
     if due is not None:
         metadata[md.RESULTS_DUE_BY] = dg.MetadataValue.timestamp(due)
+    said = []
+    if batches:
+        said.append(
+            f"{rows:,} row(s) of {shards} wait in {len(batches)} provider batch(es) ({shown}). "
+            "They are recorded in the checkpoint: nothing is lost, and nothing will be "
+            f"submitted again. {when}"
+        )
+    if waiting:
+        said.append(
+            f"{waiting:,} row(s) of {shards} wait for room in the provider's queue, which "
+            "holds other batches: they are not submitted yet, and no row failed. "
+        )
     return dg.Failure(
         description=(
-            f"Submitted, not materialized yet: {rows:,} row(s) of {shards} wait in "
-            f"{len(batches)} provider batch(es) ({shown}). They are recorded in the checkpoint: "
-            f"nothing is lost, and nothing will be submitted again. {when}The sensor {sensor} "
-            "(provider_batches_sensor) requests the run that collects them once they end; "
+            f"Submitted, not materialized yet: {''.join(said)}The sensor {sensor} "
+            "(provider_batches_sensor) requests the partition's next run once batches end; "
             "failed_partitions_sensor does not retry this run. Or materialize the partition "
             "again later, or with `wait: true` to wait for them."
         ),

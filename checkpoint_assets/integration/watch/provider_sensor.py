@@ -10,14 +10,20 @@ works. Each tick takes these steps, in order:
 3. ``_ready()`` takes each remembered partition not requested yet and not in progress. It polls
    its batches: one request each, stopping at the first still running. When none is running
    any more, it requests the partition's run, once per submitting run.
+4. A partition whose rows wait for room in the provider's queue (``rows_waiting_for_queue``)
+   and that has no batch of its own is requested once room is likely: a batch of another
+   partition of the asset was seen ended in this tick, or none of them has a batch running and
+   ``_ROOM_RETRY_SECONDS`` have passed since its run ended (the queue is held by others).
 
 The collecting run re-attaches to the batches through the checkpoint's submission records. It
-downloads their results and finishes in seconds. It submits nothing that was submitted.
+downloads their results and finishes in seconds. It submits nothing that was submitted, and
+submits the rows that waited for room, as far as the queue has room.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Never
@@ -31,17 +37,23 @@ from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.watch.events import records_after
 
 COLLECTS_TAG = "checkpoint_assets/collects"  # the run that submitted what this run collects
-_CURSOR_VERSION = 1
+_CURSOR_VERSION = 2
+# A partition whose rows wait for room in a queue none of the asset's batches holds (other jobs
+# fill it) is tried again after this long.
+_ROOM_RETRY_SECONDS = 600.0
 
 
 @dataclass
 class Pending:
-    """The batches a partition waits for: the run that submitted them and its observation."""
+    """The batches a partition waits for: the run that submitted them and its observation, and
+    the rows that wait for room in the provider's queue."""
 
     run_id: str
     batches: list[str]
     storage_id: int
     requested: bool = False
+    waiting: int = 0
+    at: float = 0.0  # when it was observed (seconds since the epoch)
 
 
 @dataclass
@@ -53,7 +65,7 @@ class PendingState:
 
     def to_json(self) -> str:
         pending = {
-            k: [p.run_id, p.batches, p.storage_id, p.requested]
+            k: [p.run_id, p.batches, p.storage_id, p.requested, p.waiting, p.at]
             for k, p in sorted(self.pending.items())
         }
         return json.dumps({"v": _CURSOR_VERSION, "after": self.after, "pending": pending})
@@ -64,8 +76,8 @@ class PendingState:
         if data.get("v") != _CURSOR_VERSION:
             return cls()
         pending = {
-            k: Pending(str(run), list(batches), int(at), bool(requested))
-            for k, (run, batches, at, requested) in data["pending"].items()
+            k: Pending(str(run), list(batches), int(at), bool(req), int(waiting), float(when))
+            for k, (run, batches, at, req, waiting, when) in data["pending"].items()
         }
         return cls(int(data["after"]), pending)
 
@@ -179,7 +191,11 @@ def _follow(instance: dg.DagsterInstance, key: dg.AssetKey, state: PendingState)
             continue
         batches = json.loads(str(md.plain(found)))
         partition = observation.partition or UNPARTITIONED
-        state.pending[partition] = Pending(record.run_id, batches, record.storage_id)
+        waiting = int(md.plain(observation.metadata.get(md.ROWS_WAITING_FOR_QUEUE)) or 0)
+        at = record.timestamp
+        state.pending[partition] = Pending(
+            record.run_id, batches, record.storage_id, waiting=waiting, at=at
+        )
 
 
 def _settled(instance: dg.DagsterInstance, key: dg.AssetKey, state: PendingState) -> None:
@@ -206,7 +222,8 @@ def _ready(
     api: BatchProvider,
     state: PendingState,
 ) -> list[str]:
-    """Partitions whose batches have all ended, marked requested."""
+    """Partitions whose batches have all ended, or whose rows waiting for queue room likely
+    have it now (the module docstring), marked requested."""
     waiting = [p for p, w in sorted(state.pending.items()) if not w.requested]
     if not waiting:
         return []
@@ -215,11 +232,30 @@ def _ready(
         statuses = instance.get_status_by_partition(key, waiting, partitions_def) or {}
         busy = {p for p, s in statuses.items() if s == dg.AssetPartitionStatus.IN_PROGRESS}
     ready = []
+    room = []  # partitions whose rows wait for room, with no batch of their own
+    freed = False  # a batch of the asset was seen ended in this tick
+    running = False  # a batch of the asset was seen running
     for partition in waiting:
         waited = state.pending[partition]
         if partition in busy:
             continue
+        if not waited.batches:
+            if waited.waiting:
+                room.append(partition)
+            else:
+                waited.requested = True
+                ready.append(partition)
+            continue
         if all(api.poll(b).state is not State.RUNNING for b in waited.batches):
+            waited.requested = True
+            ready.append(partition)
+            freed = True
+        else:
+            running = True
+    now = time.time()
+    for partition in room:
+        waited = state.pending[partition]
+        if freed or (not running and now - waited.at >= _ROOM_RETRY_SECONDS):
             waited.requested = True
             ready.append(partition)
     return ready
