@@ -144,7 +144,6 @@ class ProviderRun(ShardRun):
             self._ended,
         )
         self.checkpoint_name = self.sink.checkpoint.name
-        self.claims: dict[str, Claim] = {}  # this run's claims of queue room, by tag
         # Rows to submit (keys) and their attempt, oldest first: those without room yet wait here.
         self.backlog: list[tuple[pl.DataFrame, int]] = []
         self.room_at = 0.0  # no submission before this time (monotonic): a refusal asked to wait
@@ -179,9 +178,9 @@ class ProviderRun(ShardRun):
                 self.records.advance(s, "dropped", note=note)
                 return False
             self.records.advance(s, "created", batch_id=found)
-        claim = Claim(s.tag, self.checkpoint_name, s.tokens, len(s.ids), batch_id=s.batch_id)
-        self.queue.hold(claim)
-        self.claims[s.tag] = claim
+        self.queue.hold(
+            Claim(s.tag, self.checkpoint_name, s.tokens, len(s.ids), batch_id=s.batch_id)
+        )
         self.log.info(
             "%s: re-attached to provider batch %s (%d rows): nothing is submitted again.",
             self.label,
@@ -253,7 +252,6 @@ class ProviderRun(ShardRun):
         if not self._reserve(split):
             self.queue.release(split.tag)
             return None
-        self.claims[split.tag] = claim
         tag, requests = split.tag, split.requests
         s = Submission(
             tag, self.provider.name, split.ids, split.hashes, attempt=attempt, tokens=split.tokens
@@ -291,13 +289,13 @@ class ProviderRun(ShardRun):
         """The provider had no room for ``s`` in its queue: record it refused (nothing ran, nothing
         is billed), free its claim and reservation, and write down what the refusal says."""
         self.records.advance(s, "refused", note=refusal.message)
+        # What it teaches is written before its claim goes, so no shard sends into the gap.
+        used = self.queue.used([c for c in self.queue.claims() if c.tag != s.tag])
+        learned = self.queue.learn(refusal, kind_of(refusal, self.queue.queue), used)
         self.queue.release(s.tag)
-        self.claims.pop(s.tag, None)
         if self.spend is not None:
             self.spend.release(self.reserved.pop(s.tag, 0.0))
         self.stats.submissions_refused += 1
-        used = self.queue.used(self.queue.claims())
-        learned = self.queue.learn(refusal, kind_of(refusal, self.queue.queue), used)
         wait = refusal.retry_after if refusal.retry_after is not None else 0.0
         if not learned and not self.queue.limits():
             wait = max(wait, self.job.poll_seconds)  # nothing known of the queue: wait a while
@@ -385,6 +383,11 @@ class ProviderRun(ShardRun):
                 else:
                     self._collect(s, status)
             waiting = left
+            if self.backlog and self.job.mode is Mode.hybrid and self.handoff.past_deadline():
+                # Past the deadline, rows still waiting for queue room go online.
+                ids = [i for keys, _ in self.backlog for i in keys.get_column(self.id).to_list()]
+                self.backlog = []
+                self.handoff.take(self.attempts, ids)
             if self.backlog and self.refused is None:
                 made = self._submit_backlog()
                 if made:
@@ -498,7 +501,6 @@ class ProviderRun(ShardRun):
         self.sink.wait_for_writes()  # durable before the record says collected or returned
         back = [s.ids[i] for i in transient + unrun if s.ids[i] in self.attempts]
         self.queue.release(s.tag)  # it has left the queue
-        self.claims.pop(s.tag, None)
         if not back:
             self.records.advance(s, "collected")
             return
