@@ -14,12 +14,18 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import dagster as dg
 import pytest
-from test_provider_batches import ANTHROPIC, OPENAI, SHARD, TEXTS, Api, Setup
+from helpers.provider_cases import anthropic_parse, openai_parse
+from test_provider_batches import SHARD, TEXTS
+from test_provider_batches import Setup as OpenAISetup
 
+from checkpoint_assets import AnthropicResource, OpenAIResource
 from checkpoint_assets.engine import open_store
 from checkpoint_assets.engine.checkpoints.layout import QUEUES
 from checkpoint_assets.engine.providers.submission_records import Records, Submission
@@ -32,6 +38,50 @@ ID = "ticket_id"
 # provider counts them (bytes over 4), 2 to 10 a row.
 ROWS = 2_000
 TOKENS = sum(-(-len(TEXTS[i % 3].encode()) // 4) for i in range(ROWS))
+
+
+@dataclass(frozen=True)
+class Api:
+    """One of the two batch APIs the local provider speaks: its resource key, the resource on
+    the provider's base URL, and how an answer is read."""
+
+    name: str
+    key: str
+    resource: Callable[[str], OpenAIResource | AnthropicResource]
+    parse: Callable[[dict[str, Any]], dict[str, Any]]
+
+
+OPENAI = Api(
+    "openai",
+    "openai",
+    lambda url: OpenAIResource(base_url=url, api_key="local", model="m"),
+    openai_parse,
+)
+ANTHROPIC = Api(
+    "anthropic",
+    "claude",
+    lambda url: AnthropicResource(
+        base_url=url.removesuffix("/v1"), api_key="local", model="claude-test", max_tokens=8
+    ),
+    anthropic_parse,
+)
+
+
+class Setup(OpenAISetup):
+    """``test_provider_batches``' setup through either API."""
+
+    def __init__(self, base_dir: str, url: str, rows: int, clock: ManualClock, api: Api) -> None:
+        super().__init__(base_dir, url, rows, clock)
+        self.api = api
+        self.resource = api.resource(url)
+
+    def asset(self, **kw: Any) -> dg.AssetsDefinition:
+        return super().asset(**({"parse": self.api.parse, "provider": self.api.key} | kw))
+
+    def resources(self) -> dict[str, Any]:
+        resources = super().resources()
+        del resources["openai"]
+        return {**resources, self.api.key: self.resource}
 
 
 def records(setup: Setup, partition: str = SHARD) -> list[Submission]:
