@@ -80,6 +80,7 @@ class _Failed(click.ClickException):
     ],
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
+@click.version_option(package_name="checkpoint-assets", message="%(prog)s %(version)s")
 def cli() -> None:
     """Inspect, verify, compact, repair and clean the checkpoints of checkpointed Dagster assets;
     estimate a run before it starts.

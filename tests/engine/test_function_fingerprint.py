@@ -218,7 +218,8 @@ def test_a_changed_parse_is_told_from_a_changed_request() -> None:
 
 
 def test_a_fingerprint_that_records_parse_as_one_constant_reads_as_its_parse_part() -> None:
-    # How a checkpoint of 0.1.0 recorded a request/parse job: parse's parts joined, one constant.
+    # How a checkpoint from before the 0.1.0 release recorded a request/parse job: parse's parts
+    # joined, one constant.
     joined = ",".join(f"{k}={v}" for k, v in sorted(of_function(_parse).items()))
     recorded = of_function(_request) | {"constant:parse": joined}
     assert changes(recorded, _request_parse(_request, _parse)) == []

@@ -19,8 +19,8 @@ named parts, each a 32-hex-digit BLAKE3 digest, so a change can be named:
 - ``parse:PART`` (request/parse jobs): the parts of ``parse``'s own fingerprint, ``parse:code``
   and ``parse:constant:NAME``. The parts above are then the request's: what changes the answers.
   A change of the parse part alone needs no call (``parse_changed``): the stored answers are
-  parsed again (``providers/answers.py``). A checkpoint written by 0.1.0 records ``parse`` as
-  one part, ``constant:parse``; ``changes`` reads it as the parse part.
+  parsed again (``providers/answers.py``). A checkpoint written before the 0.1.0 release records
+  ``parse`` as one part, ``constant:parse``; ``changes`` reads it as the parse part.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ CODE = "code"
 CONSTANT = "constant:"
 RESOURCE = "resource:"
 PARSE = "parse:"
-_ONE_PART_PARSE = CONSTANT + "parse"  # how 0.1.0 recorded parse (see the module docstring)
+_ONE_PART_PARSE = CONSTANT + "parse"  # how parse was recorded before 0.1.0 (module docstring)
 _PLAIN = (str, bytes, int, float, complex, bool, type(None))
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
@@ -112,7 +112,7 @@ def _changed(recorded: Mapping[str, str], current: Mapping[str, str]) -> list[st
 
 
 def _as_split(recorded: Mapping[str, str], current: Mapping[str, str]) -> Mapping[str, str]:
-    """``recorded`` with a one-part parse (0.1.0: its parts' digests joined) as ``current``'s
+    """``recorded`` with a one-part parse (before 0.1.0: its parts' digests joined) as ``current``'s
     parse parts: equal to them when it joins the same digests, else all changed (which one is
     unknown)."""
     one = recorded.get(_ONE_PART_PARSE)
