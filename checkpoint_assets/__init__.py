@@ -30,7 +30,7 @@ from checkpoint_assets.engine.errors import (
     TooManyFailuresError,
 )
 from checkpoint_assets.engine.providers.submissions import BatchProvider
-from checkpoint_assets.engine.settings import OnInputChange
+from checkpoint_assets.engine.settings import LossBound, OnInputChange, loss_bound
 
 if TYPE_CHECKING:
     from checkpoint_assets.integration.define.asset import checkpointed_asset
@@ -110,6 +110,7 @@ __all__ = [
     "JobChangedError",
     "JobMismatchError",
     "LockHeldError",
+    "LossBound",
     "MissingColumnsError",
     "NewerFormatError",
     "OnInputChange",
@@ -126,6 +127,7 @@ __all__ = [
     "checkpointed_asset",
     "failed_partitions_sensor",
     "global_resume_asset",
+    "loss_bound",
     "provider_batch_asset",
     "provider_batches_sensor",
     "shard_partitions",

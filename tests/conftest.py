@@ -27,7 +27,8 @@ import pytest
 #   threads and endpoints, kills against the documented loss bound, the benchmark smoke and its
 #   endpoint scenarios). Never two of them at once, so each meets at most one other test's load.
 # - a file whose module-scoped fixture is expensive (a `dagster dev` with its daemon, a built
-#   checkpoint world, a moto server with IAM, a built wheel) starts it once, not once per worker.
+#   checkpoint world, a moto server with IAM, a built wheel, the built docs site) starts it once,
+#   not once per worker.
 # Keys: a file under tests/, or a file and a test name (all its parameters).
 XDIST_GROUPS = {
     "engine/test_throttle.py": "timing",
@@ -37,6 +38,7 @@ XDIST_GROUPS = {
     "e2e/test_daemon_path.py": "daemon_path",
     "e2e/test_install.py": "install",
     "e2e/test_cli.py": "cli",
+    "test_site.py": "site",
     "integration/test_s3.py": "s3",
 }
 

@@ -58,7 +58,7 @@ def estimate(
     installed, else bytes/4). Output tokens: each request's max_tokens, a ceiling. With a
     budget, the cost online and as provider batches.
 
-    With --json: {"asset", "shards": [{"partition", <figures>}], "total": {<figures>}}.
+    With --json: `{"asset", "shards": [{"partition", <figures>}], "total": {<figures>}}`.
     """
     config = _config(config_json)
     # Dagster loads only here: the CLI's other commands start without it.

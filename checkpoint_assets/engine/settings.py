@@ -15,6 +15,8 @@ from typing import Any, Literal
 from checkpoint_assets.engine.calls.budget import Budget
 from checkpoint_assets.engine.checkpoints.compaction import COMPACT_AT, COMPACT_FANOUT
 from checkpoint_assets.engine.fields import setting
+from checkpoint_assets.engine.storage.local import LocalStore
+from checkpoint_assets.engine.storage.objects import ObjectStore
 
 DEFAULT_LEASE_SECONDS = 300.0
 
@@ -252,7 +254,7 @@ class Settings(AssetSettings):
 
 @dataclass(frozen=True)
 class LossBound:
-    """What a hard kill can lose, term by term (``Settings.loss_bound``), in rows:
+    """What a hard kill can lose, term by term (``loss_bound``), in rows:
 
     - ``buffered``: the rows done since the last flush. While storage keeps up, that is about
       one ``checkpoint_interval``, or the rows done in the minimum time between flushes. When
@@ -278,6 +280,42 @@ class LossBound:
         """Calls a kill can make later runs pay for again."""
         buffered = 2 * math.ceil(self.buffered / self.batch_rows)
         return buffered + self.held // self.batch_rows
+
+
+def loss_bound(
+    rows_per_second: float = 0.0, *, object_store: bool = False, **arguments: Any
+) -> LossBound:
+    """The most one shard's run can lose to a hard kill (SIGKILL, a lost node, an out-of-memory
+    kill): the rows it computed whose results were not stored yet, which a later run computes
+    again. An exception, SIGTERM or SIGINT loses nothing.
+
+    ``arguments`` are the asset's own, as given to ``checkpointed_asset``:
+    ``checkpoint_interval``, ``batch_size``, ``max_concurrency``, ``min_flush_seconds`` (the
+    others change nothing here). ``object_store`` is True when the IO manager's ``base_dir`` is
+    an object store (``s3://``, ``gs://``, ``az://``), where flushes come at most every few
+    seconds unless ``min_flush_seconds`` says otherwise; ``rows_per_second`` is how fast the
+    function goes, which then sets how many rows wait for the next flush.
+
+    Example::
+
+        >>> bound = loss_bound(checkpoint_interval=64, batch_size=1, max_concurrency=32)
+        >>> bound
+        LossBound(buffered=160, writing=160, held=40, batch_rows=1)
+        >>> bound.rows, bound.calls
+        (360, 360)
+        >>> loss_bound(100, object_store=True).rows
+        1062
+    """
+    known = {f.name for f in fields(AssetSettings)}
+    unknown = sorted(set(arguments) - known)
+    if unknown:
+        raise TypeError(
+            f"loss_bound() takes the asset's arguments, and {unknown} is not one of them: "
+            f"give some of {sorted(known)}"
+        )
+    store = ObjectStore if object_store else LocalStore
+    settings = Settings(id_column="id", **arguments)
+    return settings.loss_bound(rows_per_second, store.min_flush_seconds)
 
 
 def _at_least(settings: RowSettings, least: int, *names: str) -> None:

@@ -68,19 +68,13 @@ def _arguments(arguments: Any) -> str:
     rows = []
     for f in dataclasses.fields(arguments):
         default = "required" if f.default is dataclasses.MISSING else f"`{_plain(f.default)!r}`"
-        text = f.metadata[DOC].replace("|", "\\|")
-        rows.append((f"`{f.name}`", f"`{_type(hints[f.name])}`", default, text))
+        rows.append((f"`{f.name}`", f"`{_type(hints[f.name])}`", default, _cell(f.metadata[DOC])))
     return _markdown(["argument", "type", "default", "meaning"], rows)
 
 
 def _field_rows(key: str, field: Any, description: str | None = None) -> list[tuple[str, ...]]:
     """One row per field; a field that is itself a model adds a row per field of it."""
-    text = (
-        (field.description or description or "")
-        .replace("|", "\\|")
-        .replace("\n", " ")
-        .replace("<", "&lt;")
-    )
+    text = _cell(field.description or description or "")
     row = (f"`{key}`", f"`{_type(field.annotation)}`", _default(field), text)
     nested = [a for a in typing.get_args(field.annotation) or (field.annotation,) if _ours(a)]
     rows = [row]
@@ -88,6 +82,14 @@ def _field_rows(key: str, field: Any, description: str | None = None) -> list[tu
         for name, sub_field in sub.model_fields.items():
             rows.extend(_field_rows(f"{key}.{name}", sub_field))
     return rows
+
+
+def _cell(text: str) -> str:
+    """``text`` as the text of a Markdown table's cell: on one line, its ``|`` escaped, and a
+    placeholder such as ``usage/<col>`` shown as written rather than read as an HTML tag."""
+    spans = text.replace("\n", " ").replace("|", "\\|").split("`")
+    # Inside a code span (odd pieces) `<` is shown as it is.
+    return "`".join(s if i % 2 else s.replace("<", "&lt;") for i, s in enumerate(spans))
 
 
 def _ours(annotation: Any) -> bool:
