@@ -12,7 +12,8 @@ A page asks for a table with an HTML comment on a line of its own:
   with their meanings.
 
 Links to files of the repository outside ``docs/`` (``../examples/...``) become links to the
-repository; one to a file that does not exist fails the strict build.
+repository's page when mkdocs.yml names one (``repo_url``), else the file's path in the
+repository, as code; one to a file that does not exist fails the strict build.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pydantic_core import PydanticUndefined
 log = logging.getLogger("mkdocs.hooks.reference")
 ROOT = Path(__file__).resolve().parents[2]
 DIRECTIVE = re.compile(r"^<!-- (config|arguments|metadata): (.+?) -->$", re.M)
-OUTSIDE = re.compile(r"\]\((\.\./[^)#\s]+)(#[^)\s]*)?\)")
+OUTSIDE = re.compile(r"\[([^\]]*)\]\((\.\./[^)#\s]+)(#[^)\s]*)?\)")
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
@@ -140,14 +141,17 @@ def _markdown(header: list[str], rows: list[tuple[str, ...]]) -> str:
 
 
 def _repository_link(match: re.Match[str], page: Any, config: Any) -> str:
+    text, link, anchor = match[1], match[2], match[3] or ""
     source = Path(page.file.abs_src_path).parent
-    target = (source / match[1]).resolve()
+    target = (source / link).resolve()
     docs = Path(config["docs_dir"]).resolve()
     if target.is_relative_to(docs):
         return match[0]  # a page of the site: MkDocs checks it
     if not target.exists() or not target.is_relative_to(ROOT):
-        log.warning(f"{page.file.src_path}: the link {match[1]} names no file of the repository")
+        log.warning(f"{page.file.src_path}: the link {link} names no file of the repository")
         return match[0]
+    path = target.relative_to(ROOT).as_posix() + ("/" if target.is_dir() else "")
+    if not config.get("repo_url"):
+        return text if text == f"`{path}`" else f"{text} (`{path}`)"
     kind = "tree" if target.is_dir() else "blob"
-    url = f"{config['repo_url'].rstrip('/')}/{kind}/main/{target.relative_to(ROOT).as_posix()}"
-    return f"]({url}{match[2] or ''})"
+    return f"[{text}]({config['repo_url'].rstrip('/')}/{kind}/main/{path}{anchor})"

@@ -33,6 +33,9 @@ def _demo(env: dict[str, str]) -> str:
         timeout=600,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    # Its own lines only: none of Dagster's log lines or warnings.
+    for dagsters in (" - dagster - ", "Warning:"):
+        assert dagsters not in done.stdout + done.stderr, (done.stdout + done.stderr)[-4000:]
     return done.stdout
 
 
