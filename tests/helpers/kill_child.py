@@ -41,6 +41,7 @@ from checkpoint_assets.engine.loop.sink import PartWriter
 from checkpoint_assets.engine.storage import local as local_module
 from checkpoint_assets.engine.storage.local import LocalStore
 from checkpoint_assets.engine.storage.objects import S3Store
+from helpers.kills import die
 
 ENGINE_CHECKPOINT = "killed/default/all"
 ASSET = "routed"
@@ -68,11 +69,6 @@ def value(i: int) -> str:
 def source(rows: int) -> pl.DataFrame:
     ids = list(range(rows))
     return pl.DataFrame({"ticket_id": ids, "body": [str(i) for i in ids]})
-
-
-def die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(10)  # never reached: SIGKILL is not deliverable later than now
 
 
 class Counter:

@@ -11,8 +11,6 @@ package); ``none`` runs to the end. The tests run the next run in their own proc
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -25,6 +23,7 @@ from checkpoint_assets.engine.providers.job import ProviderJob
 from checkpoint_assets.engine.providers.provider_batches import ProviderRun
 from checkpoint_assets.engine.providers.submissions import BatchProvider, Result
 from checkpoint_assets.engine.settings import RunStats
+from helpers.kills import die
 from helpers.provider_cases import BY_NAME, ProviderCase
 
 NAME = "killed/default/all"
@@ -39,10 +38,6 @@ POINTS = (
 # With per-request errors: the first submission marked returned, its failed requests' new
 # submission recorded (intent), nothing of it sent.
 SENDING_AGAIN = "sending_again"
-
-
-def die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @contextmanager

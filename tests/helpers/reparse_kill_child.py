@@ -10,8 +10,6 @@ finished). The tests run the next run in their own process with ``run_shard``.
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 from typing import Any
 
@@ -25,22 +23,11 @@ from checkpoint_assets.engine.providers.job import ProviderJob
 from checkpoint_assets.engine.providers.provider_batches import ProviderRun
 from checkpoint_assets.engine.settings import RunStats
 from checkpoint_assets.resources.openai_batches import OpenAIBatches
+from helpers.kills import die, parse, request
 
 NAME = "reparsed/default/all"
 POINTS = ("parsing", "after_generation")
 _PARSED_BEFORE_KILL = 18_000  # past the first chunk of answers (16,384), which is flushed
-
-
-def die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def request(row: dict[str, Any]) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": row["body"]}]}
-
-
-def parse(body: dict[str, Any]) -> dict[str, Any]:
-    return {"answer": body["choices"][0]["message"]["content"]}
 
 
 def parse_upper(body: dict[str, Any]) -> dict[str, Any]:

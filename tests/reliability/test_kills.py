@@ -135,7 +135,10 @@ def drive(
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(spec))
     done = subprocess.run(
-        [sys.executable, str(DRIVER), str(spec_file)], capture_output=True, timeout=3600
+        [sys.executable, str(DRIVER), str(spec_file)],
+        capture_output=True,
+        timeout=3600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},  # helpers.kills
     )
     errors = Path(spec["stderr"]).read_text() if Path(spec["stderr"]).exists() else ""
     assert done.returncode == 0, done.stderr.decode()[-3000:] + errors[-3000:]
