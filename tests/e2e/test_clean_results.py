@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
-from helpers.jobs import engine_settings
+from helpers.rows import engine_settings
 
 from checkpoint_assets.engine import Checkpoint, open_store, prepare, run
 from checkpoint_assets.engine.loop.shard_run import RunContext

@@ -17,7 +17,7 @@ from typing import Any
 
 import polars as pl
 import pytest
-from helpers.jobs import Storage
+from helpers.rows import Storage
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 from checkpoint_assets.engine.checkpoints.compaction import COMPACT_AT, COMPACT_FANOUT

@@ -9,7 +9,7 @@ from typing import Any
 
 import polars as pl
 import pytest
-from helpers.jobs import engine_settings, tickets
+from helpers.rows import engine_settings, tickets
 
 from checkpoint_assets.engine import (
     Checkpoint,

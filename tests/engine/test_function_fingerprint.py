@@ -12,7 +12,7 @@ from typing import Any
 import blake3
 import polars as pl
 import pytest
-from helpers.jobs import route, tickets
+from helpers.rows import route, tickets
 
 from checkpoint_assets.engine import (
     Checkpoint,

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import polars as pl
 import pytest
 from helpers import hold_lock
-from helpers.jobs import Storage, tickets
+from helpers.rows import Storage, tickets
 
 from checkpoint_assets import LockHeldError, OutageError
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import polars as pl
 import pytest
-from helpers.jobs import Storage, engine_settings, tickets
+from helpers.rows import Storage, engine_settings, tickets
 
 from checkpoint_assets import FunctionError, JobMismatchError
 from checkpoint_assets.engine import Checkpoint, PerRow, Settings, open_store, prepare, run

@@ -12,7 +12,7 @@ from typing import Any
 
 import polars as pl
 import pytest
-from helpers.jobs import Storage, engine_settings, route, tickets
+from helpers.rows import Storage, engine_settings, route, tickets
 
 from checkpoint_assets import FunctionError, cli
 from checkpoint_assets.engine import Checkpoint, open_store, prepare, run

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import polars as pl
-from helpers.jobs import Storage
+from helpers.rows import Storage
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 from checkpoint_assets.engine.checkpoints.compaction import COMPACT_AT

@@ -11,7 +11,7 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
-from helpers.jobs import Storage, engine_settings
+from helpers.rows import Storage, engine_settings
 
 from checkpoint_assets.engine import Checkpoint, open_store, prepare, run
 from checkpoint_assets.engine.loop.shard_run import RunContext

@@ -10,7 +10,7 @@ import threading
 from typing import Any
 
 import pytest
-from helpers.jobs import Storage
+from helpers.rows import Storage
 
 from checkpoint_assets import StorageError
 from checkpoint_assets.engine.storage import Store, open_store

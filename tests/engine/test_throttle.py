@@ -21,7 +21,7 @@ import httpx
 import openai
 import polars as pl
 import pytest
-from helpers.jobs import Storage, engine_settings, route, tickets
+from helpers.rows import Storage, engine_settings, route, tickets
 
 from checkpoint_assets import QuotaExhaustedError, RetryAfter
 from checkpoint_assets.engine import Checkpoint, open_store, prepare, run

@@ -27,7 +27,7 @@ import pytest
 from conftest import make_bucket
 from helpers.fault_proxy import Fault, FaultProxy
 from helpers.faulty_store import StoreFault, faulty
-from helpers.jobs import Storage
+from helpers.rows import Storage
 
 from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
 from checkpoint_assets.engine.checkpoints import gaps as gaps_module
