@@ -10,6 +10,9 @@ to a file as it starts, so a test counts the rows paid for, and any paid twice.
 - `dagster asset materialize` SIGKILLed mid-shard: its step sees its launcher gone, stores what
   it has, releases the lock, reports the run failed and exits; a rerun resumes.
 - Both killed (the step too): the next run takes the lock over and reports the dead run failed.
+
+The run after the killed or failed one runs in the test's process (``dg.materialize``, quick
+calls): what these tests prove is about the processes before it.
 """
 
 from __future__ import annotations
@@ -70,8 +73,26 @@ class Home:
         self.logs[process.pid] = log
         return process
 
+    def rerun(self) -> dg.ExecuteInProcessResult:
+        """The shard run again in this process (its calls quick): what the tests prove is
+        about the processes before it, so this run needs no process of its own."""
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("ORPHAN_CALLS", str(self.calls))
+            env.setenv("ORPHAN_SECONDS_PER_CALL", "0.01")
+            return dg.materialize(
+                [orphan_defs.rows, orphan_defs.slow],
+                selection=[orphan_defs.slow],
+                partition_key=SHARD,
+                instance=self.instance,
+                resources=orphan_defs.defs.resources,
+                raise_on_error=False,
+            )
+
     def output(self, process: subprocess.Popen[str]) -> str:
         return self.logs[process.pid].read_text()
+
+    def run_logs(self, result: dg.ExecuteInProcessResult) -> list[str]:
+        return [e.message for e in self.instance.all_logs(result.run_id) if e.message]
 
     def paid(self) -> Counter[int]:
         """How many times each id was called, over every process so far."""
@@ -164,15 +185,15 @@ def test_a_live_run_marked_failed_stops_its_step_and_no_row_is_paid_twice(home: 
     assert run.status == dg.DagsterRunStatus.STARTED
 
     home.instance.report_run_failed(run, "Marked failed while its step lives.")
-    second = home.materialize()
-    assert second.wait(timeout=300) == 0, home.output(second)
+    second = home.rerun()  # while the first step lives: it waits for the lock
+    assert second.success, home.run_logs(second)
     assert first.wait(timeout=300) != 0
 
     out = home.output(first)
     assert f"stopped by itself: its run {run.run_id} is failed" in out
     paid = home.paid()
     twice = sorted(i for i, n in paid.items() if n > 1)
-    said = [line for line in home.output(second).splitlines() if "slow 0-of-2: " in line]
+    said = [line for line in home.run_logs(second) if "slow 0-of-2: " in line]
     print(f"\nrows paid: {sum(paid.values())}, ids: {len(paid)}, paid twice: {twice}")
     print("the second run said:", *said[:3], sep="\n")
     assert twice == []
@@ -196,8 +217,8 @@ def test_a_killed_materialize_leaves_no_step_running_and_a_rerun_resumes(home: H
     message = home.failure_message(run.run_id)
     assert f"the process that launched this step (pid {launcher.pid}) is gone" in message
     before = sum(home.paid().values())
-    rerun = home.materialize()
-    assert rerun.wait(timeout=300) == 0, home.output(rerun)
+    rerun = home.rerun()
+    assert rerun.success, home.run_logs(rerun)
     paid = home.paid()
     assert sum(paid.values()) - before == len(shard_ids()) - before  # it resumed
     assert max(paid.values()) == 1  # the step stored every row it paid for before it exited
@@ -217,8 +238,8 @@ def test_a_run_whose_step_died_with_its_launcher_is_reported_failed_by_the_next(
     run = home.run_of(str(holder["run_id"]))
     assert run.status == dg.DagsterRunStatus.STARTED  # nothing else would ever end it
 
-    rerun = home.materialize()
-    assert rerun.wait(timeout=300) == 0, home.output(rerun)
+    rerun = home.rerun()
+    assert rerun.success, home.run_logs(rerun)
 
     run = home.run_of(run.run_id)
     assert run.status == dg.DagsterRunStatus.FAILURE
