@@ -31,7 +31,7 @@ import pytest
 #   not once per worker.
 # Keys: a file under tests/, or a file and a test name (all its parameters).
 XDIST_GROUPS = {
-    "engine/test_throttle.py": "timing",
+    "engine/calls/test_throttle.py": "timing",
     "reliability/test_kills.py": "timing",
     "e2e/test_bench_smoke.py": "timing",
     "e2e/test_llm_openai.py::test_a_shard_killed_mid_run_resumes_without_duplicates": "timing",

@@ -4,8 +4,8 @@ each, a killed run resumes from what it flushed and finalizes, of two runs racin
 conditional create exactly one writes, and the CLI reads it with the documented options.
 
 S3 (moto) has the same checks elsewhere: killed runs in reliability/test_kills.py, racing
-creates in engine/test_storage.py, a writer refused by a held lock in engine/test_lock.py, the
-CLI in integration/test_s3.py.
+creates in engine/storage/test_storage.py, a writer refused by a held lock in
+engine/loop/test_lock.py, the CLI in integration/test_s3.py.
 """
 
 from __future__ import annotations

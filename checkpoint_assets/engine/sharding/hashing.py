@@ -1,8 +1,8 @@
 """Stable, vectorised hashes: shard assignment, per-row input hashes, fingerprints.
 
 Everything here is specified by bytes, not by a library's internal hash. So the same data gives
-the same values on every machine, version and process (``tests/engine/test_hashing.py`` pins
-them):
+the same values on every machine, version and process
+(``tests/engine/sharding/test_hashing.py`` pins them):
 
 - The *text* of a value is its UTF-8 string:
     - integers in decimal (``42`` → ``b"42"``);

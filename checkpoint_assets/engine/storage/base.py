@@ -23,9 +23,9 @@ fast shard pays for its duration, not its rows. Per million rows that is about
 ``13 + 1.3 * min(62,500, duration / 5 s)`` requests. That stays under 2,000 whenever a shard
 computes at least ~150 rows per second. A flush every 16 rows would take up to about 80,000.
 Measured on a moto server (``python -m bench.run --only s3_requests``): 21 requests for a million
-fast rows in 56 s. ``tests/engine/test_request_budget.py`` holds runs to the budget. Reading a
-stored source or result lazily is a GET per byte range pyarrow asks for (``arrow.py``), counted
-the same way.
+fast rows in 56 s. ``tests/engine/storage/test_request_budget.py`` holds runs to the budget.
+Reading a stored source or result lazily is a GET per byte range pyarrow asks for (``arrow.py``),
+counted the same way.
 """
 
 from __future__ import annotations

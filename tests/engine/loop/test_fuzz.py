@@ -16,7 +16,7 @@ a valid checkpoint that a later run finishes.
 
 The engine is driven directly (``prepare`` then ``run``) for speed. Examples per property are
 modest and derandomized so CI is fast and stable; ``HYPOTHESIS_PROFILE=long`` runs many more
-(``HYPOTHESIS_PROFILE=long pytest tests/engine/test_fuzz.py``).
+(``HYPOTHESIS_PROFILE=long pytest tests/engine/loop/test_fuzz.py``).
 """
 
 from __future__ import annotations
