@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parents[1]))
+    sys.path.insert(0, str(Path(__file__).parents[2]))
 
 from helpers.throttle_sim import Simulated
 
