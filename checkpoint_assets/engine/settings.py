@@ -57,6 +57,12 @@ class RowSettings:
         "Numeric output columns (tokens, cost) summed into the metadata as usage/<col> (this "
         "run) and usage_total/<col> (every stored row).",
     )
+    stop_at_failed_shard: bool = setting(
+        False,
+        "In a run of several shards (a ranged backfill run), stop at the first shard that "
+        "fails. By default the other shards still run, and the run fails at its end naming "
+        "the failed ones.",
+    )
     budget: Budget | None = setting(
         None,
         "A Budget: prices per model, read against two of the usage_columns, so each "

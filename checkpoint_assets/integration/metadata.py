@@ -181,6 +181,16 @@ OBSERVATION: dict[str, str] = {
     COST_ASSET_TOTAL_USD: "With a `budget`, a run that spent and stopped: what the asset cost.",
 }
 
+# The failure of a run of several shards (a ranged run) in which some failed.
+SHARDS = "shards"
+SHARDS_FAILED = "shards_failed"
+RANGED_FAILURE: dict[str, str] = {
+    SHARDS: "One row per shard of the run: its outcome (`materialized`, `failed`, or `not run` "
+    "when `stop_at_failed_shard` stopped the run before it), the rows it computed and stored as "
+    "failed, and the error of a failed shard.",
+    SHARDS_FAILED: "The shards that failed (JSON list), which `failed_partitions_sensor` retries.",
+}
+
 # The failure of a provider batch run that submitted and ended (``wait: false``).
 PENDING_FAILURE: dict[str, str] = {
     ROWS_PENDING: "Rows that wait in provider batches.",

@@ -83,7 +83,9 @@ def define(
         if config.dry_run:
             dry_run.report(context, shards.estimate())
             return  # no output: nothing materializes (see dry_run.py)
-        yield dg.Output(shards.materialize())
+        result = shards.materialize()
+        if result is not None:  # None: a ranged run recorded each shard as it ended
+            yield dg.Output(result)
 
     body.__annotations__["config"] = calls.config  # Dagster reads the run config's class here
     body.__doc__ = fn.__doc__

@@ -3,7 +3,7 @@ running (or estimating) each of them."""
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import dagster as dg
@@ -14,6 +14,7 @@ from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.checkpoints.layout import DEFAULT_TAG
 from checkpoint_assets.engine.errors import (
     BatchesPendingError,
+    BudgetExceededError,
     CheckpointError,
     RunStoppedError,
     TooManyFailuresError,
@@ -32,6 +33,14 @@ from checkpoint_assets.engine.storage.base import Usage
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.run import dry_run, run_config
 from checkpoint_assets.integration.run.definition import Definition
+from checkpoint_assets.integration.run.ranged import (
+    FAILED,
+    MATERIALIZED,
+    NOT_RUN,
+    ShardOutcome,
+    ranged_failure,
+    read_in_run,
+)
 from checkpoint_assets.integration.run.run_config import CheckpointRunConfig
 from checkpoint_assets.integration.run.run_watch import DagsterRunWatch
 from checkpoint_assets.integration.run.saved import saved_on_failure
@@ -68,6 +77,7 @@ class AssetRun:
     results: ResultStore | None  # the result store, when the run reuses results by content
     parse: Callable[[dict[str, Any]], Mapping[str, Any]] | None  # Calls.parse
     requests: Requests  # how a dry run counts tokens
+    _usages: list[Usage] = field(default_factory=list)  # each finished shard's storage usage
 
     @classmethod
     def of(
@@ -120,9 +130,19 @@ class AssetRun:
             requests=dry_run.requests(calls.request, resources.values()),
         )
 
-    def materialize(self) -> pl.DataFrame:
-        """Run every shard; the result of all, with the materialization's metadata."""
+    def materialize(self) -> pl.DataFrame | None:
+        """Run every shard; the result of all, with the materialization's metadata.
+
+        A run of one shard (or unpartitioned) returns its result, which Dagster records as its
+        materialization. A run of several shards (a ranged run) records each shard's own
+        materialization as soon as that shard ends (``_materialized``). It returns the result of
+        all only when another step of the run reads it (an asset downstream, an asset check);
+        Dagster then records each shard's materialization once more, from that output.
+        Otherwise it returns None: nothing is recorded twice.
+        """
         frames, stats = self._run_all()
+        if self.ranged and not read_in_run(self.context):
+            return None
         result = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
         config = self.config
         self.context.add_output_metadata(
@@ -135,10 +155,18 @@ class AssetRun:
                 self.settings.id_column,
             )
         )
-        if self.spend is not None:
-            for key in self.keys:
+        for key, frame, one, usage in zip(self.keys, frames, stats, self._usages, strict=True):
+            if self.ranged:  # each partition's materialization shows its own shard's figures
+                shard = self._metadata(key, frame, one, usage)
+                self.context.add_asset_metadata(shard, partition_key=key)
+            elif self.spend is not None:
                 self.context.add_asset_metadata(self.spend.metadata(key), partition_key=key)
         return result
+
+    @property
+    def ranged(self) -> bool:
+        """Whether the run holds several shards (a ranged run): each is its own outcome."""
+        return len(self.keys) > 1
 
     def estimate(self) -> dict[str | None, Estimate]:
         """What a run of each shard would compute and cost, computing and writing nothing."""
@@ -146,6 +174,7 @@ class AssetRun:
         shards = ShardRows(self.source, self.settings.id_column, self.keys, remote=remote)
         with shards as rows:
             try:
+                rows.check_ids()
                 return {key: self._estimate_one(key, rows.of(key)) for key in self.keys}
             except CheckpointError as e:
                 raise e.in_dagster_terms() from None
@@ -173,10 +202,17 @@ class AssetRun:
         )
 
     def _run_all(self) -> tuple[list[pl.DataFrame], list[RunStats]]:
-        """Each shard's result and stats. A shard with too many failed rows, or with provider
-        batches still pending, does not stop the others: their retries are free."""
+        """Each shard's result and stats.
+
+        The source's ids are checked whole before any shard runs. In a ranged run, a shard that
+        fails does not stop the others (unless ``stop_at_failed_shard``); the run fails at its
+        end, naming the failed shards. A stopped run (terminated, its budget reached) stops at
+        once. A shard with too many failed rows, or with provider batches still pending, does
+        not stop the others either: their retries are free.
+        """
         frames: list[pl.DataFrame] = []
         stats: list[RunStats] = []
+        outcomes: dict[str | None, ShardOutcome] = {}
         too_many: list[TooManyFailuresError] = []
         pending: dict[str | None, BatchesPendingError] = {}
         # On a failure: what the run spent counts, though no shard materializes.
@@ -184,24 +220,79 @@ class AssetRun:
         remote = not self.store.local  # a source it stored is on the same store
         shards = ShardRows(self.source, self.settings.id_column, self.keys, remote=remote)
         with shards as rows, recorded:
+            try:
+                rows.check_ids()  # the whole source, before any shard computes
+            except CheckpointError as e:
+                raise e.in_dagster_terms() from None
+            mark = self.started
             for key in self.keys:
+                failed = any(o.outcome == FAILED for o in outcomes.values())
+                if self.settings.stop_at_failed_shard and (too_many or failed):
+                    outcomes[key] = ShardOutcome(key, NOT_RUN)
+                    continue
                 try:
                     frame, one = self._run_saved(key, rows.of(key))
                 except TooManyFailuresError as e:
                     too_many.append(e)
+                    if self.ranged:
+                        outcomes[key] = ShardOutcome(key, FAILED, e.in_dagster_terms())
                     continue
                 except BatchesPendingError as e:
                     pending[key] = e  # its other shards are submitted too
                     continue
+                except (RunStoppedError, BudgetExceededError) as e:
+                    raise e.in_dagster_terms() from None  # the run is over for every shard
                 except CheckpointError as e:
-                    raise e.in_dagster_terms() from None
+                    if not self.ranged:
+                        raise e.in_dagster_terms() from None
+                    outcomes[key] = ShardOutcome(key, FAILED, e.in_dagster_terms())
+                    continue
+                usage = self.store.usage()
+                self._usages.append(usage.since(mark))
+                mark = usage
+                if self.ranged:
+                    self._materialized(key, frame, one, self._usages[-1])
+                outcomes[key] = ShardOutcome(key, MATERIALIZED, stats=one)
                 frames.append(frame)
                 stats.append(one)
             if pending:
                 raise end_pending(self.context, pending)
+            if self.ranged and any(o.outcome != MATERIALIZED for o in outcomes.values()):
+                raise ranged_failure(self.context, [outcomes[k] for k in self.keys])
             if too_many:
                 raise TooManyFailuresError.of_several(too_many).in_dagster_terms()
         return frames, stats
+
+    def _metadata(
+        self, key: str | None, frame: pl.DataFrame, one: RunStats, usage: Usage
+    ) -> dict[str, Any]:
+        """The metadata of one shard's materialization."""
+        config = self.config
+        metadata = md.materialization(
+            [one],
+            config.checkpoint_tag or DEFAULT_TAG,
+            config.checkpointing,
+            usage,
+            frame,
+            self.settings.id_column,
+        )
+        if self.spend is not None:
+            metadata.update(self.spend.metadata(key))
+        return metadata
+
+    def _materialized(
+        self, key: str | None, frame: pl.DataFrame, one: RunStats, usage: Usage
+    ) -> None:
+        """Record shard ``key`` of a ranged run as materialized, with its own metadata, now."""
+        self.context.log_event(
+            dg.AssetMaterialization(
+                asset_key=self.context.asset_key,
+                partition=key,
+                metadata=self._metadata(key, frame, one, usage),
+            )
+        )
+        if self.spend is not None:
+            self.spend.done.pop(key, None)  # its spend is in its materialization
 
     def _run_saved(self, key: str | None, rows: Inputs) -> tuple[pl.DataFrame, RunStats]:
         """Run one shard; on a failure or interrupt, say what its checkpoint holds."""

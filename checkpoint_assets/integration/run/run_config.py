@@ -17,7 +17,13 @@ from checkpoint_assets.engine.settings import AssetSettings, OnInputChange, Sett
 from checkpoint_assets.integration.run.models import given, model_of
 
 # The asset's settings a run may override: run config keys of the same name and meaning.
-OVERRIDDEN = ("checkpoint_interval", "batch_size", "retry_failed", "on_input_change")
+OVERRIDDEN = (
+    "checkpoint_interval",
+    "batch_size",
+    "retry_failed",
+    "on_input_change",
+    "stop_at_failed_shard",
+)
 
 
 def _check_limits(limits: dict[str, Any]) -> None:

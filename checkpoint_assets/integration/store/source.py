@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.plan.inputs import SLICE_ROWS, FrameInputs, Inputs
-from checkpoint_assets.engine.plan.resume import SOURCE_ROW
+from checkpoint_assets.engine.plan.resume import SOURCE_ROW, validate_ids
 from checkpoint_assets.engine.rows import BOOKKEEPING, CURRENT, ERROR, SEQ, distinct_count
 from checkpoint_assets.engine.sharding import hashing
 from checkpoint_assets.engine.sharding.keyed import ROW_GROUP_ROWS, Buckets, Resolve, write_keyed
@@ -88,6 +88,7 @@ def without_shard_keys(frame: Frame) -> Frame:
 
 
 EVERY_ROW = Shard(0, 1)  # what a partition key that is no shard takes
+CHECK_ROWS = 1 << 23  # ids the whole-source check holds at a time (``ShardRows.check_ids``)
 
 
 class ShardRows:
@@ -163,6 +164,48 @@ class ShardRows:
             spool.__exit__(*exc)
         if self.spill is not None:
             self.spill.__exit__(*exc)
+
+    def check_ids(self) -> None:
+        """Refuse the run when an id anywhere in the source is null or duplicated, with the same
+        error for every shard, before any computes: a broken source makes no shard materialize.
+
+        Every copy of an id has the same shard key, and null ids have the first. So the source's
+        ids are read by ranges of their keys, ``CHECK_ROWS`` at most at a time, each range
+        checked on its own: a stored source by its key column (each range reads only its row
+        groups), any other by the key computed as the ids stream past. An id column that is
+        missing or of another type is left to each shard's own check, which names it.
+        """
+        dtype = self.schema.get(self.id_column)
+        if dtype is None or not (dtype.is_integer() or dtype == pl.String):
+            return
+        column = shard_key_column(self.id_column)
+        stored = column in self.source.collect_schema()
+        key = pl.col(column) if stored else hashing.shard_key(self.id_column, dtype)
+        rows = self.source.select(pl.len()).collect().item()
+        parts = max(1, -(-rows // CHECK_ROWS))
+        for index in range(parts):
+            ids = self.source.select(self.id_column)
+            if parts > 1:
+                ids = self.source.filter(shard_filter([Shard(index, parts)], key))
+            found = (
+                ids.select(self.id_column).collect(engine="streaming").get_column(self.id_column)
+            )
+            if found.null_count() or distinct_count(found) != found.len():
+                self._refuse(found)
+
+    def _refuse(self, ids: pl.Series) -> None:
+        """Raise the error of the null or duplicated ``ids``, with their rows in the source."""
+        column = pl.col(self.id_column)
+        refused = ids.filter(ids.is_duplicated()).drop_nulls().unique().implode()
+        if self.numbered:  # stored with its source rows
+            rows = (
+                self.source.filter(column.is_null() | column.is_in(refused))
+                .select(self.id_column, SOURCE_ROW)
+                .collect(engine="streaming")
+            )
+        else:
+            rows = self.numbered_ids(ids.filter(ids.is_null() | ids.is_in(refused)).to_frame())
+        validate_ids(rows, self.id_column)
 
     def of(self, key: str | None) -> Inputs:
         """The input rows of shard ``key`` (or of a partition key that takes them all)."""

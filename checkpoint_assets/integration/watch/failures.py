@@ -269,7 +269,8 @@ def _failed_range_runs(
     partitions_def: dg.PartitionsDefinition,
     state: SensorState,
 ) -> dict[str, Failure]:
-    """Partitions covered by the watched ranged runs that failed, not materialized since.
+    """Partitions covered by the watched ranged runs that failed, not materialized since each
+    run began (a shard that finished in it materialized then).
 
     Ranged runs carry the first and last partition of their range in the tags
     ``dagster/asset_partition_range_start``/``_end`` instead of ``dagster/partition``. One query
@@ -284,7 +285,7 @@ def _failed_range_runs(
         records.update((r.dagster_run.run_id, r) for r in instance.get_run_records(chunk))
     keys = partitions_def.get_partition_keys(dynamic_partitions_store=instance)
     position = {k: i for i, k in enumerate(keys)}
-    ranged: list[tuple[Failure, list[str]]] = []
+    ranged: list[tuple[Failure, list[str], float]] = []
     for run_id in watched:
         record = records.get(run_id)
         if record is None:
@@ -301,15 +302,17 @@ def _failed_range_runs(
             continue
         covered = list(keys[position[first] : position[last] + 1])
         ended = record.end_time or record.update_timestamp.timestamp()
-        ranged.append((Failure(run_id, ended, "backfill run failed"), covered))
+        # A shard that finished in the run itself materialized as it ended: not failed.
+        began = record.start_time or record.create_timestamp.timestamp()
+        ranged.append((Failure(run_id, ended, "backfill run failed"), covered, began))
     if not ranged:
         return {}
     materialized_at = _latest_materializations(
-        instance, key, {p for _, covered in ranged for p in covered}
+        instance, key, {p for _, covered, _ in ranged for p in covered}
     )
     out: dict[str, Failure] = {}
-    for failure, covered in ranged:
-        pending = [p for p in covered if materialized_at.get(p, 0.0) < failure.at]
+    for failure, covered, began in ranged:
+        pending = [p for p in covered if materialized_at.get(p, 0.0) < began]
         if not pending:
             state.ranged.discard(failure.run_id)  # every partition it covered succeeded since
         for partition in pending:

@@ -121,7 +121,7 @@ def failed_partitions_sensor(
         decision = _decide(state, failures, busy | set(held), now, max_retries, backoff_seconds)
         decision.held = sorted(held)
         _log(context.log, label, decision, failures, max_retries)
-        requests = _run_requests(decision)
+        requests = _run_requests(decision, Ranges.of(asset, instance))
         if requests:
             return dg.SensorResult(run_requests=requests, cursor=state.to_json())
         return dg.SensorResult(
@@ -154,16 +154,70 @@ def _log(
         )
 
 
-def _run_requests(decision: Decision) -> list[dg.RunRequest]:
-    """One run request per partition to retry, keyed so that a failed run is retried once."""
-    return [
-        dg.RunRequest(
-            partition_key=None if partition == UNPARTITIONED else partition,
-            run_key=f"{partition}:{failure.run_id}",
-            tags={RETRY_OF_TAG: failure.run_id, RETRY_ATTEMPT_TAG: str(attempt)},
-        )
-        for partition, failure, attempt in decision.requests
-    ]
+def _run_requests(decision: Decision, ranges: Ranges | None) -> list[dg.RunRequest]:
+    """The runs that retry the partitions of ``decision``, keyed so that a failed run is
+    retried once: one run per partition, or with ``ranges`` (the asset's backfill policy runs
+    several partitions per run), one ranged run per stretch of neighbouring partitions that
+    failed in the same run, up to the policy's partitions per run. A ranged run covers exactly
+    its partitions: partitions that did not fail between them split it."""
+    if ranges is None:
+        return [
+            dg.RunRequest(
+                partition_key=None if partition == UNPARTITIONED else partition,
+                run_key=f"{partition}:{failure.run_id}",
+                tags={RETRY_OF_TAG: failure.run_id, RETRY_ATTEMPT_TAG: str(attempt)},
+            )
+            for partition, failure, attempt in decision.requests
+        ]
+    groups: dict[tuple[str, int], list[str]] = {}
+    for partition, failure, attempt in decision.requests:
+        groups.setdefault((failure.run_id, attempt), []).append(partition)
+    requests = []
+    for (run_id, attempt), partitions in sorted(groups.items()):
+        for first, last in ranges.stretches(partitions):
+            tags = {RETRY_OF_TAG: run_id, RETRY_ATTEMPT_TAG: str(attempt)}
+            if first == last:
+                requests.append(
+                    dg.RunRequest(partition_key=first, run_key=f"{first}:{run_id}", tags=tags)
+                )
+                continue
+            tags[finding.RANGE_START_TAG], tags[finding.RANGE_END_TAG] = first, last
+            requests.append(dg.RunRequest(run_key=f"{first}...{last}:{run_id}", tags=tags))
+    return requests
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """How the asset's backfill policy groups partitions into runs: its partition keys in
+    order, and at most ``per_run`` of them per run (None: any number)."""
+
+    keys: list[str]
+    per_run: int | None
+
+    @classmethod
+    def of(cls, asset: dg.AssetsDefinition, instance: dg.DagsterInstance) -> Ranges | None:
+        """None when the asset runs one partition per run (no policy, or one per run)."""
+        policy, partitions_def = asset.backfill_policy, asset.partitions_def
+        if policy is None or partitions_def is None or policy.max_partitions_per_run == 1:
+            return None
+        keys = partitions_def.get_partition_keys(dynamic_partitions_store=instance)
+        return cls(list(keys), policy.max_partitions_per_run)
+
+    def stretches(self, partitions: list[str]) -> list[tuple[str, str]]:
+        """``partitions`` as (first, last) of each stretch of neighbours, ``per_run`` at most."""
+        position = {k: i for i, k in enumerate(self.keys)}
+        runs: list[list[int]] = []
+        for index in sorted(position[p] for p in partitions if p in position):
+            last = runs[-1] if runs else None
+            if (
+                last
+                and index == last[-1] + 1
+                and (self.per_run is None or len(last) < self.per_run)
+            ):
+                last.append(index)
+            else:
+                runs.append([index])
+        return [(self.keys[r[0]], self.keys[r[-1]]) for r in runs]
 
 
 # -- what to do about them ---------------------------------------------------------------------
