@@ -23,6 +23,7 @@ from checkpoint_assets.integration.define.function import Signature
 from checkpoint_assets.integration.run import dry_run
 from checkpoint_assets.integration.run.asset_run import AssetRun
 from checkpoint_assets.integration.run.definition import Calls, Definition
+from checkpoint_assets.integration.store.io_manager import declare_source
 from checkpoint_assets.integration.store.source import as_lazy
 
 
@@ -71,6 +72,7 @@ def define(
     """The Dagster asset that runs ``calls`` over the shards of ``a.source`` (``fn``: its name
     and docstring)."""
     source_key = _source_key(a.source)
+    declare_source(source_key, a.id_column)
     base = Settings(
         id_column=a.id_column, input_columns=tuple(a.input_columns or ()), **a.settings()
     )

@@ -353,39 +353,62 @@ def _latest_tag(context: dg.InputContext, partition: str | None) -> str | None:
     return str(value.value) if value is not None else None
 
 
+# The id columns of the checkpointed assets defined in this process, by their source's key
+# (``declare_source``): what shows them where the run's asset graph does not.
+_DECLARED: dict[dg.AssetKey, set[str]] = {}
+
+
+def declare_source(source_key: dg.AssetKey, id_column: str) -> None:
+    """Say that a checkpointed asset shards ``source_key``'s rows by ``id_column``: an output of
+    that asset is stored keyed by it wherever it is materialized in this process."""
+    _DECLARED.setdefault(source_key, set()).add(id_column)
+
+
 def _downstream_id_columns(context: dg.OutputContext) -> list[str]:
     """The id columns of the checkpointed assets whose source is this output.
 
     The output is stored ordered by the first one's shard key, so each of their shards reads only
     its row groups. They are found in the code location's asset graph (a run of the Definitions'
-    jobs, from the UI, the daemon or the CLI). Else they are found in the run's job
-    (``dg.materialize`` of both assets). Where neither shows one, the output is stored as it is.
-    Each shard then still holds only its own rows, but reads the whole file to find them.
+    jobs, from the UI, the daemon or the CLI). Else they are the checkpointed assets defined in
+    this process over it (``declare_source``): ``dg.materialize`` of the source alone, whose job
+    holds only the assets it runs. Where neither shows one, the output is stored as it is, and a
+    run in process, which sees no code location, says so in its log: each shard of a
+    checkpointed asset defined elsewhere would then read the whole file to find its rows.
     """
-    graph = _asset_graph(context)
-    if graph is None or not graph.has(context.asset_key):
-        return []
-    name = context.asset_key.to_user_string()
-    found = set()
-    for key in graph.get(context.asset_key).child_keys:
-        metadata = graph.get(key).metadata
-        if md.ID_COLUMN in metadata and md.plain(metadata.get(md.SOURCE)) == name:
-            found.add(str(md.plain(metadata[md.ID_COLUMN])))
+    graph, whole = _asset_graph(context)
+    found: set[str] = set()
+    if graph is not None and graph.has(context.asset_key):
+        name = context.asset_key.to_user_string()
+        for key in graph.get(context.asset_key).child_keys:
+            metadata = graph.get(key).metadata
+            if md.ID_COLUMN in metadata and md.plain(metadata.get(md.SOURCE)) == name:
+                found.add(str(md.plain(metadata[md.ID_COLUMN])))
+    if not found and not whole:
+        found = set(_DECLARED.get(context.asset_key, ()))
+        if not found and graph is not None:
+            context.log.info(
+                f"{context.asset_key.to_user_string()} is stored as it is, not keyed by shard: "
+                "this run shows no checkpointed asset that reads it. If one does, each of its "
+                "shards reads the whole file to find its own rows. Materialize it through your "
+                "Definitions (the UI, `dagster asset materialize`), or in the same process as "
+                "the checkpointed asset's definition, to store it keyed."
+            )
     return sorted(found)
 
 
-def _asset_graph(context: dg.OutputContext) -> Any:
+def _asset_graph(context: dg.OutputContext) -> tuple[Any, bool]:
+    """The asset graph the run sees, and whether it is the code location's whole graph."""
     try:
         step = context.step_context
     except Exception:  # an output context built for a test has no step
-        return None
+        return None, False
     try:
-        return step.repository_def.asset_graph
+        return step.repository_def.asset_graph, True
     except Exception:  # in-process execution sets no repository: the run's job, unsubsetted
         job = step.job_def
         while job.asset_selection_data:
             job = job.asset_selection_data.parent_job_def
-        return job.asset_layer.asset_graph
+        return job.asset_layer.asset_graph, False
 
 
 def _wants_lazy(context: dg.InputContext) -> bool:
