@@ -8,7 +8,6 @@ import click
 
 from checkpoint_assets.cli import shared
 from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
-from checkpoint_assets.engine.storage import open_store
 
 
 @click.command(short_help="Merge unmerged parts, under each lock.")
@@ -22,7 +21,7 @@ def compact(base_dir: str, name: str | None, options: dict[str, Any]) -> int:
     status 1). One that cannot be compacted (a damaged file, no meta file) is left as it is.
     It is said as `NAME: error: ...` with what to do (exit status 2). The others are compacted.
     """
-    store = open_store(base_dir, options)
+    store = shared.existing(base_dir, options)
     names = shared.chosen(store, name)
     handled = shared.each_under_lock(
         store, names, _compact_one, lambda count: f"merged {count} part(s)"

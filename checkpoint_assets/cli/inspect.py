@@ -13,7 +13,6 @@ from checkpoint_assets.cli import shared
 from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.checkpoints.meta import Meta
 from checkpoint_assets.engine.rows import BOOKKEEPING, ERROR
-from checkpoint_assets.engine.storage import open_store
 
 SAMPLE_ROWS = 5
 TOP_ERRORS = 10
@@ -27,7 +26,7 @@ SAMPLE_IDS = 3
 @shared.storage_options
 def inspect(base_dir: str, name: str, failed: bool, options: dict[str, Any]) -> None:
     """Meta, schema, counts, most common errors and sample rows of one checkpoint."""
-    store = open_store(base_dir, options)
+    store = shared.existing(base_dir, options)
     checkpoint = Checkpoint(store, name)
     meta = checkpoint.meta_file.required()
     stored = checkpoint.load(meta.id_column, meta.base_seq)

@@ -9,7 +9,6 @@ import click
 
 from checkpoint_assets.cli import shared
 from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
-from checkpoint_assets.engine.storage import open_store
 from checkpoint_assets.engine.upkeep.repair import Repaired, repair
 
 
@@ -44,7 +43,7 @@ def repair_command(base_dir: str, name: str | None, as_json: bool, options: dict
     - skipped: why it was not repaired, or null;
     - error: what kept it from being repaired, or null.
     """
-    store = open_store(base_dir, options)
+    store = shared.existing(base_dir, options)
     names = shared.chosen(store, name)
 
     def repair_one(checkpoint: Checkpoint) -> Repaired:

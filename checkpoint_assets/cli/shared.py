@@ -23,7 +23,8 @@ from checkpoint_assets.engine.checkpoints.layout import MERGED
 from checkpoint_assets.engine.errors import CheckpointError, LockHeldError
 from checkpoint_assets.engine.loop.lock import Lease
 from checkpoint_assets.engine.rows import CURRENT
-from checkpoint_assets.engine.storage import Store
+from checkpoint_assets.engine.storage import Store, open_store
+from checkpoint_assets.engine.storage.errors import translate
 
 T = TypeVar("T")
 
@@ -62,6 +63,21 @@ def storage_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         help="A storage option of the filesystem (repeatable; VALUE may be JSON), such as "
         "-o endpoint_url=http://127.0.0.1:9000.",
     )(fn)
+
+
+def existing(base_dir: str, options: dict[str, Any]) -> Store:
+    """The store under ``base_dir``, which must exist: a mistyped folder fails the command
+    (exit status 2) instead of showing no checkpoints."""
+    store = open_store(base_dir, options)
+    with translate(store, store.root, "listing"):
+        found = store.fs.isdir(store.root)
+    if not found:
+        raise CheckpointError(
+            f"{store.url} does not exist (on an object store: nothing is stored under it).",
+            "Check the path: give the base_dir of the CheckpointIOManager whose checkpoints "
+            "to read.",
+        )
+    return store
 
 
 def checkpoint_name(ctx: click.Context, param: click.Parameter, name: str | None) -> str | None:

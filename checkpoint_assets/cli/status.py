@@ -19,7 +19,7 @@ from checkpoint_assets.engine.checkpoints.layout import split_name
 from checkpoint_assets.engine.errors import CheckpointError
 from checkpoint_assets.engine.loop.lock import Lease
 from checkpoint_assets.engine.rows import ERROR
-from checkpoint_assets.engine.storage import FileInfo, Store, open_store
+from checkpoint_assets.engine.storage import FileInfo, Store
 
 STATUS_READERS = 16  # checkpoints `status` reads at once
 
@@ -56,7 +56,7 @@ def status(base_dir: str | None, as_json: bool, options: dict[str, Any]) -> None
                 "$DAGSTER_HOME/checkpoints."
             )
         base_dir = os.path.join(home, "checkpoints")
-    store = open_store(base_dir, options)
+    store = shared.existing(base_dir, options)
     listing = store.list_recursive(store.root)  # one listing for every checkpoint's files
     by_name = layout.files_by_name(((f.path, f) for f in listing), store.root)
     # Each checkpoint costs a request or more: its meta, and its parts and lock when it has them.

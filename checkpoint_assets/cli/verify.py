@@ -11,7 +11,6 @@ import click
 
 from checkpoint_assets.cli import shared
 from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
-from checkpoint_assets.engine.storage import open_store
 from checkpoint_assets.engine.upkeep.verify import problems
 
 
@@ -26,7 +25,7 @@ def verify(base_dir: str, name: str | None, options: dict[str, Any]) -> int:
     recorded type, with unique ids. Each has the output columns where it holds results. The
     files agree on their columns. Each problem is printed as `NAME: problem` on stdout.
     """
-    store = open_store(base_dir, options)
+    store = shared.existing(base_dir, options)
     names = shared.chosen(store, name)
     bad = 0
     with shared.steps(len(names)) as steps:

@@ -481,3 +481,15 @@ def test_repair_rebuilds_from_what_is_readable_keeps_damaged_files_and_skips_a_h
     assert "only record of the job" in report["meta_lost"] and report["skipped"] is None
     assert [m["path"] for m in report["moved"]] == [str(base / "routed/flaky/all.parquet")]
     assert not (base / "routed/flaky/all.parquet").exists()
+
+
+@pytest.mark.parametrize("command", ["status", "verify", "inspect", "compact"])
+def test_each_command_fails_on_a_folder_that_does_not_exist(tmp_path: Path, command: str) -> None:
+    typo = tmp_path / "chekpoints"
+
+    done = cli(command, str(typo), *(["routed/default/all"] if command == "inspect" else []))
+
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"error: {typo} does not exist")
+    assert "Check the path" in done.stderr and "Traceback" not in done.stderr
+    assert not typo.exists()  # nothing made in its place
