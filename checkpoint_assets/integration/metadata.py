@@ -111,8 +111,7 @@ MATERIALIZATION: dict[str, str] = {
     "calls": "Calls of the function in this run, retries and splits included. Through provider "
     "batches: the requests submitted.",
     ROWS_PER_SECOND: "`rows_computed` per second of the run. Absent when it computed nothing.",
-    INPUT_FINGERPRINT: "BLAKE3 fingerprint of the partition's ids and input columns. "
-    "Comma-separated for several shards.",
+    INPUT_FINGERPRINT: "BLAKE3 fingerprint of the partition's ids and input columns.",
     CHECKPOINT_TAG: "The checkpoint tag the run wrote.",
     CHECKPOINTING: "`false` for a run with `checkpointing: false`.",
     CHECKPOINT_PATH: "Where the checkpoint is: a path, or a URI on object storage.",
@@ -131,8 +130,7 @@ MATERIALIZATION: dict[str, str] = {
     BUDGET_WAIT_SECONDS: "Time during which requests waited for the key's budget.",
     THROTTLED_SECONDS: "Time the whole shard was paused by rate limits.",
     THROTTLE_EVENTS: "Times the shard lowered its concurrency or paused as a whole.",
-    CONCURRENCY_FINAL: "Calls in flight allowed at the end of the run. For a ranged run, the "
-    "lowest shard's.",
+    CONCURRENCY_FINAL: "Calls in flight allowed at the end of the run.",
     USAGE + "<col>": "Sum of the usage column over this run's computed rows.",
     USAGE_TOTAL + "<col>": "Sum of the usage column over every stored row of the partition.",
     COST_USD: "With a `budget`: what this run's calls on the shard cost, in USD. Provider "
@@ -226,7 +224,7 @@ def materialization(
     result: pl.DataFrame | None = None,
     id_column: str | None = None,
 ) -> dict[str, Any]:
-    """The metadata of one materialization; a ranged run of several shards reports their sums.
+    """The metadata of one materialization (of each shard in a ranged run: ``runs`` holds one).
 
     ``storage``: what the step asked of storage (reading its source's row groups, its
     checkpoints), counted by the store.

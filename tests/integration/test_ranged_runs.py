@@ -20,7 +20,7 @@ import polars as pl
 import pytest
 from helpers.jobs import Job, Storage, build_job, ids_in_shard, tickets
 
-from checkpoint_assets import failed_partitions_sensor, shard_partitions
+from checkpoint_assets import checkpoint_checks, failed_partitions_sensor, shard_partitions
 from checkpoint_assets.integration.watch.sensor import RETRY_OF_TAG
 
 SHARDS = shard_partitions(4)
@@ -214,9 +214,7 @@ def test_a_source_with_one_duplicated_id_materializes_no_shard_and_computes_noth
     assert not whole.success and not one.success
     assert materialized(job) == []
     assert job.calls == []  # no row computed
-    errors = [
-        r.get_step_failure_events()[0].step_failure_data.error for r in (whole, one)
-    ]
+    errors = [r.get_step_failure_events()[0].step_failure_data.error for r in (whole, one)]
     messages = {e.cause.message if e and e.cause else e.message if e else "" for e in errors}
     assert len(messages) == 1  # the same error for every shard
     (message,) = messages
@@ -255,3 +253,30 @@ def test_the_sensor_retries_exactly_the_failed_shards_in_one_ranged_run(
     assert sorted(job.computed_ids()) == sorted(
         ids_in_shard(tickets(ROWS), 1, 4) + ids_in_shard(tickets(ROWS), 2, 4)
     )
+
+
+def test_a_ranged_run_with_its_checks_hands_them_its_result_and_each_shard_its_own_figures(
+    storage: Storage, instance: dg.DagsterInstance, endpoint: str
+) -> None:
+    job = endpoint_job(storage, instance, dict.fromkeys(range(4), endpoint))
+
+    result = dg.materialize(
+        [job.source, job.asset, *checkpoint_checks(job.asset)],
+        instance=instance,
+        resources=job.resources(),
+        tags=RANGE,
+    )
+
+    assert result.success
+    checks = result.get_asset_check_evaluations()
+    assert len(checks) == 2 and all(c.passed for c in checks)  # they read the result
+    for index, key in enumerate(KEYS):
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=job.asset.key, asset_partitions=[key]), limit=5
+        ).records
+        # As the shard ended, then from the step's output: both with the shard's own figures.
+        assert len(records) == 2
+        shard_rows = len(ids_in_shard(tickets(ROWS), index, 4))
+        for record in records:
+            event = record.asset_materialization
+            assert event is not None and event.metadata["rows_computed"].value == shard_rows

@@ -77,7 +77,8 @@ class AssetRun:
     results: ResultStore | None  # the result store, when the run reuses results by content
     parse: Callable[[dict[str, Any]], Mapping[str, Any]] | None  # Calls.parse
     requests: Requests  # how a dry run counts tokens
-    _usages: list[Usage] = field(default_factory=list)  # each finished shard's storage usage
+    # The metadata of each shard of a ranged run that materialized.
+    _recorded: dict[str | None, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -144,22 +145,22 @@ class AssetRun:
         if self.ranged and not read_in_run(self.context):
             return None
         result = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
-        config = self.config
+        if self.ranged:  # each partition's materialization shows its own shard's figures
+            for key, metadata in self._recorded.items():
+                self.context.add_asset_metadata(metadata, partition_key=key)
+            return result
         self.context.add_output_metadata(
             md.materialization(
                 stats,
-                config.checkpoint_tag or DEFAULT_TAG,
-                config.checkpointing,
+                self.config.checkpoint_tag or DEFAULT_TAG,
+                self.config.checkpointing,
                 self.store.usage().since(self.started),
                 result,
                 self.settings.id_column,
             )
         )
-        for key, frame, one, usage in zip(self.keys, frames, stats, self._usages, strict=True):
-            if self.ranged:  # each partition's materialization shows its own shard's figures
-                shard = self._metadata(key, frame, one, usage)
-                self.context.add_asset_metadata(shard, partition_key=key)
-            elif self.spend is not None:
+        if self.spend is not None:
+            for key in self.keys:
                 self.context.add_asset_metadata(self.spend.metadata(key), partition_key=key)
         return result
 
@@ -248,10 +249,9 @@ class AssetRun:
                     outcomes[key] = ShardOutcome(key, FAILED, e.in_dagster_terms())
                     continue
                 usage = self.store.usage()
-                self._usages.append(usage.since(mark))
-                mark = usage
                 if self.ranged:
-                    self._materialized(key, frame, one, self._usages[-1])
+                    self._materialized(key, frame, one, usage.since(mark))
+                mark = usage
                 outcomes[key] = ShardOutcome(key, MATERIALIZED, stats=one)
                 frames.append(frame)
                 stats.append(one)
@@ -284,11 +284,10 @@ class AssetRun:
         self, key: str | None, frame: pl.DataFrame, one: RunStats, usage: Usage
     ) -> None:
         """Record shard ``key`` of a ranged run as materialized, with its own metadata, now."""
+        metadata = self._recorded[key] = self._metadata(key, frame, one, usage)
         self.context.log_event(
             dg.AssetMaterialization(
-                asset_key=self.context.asset_key,
-                partition=key,
-                metadata=self._metadata(key, frame, one, usage),
+                asset_key=self.context.asset_key, partition=key, metadata=metadata
             )
         )
         if self.spend is not None:
