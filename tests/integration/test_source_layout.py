@@ -3,6 +3,7 @@ checkpointed asset that reads the source can be seen."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import dagster as dg
@@ -34,7 +35,7 @@ def test_materializing_the_source_alone_beside_its_checkpointed_asset_stores_it_
     key = names.index("_shard_key:ticket_id")
     groups = [stored.metadata.row_group(g).column(key).statistics for g in range(4)]
     # Ordered by the shard key: each row group holds a range of keys after the one before.
-    assert all(a.max <= b.min for a, b in zip(groups, groups[1:], strict=False))
+    assert all(a.max <= b.min for a, b in itertools.pairwise(groups))
 
 
 def test_a_source_no_checkpointed_asset_reads_is_stored_as_it_is_and_the_log_says_so(
