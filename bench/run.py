@@ -65,6 +65,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--global-rows", help="comma-separated rows of the global resume asset (10M,30M)"
     )
     p.add_argument(
+        "--global-checkpoints", type=int, help="checkpoints the global resume asset reads (256)"
+    )
+    p.add_argument(
         "--repeat",
         type=int,
         help="repetitions; medians are reported, with the spread (3; overhead: 5, per_call and"
@@ -108,7 +111,7 @@ def sizes_from(args: argparse.Namespace) -> Sizes:
         reshard_rows=int(pick(args.reshard_rows, 1_000_000, 4_000)),
         reshard_sample=int(pick(None, reshard.SAMPLE, 4)),
         global_rows=tuple(int(float(r)) for r in global_rows.split(",") if r.strip()),
-        global_checkpoints=int(pick(None, 256, 16)),
+        global_checkpoints=int(pick(args.global_checkpoints, 256, 16)),
         overhead_rounds=int(pick(None, 5, 1)),
         overhead_warmup=int(pick(None, 1, 0)),
     )

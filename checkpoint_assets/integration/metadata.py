@@ -138,7 +138,8 @@ MATERIALIZATION: dict[str, str] = {
     COST_BY_MODEL: "With a `budget`: `cost_usd` by model (JSON).",
     COST_SHARD_TOTAL_USD: "With a `budget`: what the shard cost over every run, failed runs "
     "included.",
-    COST_ASSET_TOTAL_USD: "With a `budget`: what the asset cost over every shard and run.",
+    COST_ASSET_TOTAL_USD: "With a `budget`: what the asset cost over every shard and run, as of "
+    "this materialization.",
     TOP_ERRORS: "When rows failed: the most common errors, with their count and sample ids.",
     FUNCTION_CHANGED: "`true` when stored results were reused although the function changed and "
     "`code_version` did not. Absent with `checkpointing: false`.",

@@ -211,7 +211,7 @@ def test_a_retry_waits_for_its_backoff(storage: Storage, instance: dg.DagsterIns
 
 @pytest.mark.parametrize("storage", ["local"], indirect=True)
 @pytest.mark.parametrize("planned", ["per partition", "per range"])
-def test_failed_ranged_backfill_runs_are_retried_one_partition_each(
+def test_a_failed_ranged_backfill_run_is_retried_for_its_failed_shard_only(
     storage: Storage, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch, planned: str
 ) -> None:
     if planned == "per range":  # one planned event per range: the sensor follows the run
@@ -232,9 +232,11 @@ def test_failed_ranged_backfill_runs_are_retried_one_partition_each(
     run = instance.get_run_by_id(ranged.run_id)
     assert run is not None and "dagster/partition" not in run.tags
 
+    # The other shards materialized as they ended: only the failed one is retried.
+    assert sorted(instance.get_materialized_partitions(job.asset.key)) == [KEYS[0], *KEYS[2:]]
     ticker = Ticker(job, failed_partitions_sensor(job.asset, backoff_seconds=0))
     requests, _ = ticker.tick()
-    assert sorted(r.partition_key or "" for r in requests) == KEYS
+    assert [r.partition_key for r in requests] == [KEYS[1]]
     assert {r.tags[RETRY_OF_TAG] for r in requests} == {ranged.run_id}
     assert SensorState.from_json(ticker.cursor).ranged == (
         {ranged.run_id} if planned == "per range" else set()
@@ -274,7 +276,7 @@ def test_a_failed_run_is_retried_however_many_runs_of_other_jobs_failed_since(
     job, _ = failing_job(storage, instance, 1, backfill_policy=single_run)
     ticker = Ticker(job, failed_partitions_sensor(job.asset, backoff_seconds=0))
     assert ticker.tick()[0] == []  # a tick before: the sensor has a cursor
-    covered = KEYS if shards == "range" else [KEYS[1]]
+    covered = [KEYS[1]]  # in a range, the other shards materialized as they ended
     failed = dg.materialize(
         [job.source, job.asset],
         instance=instance,

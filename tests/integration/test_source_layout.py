@@ -56,3 +56,46 @@ def test_a_source_no_checkpointed_asset_reads_is_stored_as_it_is_and_the_log_say
     assert pq.ParquetFile(tmp_path / "layout_plain.parquet").schema_arrow.names == ["ticket_id"]
     said = [m for m in logs if "layout_plain is stored as it is, not keyed by shard" in m]
     assert said and "each of its shards reads the whole file" in said[0]
+
+
+def test_a_stored_source_with_a_duplicated_id_fails_every_shard_before_any_computes(
+    tmp_path: Path,
+) -> None:
+    @dg.asset(name="layout_dup_tickets")
+    def tickets() -> pl.DataFrame:
+        ids = [*range(400), 123]  # 123 twice
+        return pl.DataFrame({"ticket_id": ids, "body": [f"b{i}" for i in ids]})
+
+    calls: list[int] = []
+
+    @checkpointed_asset(
+        source="layout_dup_tickets",
+        id_column="ticket_id",
+        partitions_def=shard_partitions(4),
+        backfill_policy=dg.BackfillPolicy.single_run(),
+    )
+    def layout_dup_routed(batch: pl.DataFrame) -> pl.DataFrame:
+        calls.append(batch.height)
+        return batch.select("ticket_id", route=pl.col("body"))
+
+    resources = {"io_manager": CheckpointIOManager(base_dir=str(tmp_path))}
+    with dg.instance_for_test() as instance:
+        dg.materialize([tickets], instance=instance, resources=resources)
+        ranged = dg.materialize(
+            [tickets, layout_dup_routed],
+            selection=[layout_dup_routed],
+            instance=instance,
+            resources=resources,
+            tags={
+                "dagster/asset_partition_range_start": "0-of-4",
+                "dagster/asset_partition_range_end": "3-of-4",
+            },
+            raise_on_error=False,
+        )
+        materialized = instance.get_materialized_partitions(layout_dup_routed.key)
+
+    assert not ranged.success and materialized == set() and calls == []
+    error = ranged.get_step_failure_events()[0].step_failure_data.error
+    assert error is not None
+    message = error.cause.message if error.cause else error.message
+    assert "1 duplicated value(s) (123 at rows [123, 400]" in message

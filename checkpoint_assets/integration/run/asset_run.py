@@ -77,6 +77,7 @@ class AssetRun:
     results: ResultStore | None  # the result store, when the run reuses results by content
     parse: Callable[[dict[str, Any]], Mapping[str, Any]] | None  # Calls.parse
     requests: Requests  # how a dry run counts tokens
+    ids_checked: bool  # the stored source's ids were found clean when it was stored
     # The metadata of each shard of a ranged run that materialized.
     _recorded: dict[str | None, dict[str, Any]] = field(default_factory=dict)
 
@@ -129,6 +130,7 @@ class AssetRun:
             results=_results(io_manager, asset.reuse, config),
             parse=calls.parse,
             requests=dry_run.requests(calls.request, resources.values()),
+            ids_checked=io_manager.ids_checked(asset.source_key),
         )
 
     def materialize(self) -> pl.DataFrame | None:
@@ -175,7 +177,7 @@ class AssetRun:
         shards = ShardRows(self.source, self.settings.id_column, self.keys, remote=remote)
         with shards as rows:
             try:
-                rows.check_ids()
+                rows.check_ids(stored_clean=self.ids_checked)
                 return {key: self._estimate_one(key, rows.of(key)) for key in self.keys}
             except CheckpointError as e:
                 raise e.in_dagster_terms() from None
@@ -222,7 +224,7 @@ class AssetRun:
         shards = ShardRows(self.source, self.settings.id_column, self.keys, remote=remote)
         with shards as rows, recorded:
             try:
-                rows.check_ids()  # the whole source, before any shard computes
+                rows.check_ids(stored_clean=self.ids_checked)  # before any shard computes
             except CheckpointError as e:
                 raise e.in_dagster_terms() from None
             mark = self.started

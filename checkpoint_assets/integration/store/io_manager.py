@@ -124,6 +124,7 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
     _default_dir: str | None = PrivateAttr(default=None)
     _store: Store | None = PrivateAttr(default=None)
     _loading: dict[dg.AssetKey, Usage] = PrivateAttr(default_factory=dict)
+    _ids_checked: set[dg.AssetKey] = PrivateAttr(default_factory=set)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
         if self.base_dir is None:
@@ -223,6 +224,8 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
             frames = [self._load_checkpoint(context, store, id_column, k, lazy) for k in keys]
         else:
             frames = [self._load_output(context, store, k, lazy) for k in keys]
+            if as_source:
+                self._check_stored_ids(context, store, keys)
         if lazy:
             scans = [f.lazy() for f in frames]  # a shard not merged yet was read whole
             scanned = scans[0] if len(scans) == 1 else pl.concat(scans, how="diagonal_relaxed")
@@ -230,6 +233,22 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
         tables = [f for f in frames if isinstance(f, pl.DataFrame)]
         table = tables[0] if len(tables) == 1 else pl.concat(tables, how="diagonal_relaxed")
         return source.without_shard_keys(table)
+
+    def ids_checked(self, source_key: dg.AssetKey) -> bool:
+        """Whether the source just loaded was found, when it was stored, to hold no null or
+        duplicated id of the checkpointed asset loading it (``source.ids_refused``)."""
+        return source_key in self._ids_checked
+
+    def _check_stored_ids(
+        self, context: dg.InputContext, store: Store, keys: Sequence[str | None]
+    ) -> None:
+        id_column = str(md.plain((context.definition_metadata or {})[md.ID_COLUMN]))
+        self._ids_checked.discard(context.asset_key)
+        for key in keys:
+            path = self.output_path(store, context.asset_key, key)
+            if source.ids_refused(store, path, id_column) != 0:
+                return
+        self._ids_checked.add(context.asset_key)
 
     # -- helpers -------------------------------------------------------------------------
     def output_path(self, store: Store, asset_key: dg.AssetKey, partition: str | None) -> str:

@@ -165,9 +165,14 @@ class ShardRows:
         if self.spill is not None:
             self.spill.__exit__(*exc)
 
-    def check_ids(self) -> None:
+    def check_ids(self, *, stored_clean: bool = False) -> None:
         """Refuse the run when an id anywhere in the source is null or duplicated, with the same
         error for every shard, before any computes: a broken source makes no shard materialize.
+
+        ``stored_clean``: the source's stored files were found clean when they were written
+        (``ids_refused``), which their footers say: nothing is read. A partitioned source is
+        so checked partition by partition; an id in two of its partitions is refused by the
+        shard that holds it.
 
         Every copy of an id has the same shard key, and null ids have the first. So the source's
         ids are read by ranges of their keys, ``CHECK_ROWS`` at most at a time, each range
@@ -176,7 +181,7 @@ class ShardRows:
         missing or of another type is left to each shard's own check, which names it.
         """
         dtype = self.schema.get(self.id_column)
-        if dtype is None or not (dtype.is_integer() or dtype == pl.String):
+        if stored_clean or dtype is None or not (dtype.is_integer() or dtype == pl.String):
             return
         column = shard_key_column(self.id_column)
         stored = column in self.source.collect_schema()
@@ -367,6 +372,34 @@ def store_output(store: Store, path: str, value: Any, id_columns: Sequence[str])
         batches = frame.collect_batches()
         key, columns = shard_key_column(keyed[0]), frame.collect_schema()
         return write_keyed(batches, key, local, columns, _refused_rows_only(keyed))
+
+
+def ids_refused(store: Store, path: str, id_column: str) -> int | None:
+    """How many rows of the stored output at ``path`` may have a null or duplicated
+    ``id_column``, from its footer alone (no data read): 0 when none has; None when the file
+    does not say (stored unkeyed, or keyed by another id).
+
+    ``store_output`` keeps ``SOURCE_ROW`` of exactly those rows when the file is keyed by that
+    id first (its first shard key column): the column's null counts in the footer's statistics
+    then count them, and a clean source has none.
+    """
+    if store.local:
+        metadata = pq.read_metadata(path)
+    else:
+        metadata = pq.read_metadata(path, filesystem=arrow_filesystem(store))
+    names = metadata.schema.names
+    keys = [n for n in names if n.startswith(SHARD_KEY_PREFIX)]
+    if not keys or keys[0] != shard_key_column(id_column) or SOURCE_ROW not in names:
+        return None
+    column = names.index(SOURCE_ROW)
+    marked = 0
+    for group in range(metadata.num_row_groups):
+        chunk = metadata.row_group(group)
+        statistics = chunk.column(column).statistics
+        if statistics is None or not statistics.has_null_count:
+            return None
+        marked += chunk.num_rows - statistics.null_count
+    return marked
 
 
 def _refused_rows_only(id_columns: Sequence[str]) -> Resolve:

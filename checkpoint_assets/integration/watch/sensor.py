@@ -57,7 +57,7 @@ def failed_partitions_sensor(
     name: str | None = None,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
 ) -> dg.SensorDefinition:
-    """A sensor that requests one run per failed partition of ``asset``, up to ``max_retries``.
+    """A sensor that requests a run for each failed partition of ``asset``, up to ``max_retries``.
 
     A partition counts as failed in two cases:
 
@@ -67,7 +67,10 @@ def failed_partitions_sensor(
       failed rows then get computed again.
 
     Retry ``n`` is requested at least ``backoff_seconds * 2**(n-1)`` after the failure
-    (``backoff_seconds=0``: at the next tick).
+    (``backoff_seconds=0``: at the next tick). When the asset's ``backfill_policy`` runs several
+    partitions per run, neighbouring partitions that failed in the same run are retried in one
+    ranged run (up to the policy's partitions per run); partitions that did not fail are never
+    in it.
 
     A partition whose spend budget stopped its run is not retried, since it would stop again.
     Such a run raised :class:`BudgetExceededError` and is tagged ``checkpoint_assets/stopped_by``.
