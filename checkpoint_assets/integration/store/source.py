@@ -88,7 +88,7 @@ def without_shard_keys(frame: Frame) -> Frame:
 
 
 EVERY_ROW = Shard(0, 1)  # what a partition key that is no shard takes
-CHECK_ROWS = 1 << 23  # ids the whole-source check holds at a time (``ShardRows.check_ids``)
+CHECK_ROWS = 1 << 24  # ids the whole-source check holds at a time (``ShardRows.check_ids``)
 
 
 class ShardRows:
