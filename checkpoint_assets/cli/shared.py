@@ -67,13 +67,16 @@ def storage_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def existing(base_dir: str, options: dict[str, Any]) -> Store:
     """The store under ``base_dir``, which must exist: a mistyped folder fails the command
-    (exit status 2) instead of showing no checkpoints."""
+    (exit status 2) instead of showing no checkpoints. On an object store, where a prefix with
+    nothing under it cannot be told from one that is not there, its bucket must exist."""
     store = open_store(base_dir, options)
-    with translate(store, store.root, "listing"):
-        found = store.fs.isdir(store.root)
+    where = store.root if store.local else store.root.split("/", 1)[0]
+    with translate(store, where, "listing"):
+        found = store.fs.isdir(where)
     if not found:
+        shown = store.url if store.local else f"The bucket of {store.url}"
         raise CheckpointError(
-            f"{store.url} does not exist (on an object store: nothing is stored under it).",
+            f"{shown} does not exist.",
             "Check the path: give the base_dir of the CheckpointIOManager whose checkpoints "
             "to read.",
         )
