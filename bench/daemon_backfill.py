@@ -62,7 +62,10 @@ def _backfill(home: str, timeout: float) -> dict[str, Any]:
 
     with dg.DagsterInstance.get() as instance:
         quiet = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
-        assert dg.materialize([tickets, scored], selection=[tickets], run_config=quiet).success
+        stored = dg.materialize(
+            [tickets, scored], selection=[tickets], resources=defs.resources, run_config=quiet
+        )
+        assert stored.success
         daemon_bin = os.path.join(os.path.dirname(sys.executable), "dagster-daemon")
         daemon = subprocess.Popen(
             [daemon_bin, "run", "-m", MODULE, "-d", REPO],
@@ -108,11 +111,19 @@ def _backfill(home: str, timeout: float) -> dict[str, Any]:
             "backfill_status": str(backfill.status.value) if backfill else "gone",
             "runs": len(runs),
             "runs_failed": sum(r.status == dg.DagsterRunStatus.FAILURE for r in runs),
+            "source_columns": _columns(home),
             "wall_seconds": round(wall, 1),
             "shards_materialized": materialized,
             "events": events,
             "events_per_shard": round(events / shards, 2),
         }
+
+
+def _columns(home: str) -> str:
+    """The stored source's columns: keyed by ``scored``'s id when it has its shard key column."""
+    import pyarrow.parquet as pq
+
+    return ",".join(pq.read_schema(os.path.join(home, "checkpoints", "tickets.parquet")).names)
 
 
 if __name__ == "__main__":
