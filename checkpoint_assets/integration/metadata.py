@@ -125,9 +125,11 @@ MATERIALIZATION: dict[str, str] = {
     THROTTLED_CALLS: "Calls the endpoint refused (`RetryAfter`, HTTP 429/503/529). Each waited "
     "and was sent again.",
     REFUSALS_PER_ANSWER: "`throttled_calls` per call the endpoint answered.",
-    BUDGET_USED: "The share of the key's stated (or assumed) budget this run drew while it "
-    "called: a full budget and its refill over that time. Present when a budget was known.",
-    BUDGET_WAIT_SECONDS: "Time during which requests waited for the key's budget.",
+    BUDGET_USED: "The share of the API key's rate limits (stated in the endpoint's headers, or "
+    "set on the resource) this run used while it called: the limit and its refill over that "
+    "time. Present when a rate limit was known.",
+    BUDGET_WAIT_SECONDS: "Time during which requests waited for room under the API key's rate "
+    "limits.",
     THROTTLED_SECONDS: "Time the whole shard was paused by rate limits.",
     THROTTLE_EVENTS: "Times the shard lowered its concurrency or paused as a whole.",
     CONCURRENCY_FINAL: "Calls in flight allowed at the end of the run.",

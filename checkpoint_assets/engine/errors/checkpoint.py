@@ -153,8 +153,9 @@ _ARGUMENTS = ("code_version", "id_column", "input_columns")
 class CorruptCheckpointError(CheckpointError):
     """A stored file is unreadable or violates the checkpoint's invariants.
 
-    Duplicate ids in the merged file, missing output columns, a Parquet file that cannot be
-    read. Usually two jobs share one tag, or a file was changed by hand.
+    A merged file, part or meta file that cannot be read, a meta file missing beside the other
+    files, stored rows without the job's output columns, or a submission record that cannot be
+    read. Usually a file was changed or cut short outside the package.
     ``checkpoint-assets verify`` lists every problem.
     """
 

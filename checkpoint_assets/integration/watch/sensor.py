@@ -1,10 +1,10 @@
-"""``failed_partitions_sensor``: retry failed partitions of an asset, with a budget and backoff.
+"""``failed_partitions_sensor``: retry failed partitions of an asset, with backoff.
 
 Each tick, in order:
 
 1. ``failures()``: which partitions are failed now, and by which run (``failures.py``).
 2. ``stopped_by_budget()``: failures whose run the spend budget stopped are left alone.
-3. ``_decide()``, per partition, against the retry budget in the cursor. It requests a retry once
+3. ``_decide()``, per partition, against its retries left in the cursor. It requests a retry once
    the backoff since the failure has passed, waits, or gives up. A partition that succeeded
    since gets its budget back.
 
@@ -76,9 +76,10 @@ def failed_partitions_sensor(
     Such a run raised :class:`BudgetExceededError` and is tagged ``checkpoint_assets/stopped_by``.
     The skip reason names the partition until a person raises the limit and materializes it.
 
-    The retry budget lives in the sensor's cursor; a partition that succeeds gets it back. When a
-    partition has used it up, the sensor stops asking for it. It names the partition in its skip
-    reason and log. Fix the cause, then materialize it by hand (or reset the sensor's cursor).
+    Each partition gets ``max_retries`` retries, counted in the sensor's cursor; a partition that
+    succeeds gets them back. When a partition has no retries left, the sensor stops asking for
+    it and names it in its skip reason and log. Fix the cause, then materialize it by hand (or
+    reset the sensor's cursor).
 
     Example::
 
@@ -141,14 +142,14 @@ def _log(
     failures: dict[str, Failure],
     max_retries: int,
 ) -> None:
-    """Say in the sensor's log which partitions got their budget back, gave up, or are retried."""
+    """Say in the sensor's log which partitions got their retries back, gave up, or are retried."""
     for partition in decision.reset:
-        log.info(f"{label} {_show(partition)} succeeded: its retry budget is reset.")
+        log.info(f"{label} {_show(partition)} succeeded: its retries are counted from zero again.")
     for partition in decision.newly_gave_up:
         log.warning(
             f"{label} {_show(partition)} failed again after {max_retries} retries (last "
             f"failed run {failures[partition].run_id}); giving up on it. Fix the cause and "
-            "materialize it by hand: a success resets its budget."
+            "materialize it by hand: a success gives it its retries back."
         )
     for partition, failure, attempt in decision.requests:
         log.info(
