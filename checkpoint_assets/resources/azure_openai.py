@@ -10,6 +10,9 @@ Batch deployment, which only the Batch API reaches).
 Azure's Batch API is OpenAI's (``/openai/files``, ``/openai/batches``): the adapter is
 ``OpenAIBatches`` with Azure's endpoint paths (``/chat/completions``) and limits
 (:class:`AzureOpenAIBatches`), and the ``batch_*`` settings of an OpenAI-compatible API.
+Azure bounds the input tokens enqueued per batch deployment: a batch past it fails with
+``token_limit_exceeded``, as OpenAI's, and waits for room the same way (``enqueued_tokens``, the
+deployment's limit, when known).
 
 >>> r = AzureOpenAIResource(azure_endpoint="https://example.openai.azure.com",
 ...     api_key="local", deployment="gpt-4o-mini-std", model="gpt-4o-mini")
@@ -102,7 +105,8 @@ class AzureOpenAIResource(OpenAIResource):
     batch_deployment: str | None = Field(
         default=None,
         description="The Global Batch (or Data Zone Batch) deployment provider batches go to; "
-        "unset: deployment. Its enqueued-token limit bounds what may wait in its queue.",
+        "unset: deployment. Its enqueued-token limit (`enqueued_tokens`) bounds what may "
+        "wait in its queue.",
     )
     model: str = Field(
         default="",
@@ -130,8 +134,15 @@ class AzureOpenAIResource(OpenAIResource):
         limits = Limits(
             self.batch_max_requests or LIMITS.max_requests, self.batch_max_bytes or LIMITS.max_bytes
         )
-        window, metadata = self.batch_completion_window, self.batch_metadata
-        return AzureOpenAIBatches(client, path, defaults, limits, window=window, metadata=metadata)
+        return AzureOpenAIBatches(
+            client,
+            path,
+            defaults,
+            limits,
+            window=self.batch_completion_window,
+            metadata=self.batch_metadata,
+            enqueued_tokens=self.enqueued_tokens,
+        )
 
     def _path(self, endpoint: str) -> str:
         # OpenAI's paths are taken too: /v1/chat/completions is /chat/completions on Azure.

@@ -155,6 +155,15 @@ class BedrockResource(dg.ConfigurableResource):
         "size' (the smaller), in bytes.",
     )
 
+    concurrent_jobs: int | None = Field(
+        default=None,
+        gt=0,
+        description="Provider batches: the quota 'Sum of in-progress and submitted batch "
+        "inference jobs' of `model_id` in this Region (Service Quotas). Shards keep no more "
+        "jobs than this between them. Unset, a refusal for it makes the shard wait for room "
+        "and submit again.",
+    )
+
     @field_validator("model_id")
     @classmethod
     def _claude(cls, model_id: str) -> str:
@@ -314,6 +323,7 @@ class BedrockResource(dg.ConfigurableResource):
             defaults=self.request_defaults(),
             quotas=quotas,
             timeout_hours=self.job_timeout_hours,
+            concurrent_jobs=self.concurrent_jobs,
         )
 
 

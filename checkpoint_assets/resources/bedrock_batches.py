@@ -34,6 +34,13 @@ is ``online:<tag>``; ``create`` sends nothing, the first ``poll`` sends the requ
 each answer to ``<output_prefix><tag>/online/<recordId>.json.out`` as it comes, and ``results``
 reads them. After a kill, ``poll`` sends only the requests without an answer there, so a kill
 pays again at most the requests in flight at that moment.
+
+Queue room. Bedrock bounds the batch inference jobs submitted or in progress per model and
+Region (the Service Quotas quota "Sum of in-progress and submitted batch inference jobs", often
+10): ``concurrent_jobs``. A create past it is answered ``ServiceQuotaExceededException``, and
+``create`` raises :class:`QueueFull` (kind ``concurrent_jobs``, with the number its message
+states, if any): the submission waits for room, as the queue of ``engine/providers/queue.py``
+shares it between shards.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,17 +56,21 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from checkpoint_assets.engine.providers.submissions import (
+    CONCURRENT_JOBS,
     TAG_KEY,
     Limits,
+    Queue,
+    QueueFull,
     Request,
     Result,
     State,
     Status,
     custom_id,
     index_of,
+    queue_key,
 )
 
-__all__ = ["ONLINE", "BedrockBatches", "BedrockQueueFullError", "Quotas", "record_id"]
+__all__ = ["ONLINE", "BedrockBatches", "Quotas", "record_id"]
 
 ONLINE: Final = "online:"  # the id prefix of a submission sent online (below min_records)
 _STATES: Final = {
@@ -73,6 +85,8 @@ _STATES: Final = {
     "Expired": State.EXPIRED,
     "Failed": State.FAILED,
 }
+# A number of jobs in a quota refusal's message ("the quota of 10 in-progress ... jobs").
+_STATED: Final = re.compile(r"(\d[\d,]*)\s+(?:in-progress|concurrent|submitted)", re.IGNORECASE)
 _ONLINE_THREADS: Final = 8  # requests of an online submission in flight at once
 _log = logging.getLogger("checkpoint_assets")
 
@@ -92,12 +106,6 @@ class Quotas:
         """One submission's limits: a submission is one file and one job."""
         records = min(self.max_records_per_job, self.max_records_per_file)
         return Limits(max_requests=records, max_bytes=min(self.max_file_bytes, self.max_job_bytes))
-
-
-class BedrockQueueFullError(RuntimeError):
-    """Bedrock refused a job for want of room: the account's quota of batch inference jobs
-    submitted or in progress for the model is used up (``ServiceQuotaExceededException``).
-    Nothing of the job ran and nothing is billed."""
 
 
 def record_id(index: int) -> str:
@@ -139,6 +147,7 @@ class BedrockBatches:
         defaults: Mapping[str, Any] | None = None,
         quotas: Quotas = Quotas(),
         timeout_hours: int = 24,
+        concurrent_jobs: int | None = None,
     ) -> None:
         self.bedrock, self.runtime, self.s3 = bedrock, runtime, s3
         self.model_id = model_id
@@ -149,6 +158,9 @@ class BedrockBatches:
         self.quotas = quotas
         self.limits = quotas.limits()
         self.timeout_hours = timeout_hours
+        where = (bedrock.meta.region_name, bedrock.meta.endpoint_url)
+        stated = {CONCURRENT_JOBS: concurrent_jobs} if concurrent_jobs else {}
+        self.queue = Queue(queue_key(self.name, *where, model_id), stated)
 
     # -- the requests' file ----------------------------------------------------------------
     def _line(self, request: Request, tag: str) -> bytes:
@@ -203,14 +215,7 @@ class BedrockBatches:
                 tags=[{"key": TAG_KEY, "value": tag}],
             )
         except self.bedrock.exceptions.ServiceQuotaExceededException as e:
-            message = e.response.get("Error", {}).get("Message", str(e))
-            raise BedrockQueueFullError(
-                f"Bedrock refused the batch job of submission {tag} ({count} records) for want of "
-                f"room: {message}. Nothing of it ran or is billed, and the submission is recorded "
-                "in the checkpoint. Run the shard again once jobs of this model have ended, or "
-                "raise the quota 'Sum of in-progress and submitted batch inference jobs' in "
-                "Service Quotas."
-            ) from e
+            raise _queue_full(e, tag) from e
         return str(made["jobArn"])
 
     def find(self, tag: str, since: float) -> str | None:
@@ -316,6 +321,19 @@ class BedrockBatches:
             message = e.response.get("Error", {}).get("Message", str(e))
             return {"error": {"errorCode": status, "errorMessage": message}}
         return {"modelOutput": json.loads(answer["body"].read())}
+
+
+def _queue_full(error: Any, tag: str) -> QueueFull:
+    """A ``ServiceQuotaExceededException`` on create: no room for one more job of the model,
+    with the number of jobs its message states, if any."""
+    message = str(error.response.get("Error", {}).get("Message") or error)
+    stated = _STATED.search(message)
+    limit = {CONCURRENT_JOBS: int(stated[1].replace(",", ""))} if stated else {}
+    return QueueFull(
+        f"submission {tag}: ServiceQuotaExceededException: {message}",
+        kind=CONCURRENT_JOBS,
+        stated=limit,
+    )
 
 
 def _result(line: Mapping[str, Any], tag: str) -> Result:

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import dagster as dg
 from pydantic import Field
 
+from checkpoint_assets.resources.gemini_batches import retry_delay_seconds
+
 if TYPE_CHECKING:
     from google import genai
 
@@ -31,7 +33,6 @@ __all__ = ["GeminiRateLimitedError", "GeminiResource"]
 # Retries of the batch API's own requests: upload, create, poll, list, download. None of them
 # is paid per token. Each is safe to repeat: a create is found by its tag before it is sent again.
 _BATCH_API_RETRIES: Final = 5
-_RETRY_INFO: Final = "type.googleapis.com/google.rpc.RetryInfo"
 _LOCK: Final = threading.Lock()
 _PROCESS_CLIENTS: Final[dict[tuple[Any, ...], Any]] = {}
 _LOOP_CLIENTS: Final[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Any, Any]]] = (
@@ -56,24 +57,6 @@ class GeminiRateLimitedError(Exception):
         super().__init__(message)
         self.seconds = seconds
         self.response = _Refusal(seconds)
-
-
-def retry_delay_seconds(details: Any) -> float | None:
-    """The ``retryDelay`` of a Google API error body (``google.rpc.RetryInfo``), in seconds.
-
-    >>> error = {"details": [{"@type": _RETRY_INFO, "retryDelay": "37s"}]}
-    >>> retry_delay_seconds({"error": error})
-    37.0
-    """
-    error = details.get("error", details) if isinstance(details, Mapping) else {}
-    for detail in error.get("details") or []:
-        if isinstance(detail, Mapping) and detail.get("@type") == _RETRY_INFO:
-            text = str(detail.get("retryDelay", "")).strip()
-            try:
-                return max(float(text.removesuffix("s")), 0.0)
-            except ValueError:
-                return None
-    return None
 
 
 class GeminiResource(dg.ConfigurableResource):
@@ -152,6 +135,15 @@ class GeminiResource(dg.ConfigurableResource):
         gt=0,
         description="Gemini API batches: submissions smaller than this go inline in the create; "
         "larger ones go as a JSONL file (unset: Google's limit, 20 MB).",
+    )
+
+    concurrent_jobs: int | None = Field(
+        default=None,
+        gt=0,
+        description="Provider batches: the most batch jobs of `model` your project may have at "
+        "once (100 on the Gemini API; Vertex AI's quota of concurrent batch prediction jobs). "
+        "Shards keep no more jobs than this between them. Unset, a 429 on create makes the "
+        "shard wait for room and submit again.",
     )
 
     def request_defaults(self) -> dict[str, Any]:
@@ -274,7 +266,11 @@ class GeminiResource(dg.ConfigurableResource):
         if not self.vertexai:
             inline = self.inline_max_bytes or gb.INLINE_MAX_BYTES
             return gb.GeminiBatches(
-                client, self.model, self.request_defaults(), inline_max_bytes=inline
+                client,
+                self.model,
+                self.request_defaults(),
+                inline_max_bytes=inline,
+                concurrent_jobs=self.concurrent_jobs,
             )
         if self.gcs_prefix is None or not self.gcs_prefix.startswith("gs://"):
             raise ValueError(
@@ -289,7 +285,12 @@ class GeminiResource(dg.ConfigurableResource):
 
         filesystem = GCSFileSystem(**self.storage_options)
         return gb.VertexBatches(
-            client, self.model, self.gcs_prefix, filesystem, self.request_defaults()
+            client,
+            self.model,
+            self.gcs_prefix,
+            filesystem,
+            self.request_defaults(),
+            concurrent_jobs=self.concurrent_jobs,
         )
 
 

@@ -38,12 +38,24 @@ from __future__ import annotations
 import inspect
 import io
 import json
+import re
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Final
 
-from checkpoint_assets.engine.providers.submissions import Limits, Request, Result, State, Status
+from checkpoint_assets.engine.providers.submissions import (
+    CONCURRENT_JOBS,
+    ENQUEUED_TOKENS,
+    Limits,
+    Queue,
+    QueueFull,
+    Request,
+    Result,
+    State,
+    Status,
+    queue_key,
+)
 
 if TYPE_CHECKING:
     from google import genai
@@ -55,7 +67,6 @@ __all__ = [
     "KEY_LABEL",
     "VERTEX_LIMITS",
     "GeminiBatches",
-    "GeminiQueueFullError",
     "VertexBatches",
 ]
 
@@ -66,7 +77,12 @@ INLINE_MAX_BYTES: Final = 20 * 1000 * 1000
 GEMINI_LIMITS: Final = Limits(max_requests=50_000, max_bytes=2 * 1000 * 1000 * 1000)
 # Vertex AI's batch prediction for Gemini: 200,000 requests and a 1 GB input file per job.
 VERTEX_LIMITS: Final = Limits(max_requests=200_000, max_bytes=1000 * 1000 * 1000)
+_RETRY_INFO: Final = "type.googleapis.com/google.rpc.RetryInfo"
 KEY_LABEL: Final = "checkpoint_assets_id"  # the label carrying a Vertex request's custom_id
+# A limit a 429's message states ("Limit: 100 concurrent batch jobs", "2,000,000 tokens").
+_STATED: Final = re.compile(
+    r"(\d[\d,]*)\s+(?:enqueued\s+|concurrent\s+)?(?:tokens|batch|jobs)", re.IGNORECASE
+)
 _RUNNING: Final = frozenset(
     {
         "JOB_STATE_UNSPECIFIED",
@@ -99,11 +115,6 @@ _CONFIG_FIELDS: Final = (
     "cachedContent",
     "labels",
 )
-
-
-class GeminiQueueFullError(RuntimeError):
-    """Google refused a batch job for want of room: too many jobs at once (100 on the Gemini
-    API), or too many tokens enqueued for the model. Nothing of it ran."""
 
 
 def with_defaults(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
@@ -196,28 +207,66 @@ def _status(job: types.BatchJob) -> Status:
 
 
 def _queue_full(error: Exception, model: str) -> Exception:
-    """A create's 429 as :class:`GeminiQueueFullError`; any other error as it is."""
+    """A create's 429 (``RESOURCE_EXHAUSTED``) as :class:`QueueFull`; any other error as it is.
+
+    The Gemini API refuses a job past its concurrent batch jobs (100) or the tokens enqueued for
+    the model; Vertex AI past its quota of concurrent batch prediction jobs. A message that
+    speaks of tokens is about enqueued tokens, any other about jobs. The ``retryDelay`` it
+    asks, if any, is how long the shard waits before it submits again."""
     if getattr(error, "code", None) != 429:
         return error
-    return GeminiQueueFullError(
-        f"Google refused a new batch job for {model}: {getattr(error, 'message', error)}. "
-        "Its queue is full (100 batch jobs at once on the Gemini API; a limit of tokens "
-        "enqueued per model). Nothing was submitted and the shard's rows stay unsubmitted: run "
-        "the shard again once some of the jobs running now have ended, or run fewer shards "
-        "at once."
+    message = str(getattr(error, "message", None) or error)
+    kind = ENQUEUED_TOKENS if "token" in message.lower() else CONCURRENT_JOBS
+    stated = _STATED.search(message)
+    limit = {kind: int(stated[1].replace(",", ""))} if stated else {}
+    return QueueFull(
+        f"{model}: HTTP 429 RESOURCE_EXHAUSTED: {message}",
+        kind=kind,
+        stated=limit,
+        retry_after=retry_delay_seconds(getattr(error, "details", None)),
     )
 
 
+def retry_delay_seconds(details: Any) -> float | None:
+    """The ``retryDelay`` of a Google API error body (``google.rpc.RetryInfo``), in seconds.
+
+    >>> error = {"details": [{"@type": _RETRY_INFO, "retryDelay": "37s"}]}
+    >>> retry_delay_seconds({"error": error})
+    37.0
+    """
+    error = details.get("error", details) if isinstance(details, Mapping) else {}
+    for detail in error.get("details") or []:
+        if isinstance(detail, Mapping) and detail.get("@type") == _RETRY_INFO:
+            text = str(detail.get("retryDelay", "")).strip()
+            try:
+                return max(float(text.removesuffix("s")), 0.0)
+            except ValueError:
+                return None
+    return None
+
+
 class _Jobs:
-    """What both backends share: poll, cancel, create with the queue's refusal said."""
+    """What both backends share: poll, cancel, create with the queue's refusal said, and the
+    queue (``queue``): one per API, endpoint, key or project, and model. ``concurrent_jobs`` is
+    the most batch jobs the model may have at once, when known."""
 
     name = "gemini"
     limits: Limits
 
-    def __init__(self, client: genai.Client, model: str, defaults: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        client: genai.Client,
+        model: str,
+        defaults: Mapping[str, Any],
+        concurrent_jobs: int | None = None,
+    ) -> None:
         self.client = client
         self.model = model
         self.defaults = dict(defaults)
+        api = client._api_client
+        where = (api.vertexai, api._http_options.base_url, api.api_key, api.project, api.location)
+        stated = {CONCURRENT_JOBS: concurrent_jobs} if concurrent_jobs else {}
+        self.queue = Queue(queue_key(self.name, *where, model), stated)
 
     def _create(self, src: Any, tag: str, dest: str | None = None) -> str:
         from google.genai import types
@@ -249,8 +298,9 @@ class GeminiBatches(_Jobs):
         limits: Limits = GEMINI_LIMITS,
         *,
         inline_max_bytes: int = INLINE_MAX_BYTES,
+        concurrent_jobs: int | None = None,
     ) -> None:
-        super().__init__(client, model, defaults or {})
+        super().__init__(client, model, defaults or {}, concurrent_jobs)
         self.limits = limits
         self.inline_max_bytes = inline_max_bytes
 
@@ -353,8 +403,10 @@ class VertexBatches(_Jobs):
         filesystem: Any,
         defaults: Mapping[str, Any] | None = None,
         limits: Limits = VERTEX_LIMITS,
+        *,
+        concurrent_jobs: int | None = None,
     ) -> None:
-        super().__init__(client, model, defaults or {})
+        super().__init__(client, model, defaults or {}, concurrent_jobs)
         self.gcs_prefix = gcs_prefix.rstrip("/")
         self.fs = filesystem
         self.limits = limits

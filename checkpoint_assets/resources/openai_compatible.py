@@ -10,7 +10,9 @@ resource's ``base_url``): ``OpenAIBatches`` with the differences their documenta
 - File limits: requests and bytes of one input file (``batch_max_requests``,
   ``batch_max_bytes``), where they are smaller than OpenAI's.
 
-With OpenAI's settings (``24h``, metadata) every call is ``OpenAIBatches``'s.
+With OpenAI's settings (``24h``, metadata) every call is ``OpenAIBatches``'s. With others, a
+refusal for queue room is said as OpenAI's is (:class:`QueueFull`): a 429 on create, or a batch
+created ``failed`` with ``token_limit_exceeded``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from checkpoint_assets.engine.providers.submissions import Limits, Request
-from checkpoint_assets.resources.openai_batches import OpenAIBatches
+from checkpoint_assets.resources.openai_batches import (
+    _QUEUE_FULL,
+    OpenAIBatches,
+    _code,
+    _queue_full,
+    _refusal,
+)
 
 if TYPE_CHECKING:
     import openai
@@ -77,6 +85,13 @@ class CompatibleBatches(OpenAIBatches):
             )
         except openai.BadRequestError as e:
             raise self._refused(e) from e
+        except openai.RateLimitError as e:
+            if _code(e) == "insufficient_quota":
+                raise  # the account's credit: no queue, waiting does not help
+            raise _refusal(e) from e
+        errors = batch.errors.data if batch.errors and batch.errors.data else []
+        if batch.status == "failed" and any(e.code == _QUEUE_FULL for e in errors):
+            raise _queue_full(batch.id, errors)
         return batch.id
 
     def _refused(self, e: Exception) -> Exception:

@@ -87,18 +87,19 @@ class MessageBatchAPI:
         if len({c for c, _ in pairs}) < len(pairs):
             raise Refused(400, "requests: each custom_id must be unique within the batch")
         now, batches = self.ledger.clock(), self.ledger.message_batches
-        if s.anthropic_queued_requests:
-            queued = sum(len(j.requests) for j in waiting(batches, self.ledger))
-            if queued + len(pairs) > s.anthropic_queued_requests:
+        queued = sum(len(j.requests) for j in waiting(batches, self.ledger))
+        over = s.anthropic_queued_requests and queued + len(pairs) > s.anthropic_queued_requests
+        if over or s.refuses(self.counts):
+            if over:
                 self.counts["queue_refused"] += 1
-                raise Refused(
-                    429,
-                    f"Number of batch requests in the processing queue would exceed your "
-                    f"workspace's limit of {s.anthropic_queued_requests:,}. Wait for batches to "
-                    "end, then submit again.",
-                    "rate_limit_error",
-                    retry_after=s.queue_retry_after,
-                )
+            raise Refused(
+                429,
+                f"Number of batch requests in the processing queue would exceed your "
+                f"workspace's limit of {s.anthropic_queued_requests or 100_000:,}. Wait for "
+                "batches to end, then submit again.",
+                "rate_limit_error",
+                retry_after=s.queue_retry_after,
+            )
         job = Job(
             id=f"msgbatch_{uuid.uuid4().hex[:24]}",
             endpoint=MESSAGES,

@@ -34,7 +34,7 @@ import json
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -71,6 +71,11 @@ class Settings:
         anthropic_queued_requests: the most requests message batches still processing may hold
             (0: no limit); past it a create is refused with 429, as Anthropic's.
         queue_retry_after: the seconds that 429 asks to wait (``retry-after``).
+        refuse_creates: the first creates of batches refused for want of queue room, whatever
+            the queue holds, each as its provider refuses one past its queue (OpenAI:
+            ``token_limit_exceeded``; Anthropic, Gemini, Vertex: 429; Bedrock:
+            ``ServiceQuotaExceededException``). Every create request counts, a client's own
+            retries too.
     """
 
     processing_delay: float = 0.0
@@ -88,6 +93,7 @@ class Settings:
     openai_enqueued_tokens: int = 0
     anthropic_queued_requests: int = 0
     queue_retry_after: float = 1.0
+    refuse_creates: int = 0
 
     def __post_init__(self) -> None:
         for name in ("error_rate", "expire_rate"):
@@ -112,9 +118,17 @@ class Settings:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("openai_enqueued_tokens", "anthropic_queued_requests"):
+        for name in ("openai_enqueued_tokens", "anthropic_queued_requests", "refuse_creates"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
+
+    def refuses(self, counts: MutableMapping[str, int]) -> bool:
+        """Whether a create is refused by ``refuse_creates``: counted in ``counts`` under
+        ``queue_refused`` when it is."""
+        if counts.get("queue_refused", 0) >= self.refuse_creates:
+            return False
+        counts["queue_refused"] = counts.get("queue_refused", 0) + 1
+        return True
 
     def argv(self) -> list[str]:
         """These settings as options of ``python -m examples.llm_batch.provider``."""

@@ -165,6 +165,8 @@ class OpenAIBatchAPI:
         enqueued = sum(prompt_tokens(b) for _, b in requests)
         if not problems and self.settings.openai_enqueued_tokens:
             problems = self._queue_full(requests, enqueued)
+        if not problems and self.settings.refuses(self.counts):
+            problems = _token_limit(_model_of(requests), 2_000_000)
         job = Job(
             id=f"batch_{uuid.uuid4().hex[:24]}",
             endpoint=endpoint,
@@ -188,17 +190,12 @@ class OpenAIBatchAPI:
     def _queue_full(self, requests: list[tuple[str, Any]], enqueued: int) -> list[dict[str, Any]]:
         """The validation error of a batch past the enqueued token limit (none if it fits)."""
         limit_ = self.settings.openai_enqueued_tokens
-        model = next((b.get("model") for _, b in requests if isinstance(b, dict)), None)
+        model = _model_of(requests)
         same = [j for j in waiting(self.ledger.batches, self.ledger) if _model(j) == model]
         if sum(j.enqueued for j in same) + enqueued <= limit_:
             return []
         self.counts["queue_refused"] += 1
-        message = (
-            f"Enqueued token limit reached for {model} in organization org-local. Limit: "
-            f"{limit_:,} enqueued tokens. Please try submitting an equal or smaller batch once "
-            "some of your batches have completed."
-        )
-        return [{"code": "token_limit_exceeded", "message": message, "param": None, "line": None}]
+        return _token_limit(model, limit_)
 
     async def _retrieve(self, request: Request) -> Response:
         job = self.ledger.find(self.ledger.batches, request, "batch")
@@ -387,3 +384,17 @@ def _metadata_ok(metadata: Any) -> bool:
 
 def _when(happened: bool, at: float) -> int | None:
     return int(at) if happened else None
+
+
+def _model_of(requests: list[tuple[str, Any]]) -> Any:
+    return next((b.get("model") for _, b in requests if isinstance(b, dict)), None)
+
+
+def _token_limit(model: Any, limit: int) -> list[dict[str, Any]]:
+    """A batch's validation error past the enqueued token limit of ``model``, as OpenAI's."""
+    message = (
+        f"Enqueued token limit reached for {model} in organization org-local. Limit: "
+        f"{limit:,} enqueued tokens. Please try submitting an equal or smaller batch once "
+        "some of your batches have completed."
+    )
+    return [{"code": "token_limit_exceeded", "message": message, "param": None, "line": None}]

@@ -206,7 +206,7 @@ class FakeBedrock:
                 if token is not None and job.token == token:
                     return 200, {"jobArn": job.arn}, None
             active = sum(j.timing.phase(now) not in ENDED for j in self.jobs.values())
-            if active >= self.max_jobs:
+            if active >= self.max_jobs or self.settings.refuses(self.counts):
                 message = (
                     f"You have reached the quota of {self.max_jobs} in-progress and submitted "
                     "batch inference jobs for this model."

@@ -358,7 +358,26 @@ class Fake:
         return JSONResponse(body)
 
     # -- the Gemini API's Batch Mode ---------------------------------------------------------
+    def _queue_full(self, vertex: bool) -> JSONResponse | None:
+        """The 429 of a create refused by ``Settings.refuse_creates``, as Google words it for
+        each API (with a ``retryDelay`` of ``queue_retry_after``); None when it is not."""
+        if not self.settings.refuses(self.counts):
+            return None
+        retry = {"@type": "type.googleapis.com/google.rpc.RetryInfo"}
+        retry["retryDelay"] = f"{self.settings.queue_retry_after:g}s"
+        message = (
+            "Quota exceeded for aiplatform.googleapis.com/concurrent_batch_prediction_jobs: "
+            "the project's limit of 8 concurrent batch prediction jobs."
+            if vertex
+            else "You have reached the limit of 100 concurrent batch jobs. Wait for some to "
+            "end, then submit again."
+        )
+        return _error(429, "RESOURCE_EXHAUSTED", message, details=[retry])
+
     def _gemini_create(self, body: dict[str, Any], model: str) -> JSONResponse:
+        refused = self._queue_full(vertex=False)
+        if refused is not None:
+            return refused
         batch = body["batch"]
         source = batch["inputConfig"]
         inline = "requests" in source
@@ -445,6 +464,9 @@ class Fake:
         return GCSFileSystem(**self.storage_options, skip_instance_cache=True)
 
     def _vertex_create(self, body: dict[str, Any], parent: str) -> JSONResponse:
+        refused = self._queue_full(vertex=True)
+        if refused is not None:
+            return refused
         source = body["inputConfig"]
         if "gcsSource" not in source or "gcsDestination" not in body.get("outputConfig", {}):
             return _error(400, "INVALID_ARGUMENT", "the fake takes Cloud Storage jobs only")

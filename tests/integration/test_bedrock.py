@@ -19,7 +19,6 @@ import pytest
 from conftest import make_bucket
 from helpers import bedrock_defs
 from helpers.bedrock_fake import FakeBedrock, serve
-from helpers.jobs import step_error
 
 from checkpoint_assets.engine import Checkpoint, open_store
 from checkpoint_assets.resources.bedrock import BedrockResource
@@ -133,21 +132,17 @@ def test_a_hybrid_run_past_its_deadline_pays_for_each_stored_row_once(
         print(f"\nbedrock hybrid past its deadline: stored={stored.height} {counted}")  # with -s
 
 
-def test_a_job_refused_for_want_of_room_stops_the_run_and_the_next_run_creates_it(
+def test_a_job_refused_for_want_of_room_waits_and_the_same_run_creates_it(
     s3_server: str, tmp_path: Any
 ) -> None:
-    with serve(s3_server, max_jobs=0) as fake:
+    with serve(s3_server, Settings(refuse_creates=1)) as fake:
         world = Bedrock(fake, s3_server, str(tmp_path / "checkpoints"))
-        refused = world.materialize(500, 1, "0-of-1", raise_on_error=False)
-        assert not refused.success
-        said = step_error(refused)
-        assert "BedrockQueueFullError" in said and "Bedrock refused the batch job" in said
-        assert "for want of room" in said and "Service Quotas" in said
-        fake.max_jobs = 20
-        assert world.materialize(500, 1, "0-of-1").success
+        assert world.materialize(500, 1, "0-of-1").success  # no red run for want of room
         counted = fake.stats()
-        assert counted["jobs"] == 1 and counted["paid"] == counted["rows_paid"] == 500
-        assert world.stored("0-of-1").height == 500
+        assert fake.calls["create"] == 2 and counted["jobs"] == 1  # refused, then created
+        assert counted["paid"] == counted["rows_paid"] == 500
+        stored = world.stored("0-of-1")
+        assert stored.height == 500 and stored.get_column("_error").null_count() == 500
 
 
 def test_credentials_are_never_logged(

@@ -194,6 +194,23 @@ def ticking(clock: ManualClock) -> Iterator[None]:
         thread.join()
 
 
+# Every create refused at first, a client's own retries too (they retry a 429 up to 5 times).
+@pytest.mark.provider(refuse_creates=6, queue_retry_after=0.05)
+def test_a_refusal_for_queue_room_is_no_failed_row_and_no_attempt_and_the_run_waits(
+    setup: Setup,
+) -> None:
+    result = setup.materialize(setup.asset())
+    assert result.success, step_error(result)  # the run waited for room, then submitted
+    stored = setup.stored_once()
+    assert stored.get_column("_error").null_count() == stored.height  # no failed row
+    assert stored.get_column("_attempts").unique().to_list() == [1]  # a refusal is no attempt
+    setup.answered_by_row(stored)
+    setup.paid_once()
+    assert setup.fake.counts()["processed"] == setup.df.height  # each row paid once
+    meta = stats(result)
+    assert meta["submissions_refused"] >= 1  # refused as QueueFull, not failed
+
+
 @pytest.mark.provider(rows=2_000, processing_delay=0.2)
 def test_a_shard_is_submitted_once_and_each_result_is_stored_on_its_own_row(
     setup: Setup,
