@@ -79,9 +79,9 @@ class OpenAIResource(EndpointResource):
         default=None,
         gt=0,
         description="Provider batches: the most input tokens your organization may have "
-        "waiting in OpenAI's batch queue for `model` (the Batch API's enqueued token limit of "
-        "your tier, such as 2,000,000). Shards submit no more than this between them. Unset, "
-        "the limit is learned from OpenAI's first refusal, which states it.",
+        "waiting in the batch queue for `model` (OpenAI's enqueued token limit of your tier, "
+        "such as 2,000,000; on Azure, the batch deployment's). Shards submit no more than this "
+        "between them. Unset, the limit is learned from the first refusal, which states it.",
     )
 
     batch_completion_window: str = Field(
