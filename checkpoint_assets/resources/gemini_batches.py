@@ -77,6 +77,7 @@ INLINE_MAX_BYTES: Final = 20 * 1000 * 1000
 GEMINI_LIMITS: Final = Limits(max_requests=50_000, max_bytes=2 * 1000 * 1000 * 1000)
 # Vertex AI's batch prediction for Gemini: 200,000 requests and a 1 GB input file per job.
 VERTEX_LIMITS: Final = Limits(max_requests=200_000, max_bytes=1000 * 1000 * 1000)
+_CLIENT_RETRIES: Final = (408, 429, 500, 502, 503, 504)  # google-genai's default retried codes
 _RETRY_INFO: Final = "type.googleapis.com/google.rpc.RetryInfo"
 KEY_LABEL: Final = "checkpoint_assets_id"  # the label carrying a Vertex request's custom_id
 # A limit a 429's message states ("Limit: 100 concurrent batch jobs", "2,000,000 tokens").
@@ -272,6 +273,15 @@ class _Jobs:
         from google.genai import types
 
         config = types.CreateBatchJobConfig(display_name=tag, dest=dest)
+        retry = self.client._api_client._http_options.retry_options
+        if retry is not None:
+            # A 429 on create is a full queue: it reaches the shard at once (``QueueFull``, with
+            # the retryDelay Google asks), instead of being retried by the client for a minute.
+            codes = [c for c in retry.http_status_codes or _CLIENT_RETRIES if c != 429]
+            options = types.HttpOptions(
+                retry_options=retry.model_copy(update={"http_status_codes": codes})
+            )
+            config.http_options = options
         try:
             job = self.client.batches.create(model=self.model, src=src, config=config)
         except Exception as e:
