@@ -247,3 +247,34 @@ def test_a_request_gemini_cannot_take_is_a_clear_error_before_anything_is_sent(
     assert not result.success
     assert "fields that a GenerateContentRequest does not have: ['messages']" in step_error(result)
     assert setup.fake.snapshot().get("creates", 0) == 0
+
+
+@pytest.mark.parametrize(
+    ("message", "kind", "limit"),
+    [
+        ("You have reached the limit of 100 concurrent batch jobs.", "concurrent_jobs", 100),
+        (
+            "Enqueued token limit: 2,000,000 tokens for gemini-2.5-flash",
+            "enqueued_tokens",
+            2_000_000,
+        ),
+        ("Quota exceeded: limit of 8 concurrent batch prediction jobs.", "concurrent_jobs", 8),
+        ("Resource has been exhausted (e.g. check quota).", "concurrent_jobs", None),
+    ],
+)
+def test_a_429_on_create_is_a_full_queue_with_its_kind_limit_and_retry_delay(
+    message: str, kind: str, limit: int | None
+) -> None:
+    from google.genai import errors
+
+    from checkpoint_assets.engine.providers.submissions import QueueFull
+    from checkpoint_assets.resources.gemini_batches import _queue_full
+
+    retry = {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "37s"}
+    body = {"error": {"code": 429, "message": message, "status": "RESOURCE_EXHAUSTED"}}
+    body["error"]["details"] = [retry]
+    refusal = _queue_full(errors.ClientError(429, body), "gemini-test")
+    assert isinstance(refusal, QueueFull)
+    assert refusal.kind == kind and refusal.retry_after == 37.0
+    assert refusal.stated == ({kind: limit} if limit else {})
+    assert not isinstance(_queue_full(errors.ClientError(400, body), "m"), QueueFull)
