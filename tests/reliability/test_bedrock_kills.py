@@ -4,8 +4,10 @@ after the create and during the download runs each row once and stores each row 
 Each killed shard is a real Dagster materialization in a child process
 (``helpers/bedrock_kill_child.py``) against the fake of Bedrock (``helpers/bedrock_fake.py``),
 S3 on moto's server; then every shard is materialized again in the test's process. The fake
-counts every record it ran by row: none twice. ``BEDROCK_KILL_ROWS`` sets the rows (4,000 by
-default; the docs' figure is of 20,000)."""
+counts every record it ran by row: none twice. It runs when ``BEDROCK_KILL_ROWS`` sets the rows
+(the docs' figure is of 20,000): the provider contract suite already kills a Bedrock shard at
+each of these points in every run of the tests (``test_provider_kills.py``), and this 4-shard
+backfill of child processes is the figure's, too slow for every run."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 
 import dagster as dg
 import polars as pl
+import pytest
 from conftest import make_bucket
 from helpers import bedrock_defs
 from helpers.bedrock_fake import serve
@@ -30,10 +33,14 @@ SHARDS = 4
 POINTS = ("after_upload", "after_create", "downloading")
 
 
+@pytest.mark.skipif(
+    "BEDROCK_KILL_ROWS" not in os.environ,
+    reason="the docs' figure: BEDROCK_KILL_ROWS=20000 (test_provider_kills.py has the points)",
+)
 def test_a_backfill_killed_after_upload_create_and_during_download_runs_each_row_once(
     s3_server: str, tmp_path: Any
 ) -> None:
-    rows = int(os.environ.get("BEDROCK_KILL_ROWS", "4000"))
+    rows = int(os.environ["BEDROCK_KILL_ROWS"])
     base_dir = str(tmp_path / "checkpoints")
     bucket = make_bucket(s3_server)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
