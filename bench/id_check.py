@@ -27,7 +27,8 @@ from collections.abc import Callable
 import polars as pl
 
 from checkpoint_assets.engine.storage import open_store
-from checkpoint_assets.integration.store.source import ShardRows, ids_refused, store_output
+from checkpoint_assets.integration.store.source import ShardRows
+from checkpoint_assets.integration.store.stored import ids_refused, store_output
 
 
 def _best(fn: Callable[[], object], repeat: int) -> float:

@@ -26,7 +26,8 @@ from checkpoint_assets.resources.gemini_batches import retry_delay_seconds
 if TYPE_CHECKING:
     from google import genai
 
-    from checkpoint_assets.resources.gemini_batches import GeminiBatches, VertexBatches
+    from checkpoint_assets.resources.gemini_batches import GeminiBatches
+    from checkpoint_assets.resources.vertex_batches import VertexBatches
 
 __all__ = ["GeminiRateLimitedError", "GeminiResource"]
 
@@ -283,8 +284,10 @@ class GeminiResource(dg.ConfigurableResource):
         # which plain JSONL files do not need.
         from gcsfs.core import GCSFileSystem
 
+        from checkpoint_assets.resources.vertex_batches import VertexBatches
+
         filesystem = GCSFileSystem(**self.storage_options)
-        return gb.VertexBatches(
+        return VertexBatches(
             client,
             self.model,
             self.gcs_prefix,

@@ -61,25 +61,15 @@ if TYPE_CHECKING:
     from google import genai
     from google.genai import types
 
-__all__ = [
-    "GEMINI_LIMITS",
-    "INLINE_MAX_BYTES",
-    "KEY_LABEL",
-    "VERTEX_LIMITS",
-    "GeminiBatches",
-    "VertexBatches",
-]
+__all__ = ["GEMINI_LIMITS", "INLINE_MAX_BYTES", "GeminiBatches", "Jobs"]
 
 #: Google's limit of a Batch Mode create whose requests go inline; larger ones go as a file.
 INLINE_MAX_BYTES: Final = 20 * 1000 * 1000
 # The Gemini API's input file may hold 2 GB; it states no count of requests, so a submission
 # holds at most 50,000, which keeps one download of its results a few hundred MB at most.
 GEMINI_LIMITS: Final = Limits(max_requests=50_000, max_bytes=2 * 1000 * 1000 * 1000)
-# Vertex AI's batch prediction for Gemini: 200,000 requests and a 1 GB input file per job.
-VERTEX_LIMITS: Final = Limits(max_requests=200_000, max_bytes=1000 * 1000 * 1000)
 _CLIENT_RETRIES: Final = (408, 429, 500, 502, 503, 504)  # google-genai's default retried codes
 _RETRY_INFO: Final = "type.googleapis.com/google.rpc.RetryInfo"
-KEY_LABEL: Final = "checkpoint_assets_id"  # the label carrying a Vertex request's custom_id
 # A limit a 429's message states ("Limit: 100 concurrent batch jobs", "2,000,000 tokens").
 _STATED: Final = re.compile(
     r"(\d[\d,]*)\s+(?:enqueued\s+|concurrent\s+)?(?:tokens|batch|jobs)", re.IGNORECASE
@@ -171,7 +161,7 @@ def response_body(response: types.GenerateContentResponse) -> dict[str, Any]:
     return body
 
 
-def _error(custom: str, error: Any) -> Result:
+def error_result(custom: str, error: Any) -> Result:
     """A request's error (a ``google.rpc.Status`` dict or a message) as a ``Result``."""
     if isinstance(error, Mapping):
         code, status = error.get("code"), error.get("status") or ""
@@ -182,7 +172,7 @@ def _error(custom: str, error: Any) -> Result:
     return Result(custom, None, text, retry=any(w in text for w in _TRANSIENT_WORDS))
 
 
-def _since(created: datetime | None, since: float) -> bool:
+def created_since(created: datetime | None, since: float) -> bool:
     return created is None or created.timestamp() >= since
 
 
@@ -246,7 +236,7 @@ def retry_delay_seconds(details: Any) -> float | None:
     return None
 
 
-class _Jobs:
+class Jobs:
     """What both backends share: poll, cancel, create with the queue's refusal said, and the
     queue (``queue``): one per API, endpoint, key or project, and model. ``concurrent_jobs`` is
     the most batch jobs the model may have at once, when known."""
@@ -296,7 +286,7 @@ class _Jobs:
         self.client.batches.cancel(name=batch_id)
 
 
-class GeminiBatches(_Jobs):
+class GeminiBatches(Jobs):
     """The Gemini API's Batch Mode for ``model``: inline below ``inline_max_bytes``, else a
     JSONL file through the Files API."""
 
@@ -354,9 +344,9 @@ class GeminiBatches(_Jobs):
         while True:
             jobs = list(pager.page)
             for job in jobs:
-                if job.display_name == tag and _since(job.create_time, since):
+                if job.display_name == tag and created_since(job.create_time, since):
                     return job.name
-            if not jobs or all(not _since(j.create_time, since) for j in jobs):
+            if not jobs or all(not created_since(j.create_time, since) for j in jobs):
                 return None
             try:
                 pager.next_page()
@@ -371,7 +361,7 @@ class GeminiBatches(_Jobs):
         for inlined in dest.inlined_responses or []:
             custom = str((inlined.metadata or {}).get("key"))
             if inlined.error is not None:
-                yield _error(custom, inlined.error.model_dump(exclude_none=True))
+                yield error_result(custom, inlined.error.model_dump(exclude_none=True))
             elif inlined.response is not None:
                 yield Result(custom, response_body(inlined.response))
         if dest.file_name:
@@ -394,82 +384,8 @@ def _line_result(line: Mapping[str, Any]) -> Result:
     """One line of a Batch Mode responses file: ``{"key", "response"}`` or ``{"key", "error"}``."""
     custom = str(line.get("key"))
     if line.get("error"):
-        return _error(custom, line["error"])
+        return error_result(custom, line["error"])
     response = line.get("response")
     if not isinstance(response, dict):
         return Result(custom, None, f"no response in the responses file's line: {line!r}")
-    return Result(custom, response)
-
-
-class VertexBatches(_Jobs):
-    """Vertex AI batch prediction for ``model``, its files under ``gcs_prefix`` (``gs://``) on
-    ``filesystem`` (a ``gcsfs`` file system)."""
-
-    def __init__(
-        self,
-        client: genai.Client,
-        model: str,
-        gcs_prefix: str,
-        filesystem: Any,
-        defaults: Mapping[str, Any] | None = None,
-        limits: Limits = VERTEX_LIMITS,
-        *,
-        concurrent_jobs: int | None = None,
-    ) -> None:
-        super().__init__(client, model, defaults or {}, concurrent_jobs)
-        self.gcs_prefix = gcs_prefix.rstrip("/")
-        self.fs = filesystem
-        self.limits = limits
-
-    def _line(self, request: Request) -> bytes:
-        body = with_defaults(checked(request.body), self.defaults)
-        body["labels"] = {**(body.get("labels") or {}), KEY_LABEL: request.custom_id}
-        return json.dumps({"request": body}, separators=(",", ":")).encode() + b"\n"
-
-    def size(self, request: Request) -> int:
-        return len(self._line(request))
-
-    def upload(self, requests: Sequence[Request], tag: str) -> str:
-        uri = f"{self.gcs_prefix}/{tag}/input.jsonl"
-        with self.fs.open(uri, "wb") as f:
-            for r in requests:
-                f.write(self._line(r))
-        return uri
-
-    def create(self, requests: Sequence[Request], upload: str | None, tag: str) -> str:
-        if upload is None:
-            upload = self.upload(requests, tag)
-        dest = f"{self.gcs_prefix}/{tag}/output"
-        return self._create(upload, tag, dest)
-
-    def find(self, tag: str, since: float) -> str | None:
-        listed = self.client.batches.list(config={"filter": f'display_name="{tag}"'})
-        for job in listed:
-            if job.display_name == tag and _since(job.create_time, since):
-                return job.name
-        return None
-
-    def results(self, batch_id: str) -> Iterator[Result]:
-        job = self.client.batches.get(name=batch_id)
-        directory = job.output_info.gcs_output_directory if job.output_info else None
-        if not directory:
-            return  # nothing was written: no request ran
-        for path in sorted(self.fs.glob(f"{directory.rstrip('/')}/predictions*.jsonl")):
-            with self.fs.open(path, "rb") as f:
-                for raw in f:
-                    if raw.strip():
-                        yield _prediction(json.loads(raw))
-
-
-def _prediction(line: Mapping[str, Any]) -> Result:
-    """One line of Vertex's predictions: the request as sent, its ``response`` and ``status``
-    (empty on success, the error's words otherwise)."""
-    request = line.get("request") or {}
-    custom = str((request.get("labels") or {}).get(KEY_LABEL))
-    status = line.get("status")
-    if status:
-        return _error(custom, status)
-    response = line.get("response")
-    if not isinstance(response, dict):
-        return Result(custom, None, f"no response in the prediction line: {line!r}")
     return Result(custom, response)

@@ -41,7 +41,8 @@ from checkpoint_assets.engine.storage.base import Usage
 from checkpoint_assets.integration import metadata as md
 from checkpoint_assets.integration.store import source
 from checkpoint_assets.integration.store.base_dir import default_base_dir
-from checkpoint_assets.integration.store.source import scan_result, store_output, user_columns
+from checkpoint_assets.integration.store.source import scan_result, user_columns
+from checkpoint_assets.integration.store.stored import ids_refused, store_output
 
 if TYPE_CHECKING:
     from dagster_aws.s3 import S3Resource
@@ -236,7 +237,7 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
 
     def ids_checked(self, source_key: dg.AssetKey) -> bool:
         """Whether the source just loaded was found, when it was stored, to hold no null or
-        duplicated id of the checkpointed asset loading it (``source.ids_refused``)."""
+        duplicated id of the checkpointed asset loading it (``stored.ids_refused``)."""
         return source_key in self._ids_checked
 
     def _check_stored_ids(
@@ -246,7 +247,7 @@ class CheckpointIOManager(dg.ConfigurableIOManager):
         self._ids_checked.discard(context.asset_key)
         for key in keys:
             path = self.output_path(store, context.asset_key, key)
-            if source.ids_refused(store, path, id_column) != 0:
+            if ids_refused(store, path, id_column) != 0:
                 return
         self._ids_checked.add(context.asset_key)
 
