@@ -119,6 +119,7 @@ class ProviderRun(Collecting):
             self._ended,
         )
         self.checkpoint_name = self.sink.checkpoint.name
+        self.queue.forget_unsent(self.checkpoint_name)  # a stopped run's claims
         self.backlog = []  # rows without room yet wait here
         self.room_at = 0.0
         self.tokens_per_row = None

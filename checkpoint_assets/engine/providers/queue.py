@@ -198,6 +198,14 @@ class SharedQueue:
         claim.batch_id = batch_id
         self.store.put(self._path(claim.tag), _dump(claim))
 
+    def forget_unsent(self, checkpoint: str) -> None:
+        """Delete ``checkpoint``'s claims whose batch was never recorded. Only the run holding a
+        checkpoint's lock claims room for it, so when that run starts such a claim is a stopped
+        run's, and would keep the room from the run that sends its rows again; a submission the
+        run re-attaches is claimed again (``hold``)."""
+        mine = [c for c in self.claims() if c.checkpoint == checkpoint and c.batch_id is None]
+        self.store.delete([self._path(c.tag) for c in mine])
+
     def release(self, tag: str) -> None:
         self.store.delete([self._path(tag)])
 
