@@ -233,10 +233,11 @@ def main() -> int:
     _say(f"3/3 summary: done in {time.monotonic() - t0_summary:.1f} s")
     elapsed = time.monotonic() - t0
 
-    # A run of several shards reports their sums on each shard's materialization: one row per run.
+    # Each shard's materialization reports its own rows: one row per run, the sum of its shards.
     keys = SHARDS.get_partition_keys()
+    counts = ("rows_total", "rows_computed", "rows_resumed", "rows_failed")
     by_run: dict[str, list[str]] = {}
-    metadata: dict[str, dict[str, object]] = {}
+    sums: dict[str, dict[str, int]] = {}
     for key in keys:
         found = instance.fetch_materializations(
             dg.AssetRecordsFilter(asset_key=ASSET, asset_partitions=[key]), limit=1
@@ -245,14 +246,17 @@ def main() -> int:
         if event is None or found[0].run_id not in {r.run_id for r in runs}:
             continue  # the shard did not materialize in this backfill
         by_run.setdefault(found[0].run_id, []).append(key)
-        metadata[found[0].run_id] = {k: v.value for k, v in event.metadata.items()}
-    counts = ("rows_total", "rows_computed", "rows_resumed", "rows_failed")
+        run_sums = sums.setdefault(found[0].run_id, dict.fromkeys(counts, 0))
+        for k in counts:
+            value = event.metadata.get(k)
+            if isinstance(value, dg.IntMetadataValue):
+                run_sums[k] += value.value or 0
     table = pl.DataFrame(
         [
             {
                 "run": run_id[:8],
                 "shards": f"{shards[0]} to {shards[-1]}" if len(shards) > 1 else shards[0],
-                **{k: metadata[run_id].get(k, 0) for k in counts},
+                **sums[run_id],
             }
             for run_id, shards in by_run.items()
         ],

@@ -21,7 +21,7 @@ from helpers.row_groups import groups_read, overlapping_groups
 from checkpoint_assets import CheckpointIOManager, checkpointed_asset, shard_partitions
 from checkpoint_assets.engine.checkpoints.parquet import watermark
 from checkpoint_assets.engine.rows import CURRENT
-from checkpoint_assets.integration.store.source import ROW_GROUP_ROWS
+from checkpoint_assets.engine.sharding.keyed import ROW_GROUP_ROWS
 
 ROWS = 6 * ROW_GROUP_ROWS + 1000  # seven row groups
 

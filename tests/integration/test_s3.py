@@ -16,6 +16,7 @@ import subprocess
 import sys
 import urllib.request
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,15 +165,20 @@ def test_a_ranged_run_reports_the_requests_the_server_served_for_its_shards(
         [job.source, job.asset], instance=job.instance, resources=job.resources(), tags=tags
     )
 
-    first, *_ = result.asset_materializations_for_node(ASSET)  # each shard's: the run's
-    reported = {
-        key.removeprefix("storage_requests/").upper(): value.value
-        for key, value in first.metadata.items()
-        if key.startswith("storage_requests/") and value.value
-    }
+    shards = result.asset_materializations_for_node(ASSET)  # each shard's own requests
+    assert [m.partition for m in shards] == ["0-of-4", "1-of-4", "2-of-4"]
+    reported: Counter[str] = Counter()
+    for shard in shards:
+        requests = {
+            key.removeprefix("storage_requests/").upper(): value.value
+            for key, value in shard.metadata.items()
+            if key.startswith("storage_requests/")
+        }
+        assert requests["PUT"] > 0, shard.partition  # each shard counts its own writes
+        reported.update(requests)
     served = moto_s3.requests(_bucket(storage))
     del served["BUCKET PUT"]
-    assert dict(served) == reported  # three shards' requests, each counted once
+    assert dict(served) == dict(+reported)  # the three shards' requests, each counted once
 
 
 def test_a_large_file_goes_up_in_parts_of_16_mib_each_request_counted(
