@@ -46,10 +46,10 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and ``examples`
 
 import polars as pl
 
-from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 from checkpoint_assets.engine.errors import BatchesPendingError, TooManyFailuresError
 from checkpoint_assets.engine.providers.job import ProviderJob
-from checkpoint_assets.engine.providers.provider_batches import ProviderRun
+from checkpoint_assets.engine.providers.provider_batches import provider_loop
 from checkpoint_assets.engine.providers.submission_records import Records
 from checkpoint_assets.engine.providers.submissions import State
 from examples.llm_batch.jobs import Settings as ProviderSettings
@@ -101,12 +101,11 @@ def shard_main(args: argparse.Namespace) -> None:
     pending, failed, entered = False, 0, time.time()
     try:
         _, run_stats = run(
-            job,
+            provider_loop(job),
             inputs,
             checkpoint,
             settings,
             job={"bench": 1},
-            context=RunContext(loop=ProviderRun),
         )
         computed = run_stats.rows_computed
     except BatchesPendingError:

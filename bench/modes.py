@@ -28,9 +28,9 @@ import polars as pl
 
 from bench.batches import ID, TEXT, parse, request
 from checkpoint_assets import OpenAIResource
-from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 from checkpoint_assets.engine.providers.job import Mode, ProviderJob
-from checkpoint_assets.engine.providers.provider_batches import ProviderRun
+from checkpoint_assets.engine.providers.provider_batches import provider_loop
 from examples.llm_batch import jobs
 from examples.llm_batch.online import serve
 
@@ -62,12 +62,11 @@ def one_mode(mode: Mode, rows: pl.DataFrame, delay: float, deadline: float) -> d
         checkpoint = Checkpoint(open_store(base_dir), "bench_modes/default/00-of-1")
         wall, cpu = time.perf_counter(), time.process_time()
         _, stats = run(
-            job,
+            provider_loop(job),
             prepare(rows, settings),
             checkpoint,
             settings,
             job={"bench": 1},
-            context=RunContext(loop=ProviderRun),
         )
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         stored = checkpoint.load(ID).rows

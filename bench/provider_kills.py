@@ -33,14 +33,13 @@ from helpers.provider_cases import CASES, ProviderCase  # noqa: E402
 
 from checkpoint_assets.engine import (  # noqa: E402
     Checkpoint,
-    RunContext,
     Settings,
     open_store,
     prepare,
     run,
 )
 from checkpoint_assets.engine.providers.job import Mode, ProviderJob  # noqa: E402
-from checkpoint_assets.engine.providers.provider_batches import ProviderRun  # noqa: E402
+from checkpoint_assets.engine.providers.provider_batches import provider_loop  # noqa: E402
 from examples.llm_batch import jobs  # noqa: E402
 
 POINTS = ("after_upload", "after_create", "downloading", "none")
@@ -101,12 +100,11 @@ def hybrid(case: ProviderCase, rows: int, root: str) -> dict[str, Any]:
             )
             checkpoint = Checkpoint(open_store(f"{root}/{case.name}-hybrid"), "hybrid/default/all")
             run(
-                job,
+                provider_loop(job),
                 prepare(df, settings),
                 checkpoint,
                 settings,
                 job={"hybrid": 1},
-                context=RunContext(loop=ProviderRun),
             )
         counted = fake.counts()
         online = fake.online()

@@ -41,10 +41,10 @@ if __package__ in (None, ""):
 
 import polars as pl
 
-from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 from checkpoint_assets.engine.errors import BatchesPendingError
 from checkpoint_assets.engine.providers.job import ProviderJob
-from checkpoint_assets.engine.providers.provider_batches import ProviderRun
+from checkpoint_assets.engine.providers.provider_batches import provider_loop
 from checkpoint_assets.engine.providers.submission_records import Records
 from checkpoint_assets.engine.providers.submissions import State
 
@@ -109,12 +109,11 @@ def shard_main(args: argparse.Namespace) -> None:
     out: dict[str, Any] = {"shard": args.shard, "started": started, "red": False}
     try:
         _, stats = run(
-            job,
+            provider_loop(job),
             inputs,
             checkpoint,
             settings,
             job={"bench": 1},
-            context=RunContext(loop=ProviderRun),
         )
         out |= {"finished": True, "queue_wait_s": stats.queue_wait_seconds}
         out |= {"refused": stats.submissions_refused, "failed": stats.rows_failed}

@@ -35,7 +35,7 @@ from bench.batches import ID, TEXT, parse, request
 from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
 from checkpoint_assets.engine.plan import function_fingerprint
 from checkpoint_assets.engine.providers.job import ProviderJob
-from checkpoint_assets.engine.providers.provider_batches import ProviderRun
+from checkpoint_assets.engine.providers.provider_batches import provider_loop
 from examples.llm_batch.provider import serve_process, stats
 
 TEXTS = ("my invoice was charged twice", "the app crashes on start", "hello there")
@@ -68,12 +68,12 @@ def one_run(url: str, base_dir: str, rows: pl.DataFrame, read: Any, name: str) -
     before = stats(url)["submitted"]
     wall, cpu = time.perf_counter(), time.process_time()
     result, run_stats = run(
-        job,
+        provider_loop(job),
         prepare(rows, settings),
         checkpoint,
         settings,
         job={"bench": 1},
-        context=RunContext(loop=ProviderRun, function_fingerprint=printed),
+        context=RunContext(function_fingerprint=printed),
     )
     return {
         "run": name,

@@ -14,9 +14,9 @@ from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 from checkpoint_assets.engine.providers.job import ProviderJob
-from checkpoint_assets.engine.providers.provider_batches import ProviderRun
+from checkpoint_assets.engine.providers.provider_batches import provider_loop
 from checkpoint_assets.engine.settings import RunStats
 from checkpoint_assets.resources.gemini import GeminiResource
 
@@ -54,12 +54,11 @@ def run_shard(
     settings = Settings(id_column="id", input_columns=("body",), progress_seconds=3600.0)
     checkpoint = Checkpoint(open_store(base_dir), name(shard))
     _, stats = run(
-        job,
+        provider_loop(job),
         prepare(tickets(rows, shard), settings),
         checkpoint,
         settings,
         job={"kill": 1},
-        context=RunContext(loop=ProviderRun),
     )
     return stats
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import polars as pl
 
-from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 from checkpoint_assets.engine.providers.job import ProviderJob
-from checkpoint_assets.engine.providers.provider_batches import ProviderRun
+from checkpoint_assets.engine.providers.provider_batches import provider_loop
 from checkpoint_assets.engine.providers.submissions import BatchProvider, Result
 from checkpoint_assets.engine.settings import RunStats
 from helpers.kills import die
@@ -108,12 +108,11 @@ def _run(case: ProviderCase, api: BatchProvider, base_dir: str, rows: int) -> Ru
     df = pl.DataFrame({"id": range(rows), "body": [f"ticket {i}" for i in range(rows)]})
     checkpoint = Checkpoint(open_store(base_dir), NAME)
     _, stats = run(
-        job,
+        provider_loop(job),
         prepare(df, settings),
         checkpoint,
         settings,
         job={"kill": 1},
-        context=RunContext(loop=ProviderRun),
     )
     return stats
 

@@ -20,7 +20,7 @@ from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_stor
 from checkpoint_assets.engine.loop.sink import PartWriter
 from checkpoint_assets.engine.plan import function_fingerprint
 from checkpoint_assets.engine.providers.job import ProviderJob
-from checkpoint_assets.engine.providers.provider_batches import ProviderRun
+from checkpoint_assets.engine.providers.provider_batches import provider_loop
 from checkpoint_assets.engine.settings import RunStats
 from checkpoint_assets.resources.openai_batches import OpenAIBatches
 from helpers.kills import die, parse, request
@@ -76,12 +76,12 @@ def run_shard(
     )
     df = pl.DataFrame({"id": range(rows), "body": [f"ticket {i}" for i in range(rows)]})
     _, stats = run(
-        job,
+        provider_loop(job),
         prepare(df, settings),
         Checkpoint(open_store(base_dir), NAME),
         settings,
         job={"kill": 1},
-        context=RunContext(loop=ProviderRun, function_fingerprint=printed),
+        context=RunContext(function_fingerprint=printed),
     )
     return stats
 

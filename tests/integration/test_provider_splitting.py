@@ -15,9 +15,9 @@ import openai
 import polars as pl
 import pytest
 
-from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
+from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 from checkpoint_assets.engine.providers.job import ProviderJob
-from checkpoint_assets.engine.providers.provider_batches import ProviderRun
+from checkpoint_assets.engine.providers.provider_batches import provider_loop
 from checkpoint_assets.engine.providers.submission_records import Records
 from checkpoint_assets.engine.providers.submissions import BatchProvider, Limits, Request, custom_id
 from checkpoint_assets.resources import anthropic_batches
@@ -88,12 +88,11 @@ def _run(api: Api, adapter: BatchProvider, checkpoint: Checkpoint) -> pl.DataFra
     settings = Settings(id_column="id", input_columns=("body",), progress_seconds=1e9)
     df = pl.DataFrame({"id": range(ROWS), "body": [f"ticket {i}" for i in range(ROWS)]})
     result, _ = run(
-        job,
+        provider_loop(job),
         prepare(df, settings),
         checkpoint,
         settings,
         job={"t": 1},
-        context=RunContext(loop=ProviderRun),
     )
     return result
 

@@ -17,7 +17,8 @@
 
 Here: ``run()`` and ``Run``, the work loop that calls the function. What every
 work loop shares (the hand-over of rows done to the sink, progress, ``close``) is ``ShardRun``'s,
-in shard_run.py; ``provider_batches.ProviderRun`` is the other work loop.
+in shard_run.py. Work that brings its own loop (``provider_batches.ProviderRun``) comes to
+``run()`` as an ``OwnLoop``, which starts that loop in place of ``Run``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from checkpoint_assets.engine.errors import (
     QuotaExhaustedError,
 )
 from checkpoint_assets.engine.loop.lock import Lease
-from checkpoint_assets.engine.loop.shard_run import RunContext, ShardRun
+from checkpoint_assets.engine.loop.shard_run import OwnLoop, RunContext, ShardRun
 from checkpoint_assets.engine.loop.sink import MemorySink, PartWriter, Sink
 from checkpoint_assets.engine.plan.inputs import CONTENT_LO, Prepared, prepare
 from checkpoint_assets.engine.plan.opening import Opened, open_run
@@ -53,11 +54,11 @@ from checkpoint_assets.engine.rows import ERROR, INPUT_HASH
 from checkpoint_assets.engine.settings import RunStats, Settings
 from checkpoint_assets.engine.sharding import hashing
 
-__all__ = ["Prepared", "Run", "RunContext", "prepare", "run"]
+__all__ = ["OwnLoop", "Prepared", "Run", "RunContext", "prepare", "run"]
 
 
 def run(
-    fn: BatchFn | PerRow | Any,  # Any: what ``context.loop`` takes
+    fn: BatchFn | PerRow | OwnLoop,
     inputs: Prepared,
     checkpoint: Checkpoint | None,
     settings: Settings,
@@ -68,12 +69,13 @@ def run(
     """Run ``fn`` over ``inputs`` (from ``prepare()``) with resume and checkpointing.
 
     ``fn`` takes a frame of rows, or one row as a dict when wrapped in :class:`PerRow` (one row
-    per call then: ``batch_size`` must be unset or 1).
+    per call then: ``batch_size`` must be unset or 1). An :class:`OwnLoop` (a provider job,
+    ``provider_batches.provider_loop``) starts its own work loop instead of ``Run``.
     Returns the result (id, outputs, ``_error``; one row per input id) and the run's stats.
     With ``checkpointing`` off, ``checkpoint`` is ignored and nothing is read or written.
     ``job``: the settings that change results (their fingerprint identifies the job).
     ``context``: where and how the shard runs (its rule, lock watch, log, global resume rows,
-    function fingerprint, spend, work loop; see :class:`RunContext`). Rows ``imported`` whose
+    function fingerprint, spend, result store; see :class:`RunContext`). Rows ``imported`` whose
     id and input hash match a row of ``inputs`` are copied into this checkpoint and skipped.
     The checkpoint may hold another function fingerprint under the same job. The run then
     warns (once its stored results are reused) and reports it in ``stats``. When the run
@@ -101,7 +103,7 @@ def run(
 class _Shard:
     """One shard's run, up to its work loop: the lock, the opening and the sink."""
 
-    fn: BatchFn | PerRow | Any
+    fn: BatchFn | PerRow | OwnLoop
     inputs: Prepared
     settings: Settings
     job: Mapping[str, Any]
@@ -171,9 +173,12 @@ class _Shard:
         )
 
     def _work(self, opened: Opened, sink: Sink) -> tuple[pl.DataFrame, RunStats]:
-        work: type[ShardRun] = self.context.loop or Run
-        shard = work(self.fn, self.inputs, self.settings, opened, sink, self.stats, self.context)
-        return shard.execute()
+        loop: ShardRun
+        if isinstance(self.fn, OwnLoop):
+            loop = self.fn.start(self.inputs, self.settings, opened, sink, self.stats, self.context)
+        else:
+            loop = Run(self.fn, self.inputs, self.settings, opened, sink, self.stats, self.context)
+        return loop.execute()
 
 
 def _one_row_per_call(settings: Settings, label: str) -> Settings:
@@ -192,6 +197,19 @@ class Run(ShardRun):
     rows done to the sink when a flush is due."""
 
     suspect: list[pl.DataFrame]  # failures that an outage may still disown
+
+    def __init__(
+        self,
+        fn: BatchFn | PerRow,
+        prepared: Prepared,
+        settings: Settings,
+        opened: Opened,
+        sink: Sink,
+        stats: RunStats,
+        context: RunContext,
+    ) -> None:
+        super().__init__(prepared, settings, opened, sink, stats, context)
+        self.fn = fn
 
     def work(self, todo: pl.DataFrame) -> CheckpointError | None:
         """Process ``todo``; returns why the shard stopped early, or None."""

@@ -2,7 +2,8 @@
 
 A work loop subclasses :class:`ShardRun` and writes ``work``. There are two:
 ``runner.Run`` calls the user's function, and ``provider_batches.ProviderRun`` goes through a
-provider's batch API. The rest is here. ``execute()`` runs these steps in order:
+provider's batch API. Work that brings its own loop reaches ``runner.run()`` as an
+:class:`OwnLoop`, which starts it. The rest is here. ``execute()`` runs these steps in order:
 
 1. ``work(todo)``, inside SIGTERM-as-Ctrl-C. This is the loop. Its rows done go to ``pending``
    and ``pending_failed``. Then ``_commit()`` builds them into one frame and checks their output
@@ -24,7 +25,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +56,7 @@ class RunContext:
     of the same job (global resume). ``function_fingerprint``: the function's fingerprint
     (``function_fingerprint.py``), compared with the one recorded; None: nothing compared.
     ``spend``: the tally its calls add to (a ranged run's shards share one); None: a new one
-    when the settings have a budget. ``loop``: the work loop, ``runner.Run`` when None.
+    when the settings have a budget.
     ``results``: the result store the shard takes results from and adds its own to (``reuse/``);
     its rows must be prepared with their content key (``prepare(..., content=True)``).
     ``parse``: a request/parse job that keeps its answers has it (``opening.Job.parse``).
@@ -69,7 +70,6 @@ class RunContext:
     imported: pl.DataFrame | None = None
     function_fingerprint: Mapping[str, str] | None = None
     spend: Spend | None = None
-    loop: type[ShardRun] | None = None
     results: ResultStore | None = None
     parse: Parse | None = None
 
@@ -83,6 +83,18 @@ class RunContext:
         return self.label or "checkpoint"
 
 
+@dataclass(frozen=True)
+class OwnLoop:
+    """Work that brings its own work loop, such as a provider job (``provider_batches.py``).
+
+    ``start`` makes the shard's loop from what ``runner.run()`` prepared and opened: the
+    prepared rows, the settings, the opening, the sink, the stats and the context, in the order
+    of :class:`ShardRun`'s arguments. ``runner.run()`` then executes it.
+    """
+
+    start: Callable[[Prepared, Settings, Opened, Sink, RunStats, RunContext], ShardRun]
+
+
 class ShardRun(abc.ABC):
     """One run of one shard, whatever its work loop.
 
@@ -91,7 +103,6 @@ class ShardRun(abc.ABC):
 
     def __init__(
         self,
-        fn: Any,  # what the work loop takes: BatchFn | PerRow (Run), ProviderJob (ProviderRun)
         prepared: Prepared,
         settings: Settings,
         opened: Opened,
@@ -99,7 +110,6 @@ class ShardRun(abc.ABC):
         stats: RunStats,
         context: RunContext,
     ) -> None:
-        self.fn = fn
         self.prepared = prepared
         self.inputs = prepared.keys  # id, input hash, position: the input rows stay where they are
         self.s = settings

@@ -4,7 +4,8 @@ The user's per-row logic is two functions: ``request(row) -> dict`` (the request
 ``parse(body) -> dict`` (output columns, usage columns among them).
 
 :class:`ProviderRun` is a work loop beside :class:`~checkpoint_assets.engine.loop.runner.Run`,
-both a ``ShardRun``. The lock, the plan (what is done, ``retry_failed``, dedupe), the sink's
+both a ``ShardRun``. :func:`provider_loop` hands a job to ``runner.run()`` with this loop. The
+lock, the plan (what is done, ``retry_failed``, dedupe), the sink's
 parts, finalize, usage and the stop rules are the same as for computed rows. It re-attaches
 and ends here; it submits as ``submitting.py`` says and collects as ``collecting.py`` says. Its
 steps:
@@ -65,6 +66,8 @@ them. A kill costs the work of the step that was under way:
 
 from __future__ import annotations
 
+import functools
+
 import polars as pl
 
 from checkpoint_assets.engine.calls.batches import Check
@@ -73,7 +76,10 @@ from checkpoint_assets.engine.errors import (
     BudgetExceededError,
     CheckpointError,
 )
-from checkpoint_assets.engine.loop.sink import PartWriter
+from checkpoint_assets.engine.loop.shard_run import OwnLoop, RunContext
+from checkpoint_assets.engine.loop.sink import PartWriter, Sink
+from checkpoint_assets.engine.plan.inputs import Prepared
+from checkpoint_assets.engine.plan.opening import Opened
 from checkpoint_assets.engine.providers.answers import rederive
 from checkpoint_assets.engine.providers.collecting import Collecting
 from checkpoint_assets.engine.providers.handoff import Handoff
@@ -82,20 +88,38 @@ from checkpoint_assets.engine.providers.queue import Claim, SharedQueue
 from checkpoint_assets.engine.providers.submission_records import Records, Submission
 from checkpoint_assets.engine.providers.submissions import Queue
 from checkpoint_assets.engine.rows import ATTEMPTS
+from checkpoint_assets.engine.settings import RunStats, Settings
 
 _FIND_MARGIN_SECONDS = 600.0  # clocks differ: look for batches created a little before the intent
+
+
+def provider_loop(job: ProviderJob) -> OwnLoop:
+    """``job`` as ``runner.run()`` takes it: its shard runs on :class:`ProviderRun`."""
+    return OwnLoop(functools.partial(ProviderRun, job))
 
 
 class ProviderRun(Collecting):
     """A run whose rows go through a provider's batch API (see the module docstring)."""
 
+    def __init__(
+        self,
+        job: ProviderJob,
+        prepared: Prepared,
+        settings: Settings,
+        opened: Opened,
+        sink: Sink,
+        stats: RunStats,
+        context: RunContext,
+    ) -> None:
+        super().__init__(prepared, settings, opened, sink, stats, context)
+        self.job = job
+
     def work(self, todo: pl.DataFrame) -> CheckpointError | None:
-        if not isinstance(self.fn, ProviderJob) or not isinstance(self.sink, PartWriter):
+        if not isinstance(self.sink, PartWriter):
             raise CheckpointError(
                 f"{self.label}: provider batches need a checkpoint to record their submissions.",
                 "Run with checkpointing on.",
             )
-        self.job = self.fn
         self.stats.mode = self.job.mode.value
         self.provider = self.job.provider
         self.records = Records(self.sink.checkpoint.store, self.sink.checkpoint.files)

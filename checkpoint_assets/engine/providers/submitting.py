@@ -39,8 +39,8 @@ from checkpoint_assets.engine.providers.submissions import (
 class Submitting(ShardRun):
     """Submitting the rows of a provider run (see the module docstring)."""
 
+    job: ProviderJob  # set by ProviderRun.__init__
     # Set by ProviderRun.work before anything is submitted or collected.
-    job: ProviderJob
     provider: BatchProvider
     records: Records
     check: Check

@@ -9,7 +9,6 @@ No ``from __future__ import annotations`` here: Dagster reads the run config's a
 """
 
 import dataclasses
-import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,9 +17,10 @@ import dagster as dg
 from pydantic import Field, model_validator
 
 from checkpoint_assets.engine.fields import required, setting
+from checkpoint_assets.engine.loop.shard_run import OwnLoop
 from checkpoint_assets.engine.plan import function_fingerprint
 from checkpoint_assets.engine.providers.job import Mode, ProviderJob
-from checkpoint_assets.engine.providers.provider_batches import ProviderRun
+from checkpoint_assets.engine.providers.provider_batches import provider_loop
 from checkpoint_assets.engine.providers.submissions import BatchProvider
 from checkpoint_assets.engine.settings import AssetSettings
 from checkpoint_assets.integration import metadata as md
@@ -232,8 +232,11 @@ def provider_batch_asset(
         # The request part, then the parse part (the resources add theirs to the request's).
         code = function_fingerprint.of_function(request) | function_fingerprint.of_parse(a.parse)
         parse = a.parse if a.keep_answers else None  # reads the answers of rows reused
-        bind = functools.partial(_job, a, request)
-        calls = Calls((provider,), code, bind, ProviderRun, ProviderBatchRunConfig, request, parse)
+
+        def bind(context: dg.AssetExecutionContext, config: ProviderBatchRunConfig) -> OwnLoop:
+            return provider_loop(_job(a, request, context, config))
+
+        calls = Calls((provider,), code, bind, ProviderBatchRunConfig, request, parse)
         return define(request, calls, declared, kinds={"polars", "parquet", provider})
 
     return decorator

@@ -9,7 +9,9 @@ from typing import Any
 import dagster as dg
 import polars as pl
 
+from checkpoint_assets.engine.calls.batches import PerRow
 from checkpoint_assets.engine.calls.budget import Spend
+from checkpoint_assets.engine.calls.caller import BatchFn
 from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.checkpoints.layout import DEFAULT_TAG
 from checkpoint_assets.engine.errors import (
@@ -20,7 +22,7 @@ from checkpoint_assets.engine.errors import (
     TooManyFailuresError,
 )
 from checkpoint_assets.engine.loop import runner
-from checkpoint_assets.engine.loop.shard_run import ShardRun
+from checkpoint_assets.engine.loop.shard_run import OwnLoop
 from checkpoint_assets.engine.plan import function_fingerprint
 from checkpoint_assets.engine.plan.estimate import Estimate, Requests, estimate
 from checkpoint_assets.engine.plan.inputs import Inputs, Limited
@@ -64,8 +66,7 @@ class AssetRun:
     config: CheckpointRunConfig
     source: pl.LazyFrame
     keys: list[str | None]
-    call: Any  # the function with its resources, or a ProviderJob
-    loop: type[ShardRun] | None
+    call: BatchFn | PerRow | OwnLoop  # Calls.bind's
     settings: Settings
     job: dict[str, Any]
     printed: dict[str, str]  # the function's fingerprint, its resources' included
@@ -118,7 +119,6 @@ class AssetRun:
             source=source,
             keys=keys,
             call=call,
-            loop=calls.loop,
             settings=settings,
             job=job,
             printed={**calls.code, **function_fingerprint.of_resources(resources)},
@@ -327,7 +327,6 @@ class AssetRun:
             imported=self.imported,
             function_fingerprint=self.printed,
             spend=None if spend is None else spend.spend,
-            loop=self.loop,
             results=self.results,
             parse=self.parse,
         )

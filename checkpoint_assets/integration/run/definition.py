@@ -11,7 +11,9 @@ from typing import Any
 
 import dagster as dg
 
-from checkpoint_assets.engine.loop.shard_run import ShardRun
+from checkpoint_assets.engine.calls.batches import PerRow
+from checkpoint_assets.engine.calls.caller import BatchFn
+from checkpoint_assets.engine.loop.shard_run import OwnLoop
 from checkpoint_assets.engine.settings import Settings
 from checkpoint_assets.integration.run.run_config import CheckpointRunConfig
 
@@ -21,8 +23,8 @@ class Calls:
     """How an asset's rows are computed.
 
     - ``resources``: the resources it needs (their fingerprints join its code's);
-    - ``bind``: what it calls each run (the function with its resources, or a ``ProviderJob``);
-    - ``loop``: the engine's work loop for it (None: ``runner.Run``);
+    - ``bind``: what it calls each run: the function with its resources, or a provider job
+      with its own work loop (``provider_batches.provider_loop``);
     - ``request``: a row's request body, of a request/parse asset (a dry run counts its tokens);
     - ``parse``: a request/parse asset's that keeps its answers; it reads the answers of rows
       taken from the result store.
@@ -30,8 +32,7 @@ class Calls:
 
     resources: tuple[str, ...]
     code: dict[str, str]
-    bind: Callable[[dg.AssetExecutionContext, Any], Any]
-    loop: type[ShardRun] | None = None
+    bind: Callable[[dg.AssetExecutionContext, Any], BatchFn | PerRow | OwnLoop]
     config: type[CheckpointRunConfig] = CheckpointRunConfig
     request: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
     parse: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
