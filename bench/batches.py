@@ -48,7 +48,7 @@ import polars as pl
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 from checkpoint_assets.engine.errors import BatchesPendingError, TooManyFailuresError
-from checkpoint_assets.engine.providers.job import ProviderJob
+from checkpoint_assets.engine.providers.job import ProviderJob, Way
 from checkpoint_assets.engine.providers.provider_batches import provider_loop
 from checkpoint_assets.engine.providers.submission_records import Records
 from checkpoint_assets.engine.providers.submissions import State
@@ -92,7 +92,7 @@ def api(url: str) -> Any:
 def shard_main(args: argparse.Namespace) -> None:
     """One run of one shard; prints its figures as one JSON line."""
     started = time.time()
-    job = ProviderJob(api(args.url), request, parse, args.mode != "submit", 5.0, 30.0)
+    job = ProviderJob(api(args.url), request, parse, Way(wait=args.mode != "submit"), 5.0, 30.0)
     settings = Settings(
         id_column=ID, input_columns=(TEXT,), usage_columns=("prompt_tokens",), progress_seconds=1e9
     )

@@ -29,7 +29,7 @@ import polars as pl
 from bench.batches import ID, TEXT, parse, request
 from checkpoint_assets import OpenAIResource
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
-from checkpoint_assets.engine.providers.job import Mode, ProviderJob
+from checkpoint_assets.engine.providers.job import Mode, ProviderJob, Way
 from checkpoint_assets.engine.providers.provider_batches import provider_loop
 from examples.llm_batch import jobs
 from examples.llm_batch.online import serve
@@ -55,8 +55,7 @@ def one_mode(mode: Mode, rows: pl.DataFrame, delay: float, deadline: float) -> d
             parse,
             poll_seconds=0.2,
             max_poll_seconds=1.0,
-            mode=mode,
-            deadline_seconds=deadline if mode is Mode.hybrid else None,
+            way=Way(mode, deadline if mode is Mode.hybrid else None),
             send=None if mode is Mode.batch else resource.sender(),
         )
         checkpoint = Checkpoint(open_store(base_dir), "bench_modes/default/00-of-1")

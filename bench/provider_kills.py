@@ -38,7 +38,7 @@ from checkpoint_assets.engine import (  # noqa: E402
     prepare,
     run,
 )
-from checkpoint_assets.engine.providers.job import Mode, ProviderJob  # noqa: E402
+from checkpoint_assets.engine.providers.job import Mode, ProviderJob, Way  # noqa: E402
 from checkpoint_assets.engine.providers.provider_batches import provider_loop  # noqa: E402
 from examples.llm_batch import jobs  # noqa: E402
 
@@ -94,8 +94,7 @@ def hybrid(case: ProviderCase, rows: int, root: str) -> dict[str, Any]:
                 case.parse,
                 poll_seconds=0.05,
                 max_poll_seconds=0.2,
-                mode=Mode.hybrid,
-                deadline_seconds=0.5,
+                way=Way(Mode.hybrid, 0.5),
                 send=resource.sender(),
             )
             checkpoint = Checkpoint(open_store(f"{root}/{case.name}-hybrid"), "hybrid/default/all")

@@ -43,7 +43,7 @@ import polars as pl
 
 from checkpoint_assets.engine import Checkpoint, Settings, open_store, prepare, run
 from checkpoint_assets.engine.errors import BatchesPendingError
-from checkpoint_assets.engine.providers.job import ProviderJob
+from checkpoint_assets.engine.providers.job import ProviderJob, Way
 from checkpoint_assets.engine.providers.provider_batches import provider_loop
 from checkpoint_assets.engine.providers.submission_records import Records
 from checkpoint_assets.engine.providers.submissions import State
@@ -99,7 +99,9 @@ def parse(body: dict[str, Any]) -> dict[str, Any]:
 # -- one shard's run (a child process) -------------------------------------------------------
 def shard_main(args: argparse.Namespace) -> None:
     started = time.time()
-    job = ProviderJob(adapter(args.api, args.url), request, parse, args.wait == "true", 0.5, 1.0)
+    job = ProviderJob(
+        adapter(args.api, args.url), request, parse, Way(wait=args.wait == "true"), 0.5, 1.0
+    )
     settings = Settings(id_column=ID, input_columns=(TEXT,), progress_seconds=1e9)
     checkpoint = Checkpoint(open_store(args.base_dir), name(args.shard, args.shards))
     rows = shard_rows(args.shard, args.shards)

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from bench.batches import ID, TEXT, parse, request
 from checkpoint_assets.engine import Checkpoint, RunContext, Settings, open_store, prepare, run
 from checkpoint_assets.engine.plan import function_fingerprint
-from checkpoint_assets.engine.providers.job import ProviderJob
+from checkpoint_assets.engine.providers.job import ProviderJob, Way
 from checkpoint_assets.engine.providers.provider_batches import provider_loop
 from examples.llm_batch.provider import serve_process, stats
 
@@ -62,7 +62,7 @@ def one_run(url: str, base_dir: str, rows: pl.DataFrame, read: Any, name: str) -
     settings = Settings(
         id_column=ID, input_columns=(TEXT,), usage_columns=("prompt_tokens",), progress_seconds=1e9
     )
-    job = ProviderJob(api(url), request, read, True, 0.2, 1.0)
+    job = ProviderJob(api(url), request, read, Way(), 0.2, 1.0)
     printed = function_fingerprint.of_function(request) | function_fingerprint.of_parse(read)
     checkpoint = Checkpoint(open_store(base_dir), "bench_reparse/default/00-of-1")
     before = stats(url)["submitted"]

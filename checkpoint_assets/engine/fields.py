@@ -7,7 +7,7 @@ each is written once, in the engine's dataclass (``Settings``, ``Budget``, ``Pri
 
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import field, fields
 from typing import Any, TypeVar
 
 DOC = "doc"  # the key of a field's meaning in its metadata
@@ -25,3 +25,9 @@ def setting(default: T, doc: str) -> T:
 def required(doc: str) -> Any:
     """A field without a default, and what it means."""
     return field(metadata={DOC: doc})
+
+
+def doc_of(cls: type, name: str) -> str:
+    """The meaning of the field ``name`` of the dataclass ``cls``."""
+    meaning: str = next(f for f in fields(cls) if f.name == name).metadata[DOC]
+    return meaning

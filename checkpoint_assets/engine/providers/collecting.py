@@ -56,7 +56,7 @@ class Collecting(Submitting):
                 else:
                     self._collect(s, status)
             waiting = left
-            if self.backlog and self.job.mode is Mode.hybrid and self.handoff.past_deadline():
+            if self.backlog and self.job.way.mode is Mode.hybrid and self.handoff.past_deadline():
                 # Past the deadline, rows still waiting for queue room go online.
                 ids = [i for keys, _ in self.backlog for i in keys.get_column(self.id).to_list()]
                 self.backlog = []
@@ -76,7 +76,7 @@ class Collecting(Submitting):
             if self.handoff.past_deadline() and self.handoff.cancel(waiting):
                 delay = self.job.poll_seconds  # cancelled batches end soon
             rows = sum(len(s.ids) for s in waiting)
-            if not self.job.wait and self.job.mode is Mode.batch:
+            if not self.job.way.wait and self.job.way.mode is Mode.batch:
                 batches = [s.batch_id or s.tag for s in waiting]
                 due = max((s.created_at for s in waiting), default=None)
                 return BatchesPendingError(
@@ -123,7 +123,7 @@ class Collecting(Submitting):
         seen = [False] * len(s.ids)
         failed: list[_Failed] = []
         transient: list[int] = []  # indexes of requests that failed in a transient way
-        to_online = self.job.mode is not Mode.batch  # rows without a result go online
+        to_online = self.job.way.mode is not Mode.batch  # rows without a result go online
         last = not to_online and s.attempt >= self.s.max_attempts
         if status.state is not State.FAILED:
             for result in self.provider.results(s.batch_id):

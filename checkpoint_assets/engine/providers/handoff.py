@@ -1,4 +1,4 @@
-"""The rows a hybrid or online run takes off the batches and finishes online (``job.Mode``).
+"""The rows a hybrid or online run takes off the batches and finishes online (``job.Way``).
 
 :class:`Handoff` holds the rows gone online, with their calls so far, and the submissions the
 run cancelled. A hybrid run cancels its open submissions at its deadline; an online run cancels
@@ -54,12 +54,12 @@ class Handoff:
         return online.finish(run, asking, keys)
 
     def past_deadline(self) -> bool:
-        if self.job.mode is Mode.online:
+        way = self.job.way
+        if way.mode is Mode.online:
             return True
-        deadline = self.job.deadline_seconds
-        if self.job.mode is not Mode.hybrid or deadline is None:
+        if way.mode is not Mode.hybrid or way.deadline_seconds is None:
             return False
-        return time.monotonic() - self.run.started >= deadline
+        return time.monotonic() - self.run.started >= way.deadline_seconds
 
     def cancel(self, waiting: list[Submission]) -> bool:
         """Ask the provider to cancel the submissions not cancelled yet; whether any was."""
@@ -77,7 +77,7 @@ class Handoff:
                 "%s: %s: cancelled %d provider batch(es); their rows without a result go "
                 "online once each has ended.",
                 run.label,
-                "online" if self.job.mode is Mode.online else "the deadline passed",
+                "online" if self.job.way.mode is Mode.online else "the deadline passed",
                 len(fresh),
             )
         return bool(fresh)

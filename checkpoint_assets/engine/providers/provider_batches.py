@@ -45,7 +45,7 @@ Answers. Each collected row keeps its response body in ``_answer`` (``keep_answe
 with no request (``answers.py``). Finished rows without one keep their outputs unless
 ``recompute_unanswered``.
 
-Modes (``ProviderJob.mode``, ``job.py``): ``hybrid`` and ``online`` hand rows to ``online.py``
+Modes (``Way.mode``, ``job.py``): ``hybrid`` and ``online`` hand rows to ``online.py``
 (``handoff.py``).
 
 No row goes online while a batch that holds it may still answer, so no row is paid twice. A
@@ -120,7 +120,7 @@ class ProviderRun(Collecting):
                 f"{self.label}: provider batches need a checkpoint to record their submissions.",
                 "Run with checkpointing on.",
             )
-        self.stats.mode = self.job.mode.value
+        self.stats.mode = self.job.way.mode.value
         self.provider = self.job.provider
         self.records = Records(self.sink.checkpoint.store, self.sink.checkpoint.files)
         self.check = Check(self.id)
@@ -151,7 +151,7 @@ class ProviderRun(Collecting):
         waiting = [s for s in self.records.load() if s.open and self._attach(s)]
         sent = {i for s in waiting for i in s.ids}
         fresh = todo.filter(~pl.col(self.id).is_in(list(sent))) if sent else todo
-        if self.job.mode is Mode.online:
+        if self.job.way.mode is Mode.online:
             self.handoff.take(self.attempts, fresh.get_column(self.id).to_list())
         elif fresh.height:
             self.backlog.append((fresh, 1))

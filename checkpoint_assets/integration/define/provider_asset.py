@@ -3,23 +3,23 @@ through its batch API, or both (``mode``).
 
 Its arguments are ``ProviderArguments``: those of every checkpointed asset (``CommonArguments``),
 how online calls are made (``AssetSettings``) and the provider's, whose defaults are
-``ProviderJob``'s.
+``ProviderJob``'s. ``mode``, ``deadline`` and ``wait`` take their defaults, meanings and rules
+from ``Way`` (``engine/providers/job.py``), and so does the run config that overrides them.
 
 No ``from __future__ import annotations`` here: Dagster reads the run config's annotations.
 """
 
 import dataclasses
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import dagster as dg
 from pydantic import Field, model_validator
 
-from checkpoint_assets.engine.fields import required, setting
+from checkpoint_assets.engine.fields import doc_of, required, setting
 from checkpoint_assets.engine.loop.shard_run import OwnLoop
 from checkpoint_assets.engine.plan import function_fingerprint
-from checkpoint_assets.engine.providers.job import Mode, ProviderJob
+from checkpoint_assets.engine.providers.job import Mode, ProviderJob, Way
 from checkpoint_assets.engine.providers.provider_batches import provider_loop
 from checkpoint_assets.engine.providers.submissions import BatchProvider
 from checkpoint_assets.engine.settings import AssetSettings
@@ -29,85 +29,34 @@ from checkpoint_assets.integration.define.asset import define
 from checkpoint_assets.integration.run.definition import Calls
 from checkpoint_assets.integration.run.run_config import CheckpointRunConfig
 
-_MODES = ", ".join(m.value for m in Mode)
-_DURATION = re.compile(r"(\d+(?:\.\d*)?)(h|m|s)")
+_LEFT_OUT = "Left out: the asset's."
 
 
-def mode_of(value: Any) -> Mode:
-    """``value`` as a ``Mode``, or a ValueError that lists the modes."""
-    try:
-        return Mode(value)
-    except ValueError:
-        raise ValueError(
-            f"mode must be one of {_MODES}, got {value!r}: online sends each row's request at "
-            "once, batch submits provider batches, hybrid submits batches and finishes online "
-            "after the deadline."
-        ) from None
-
-
-def seconds_of(deadline: Any) -> float | None:
-    """A deadline in seconds: a number of seconds, or a duration such as ``"90s"``, ``"15m"``,
-    ``"1h30m"``; None stays None.
-
-    >>> seconds_of(90), seconds_of("1h30m"), seconds_of("2.5s")
-    (90.0, 5400.0, 2.5)
-    """
-    if deadline is None:
-        return None
-    if isinstance(deadline, int | float) and not isinstance(deadline, bool):
-        seconds = float(deadline)
-    else:
-        text = str(deadline).strip()
-        parts = _DURATION.findall(text)
-        if not parts or "".join(n + u for n, u in parts) != text:
-            try:
-                seconds = float(text)
-            except ValueError:
-                raise ValueError(
-                    f"deadline must be seconds or a duration such as 90s, 15m or 1h30m, got "
-                    f"{deadline!r}."
-                ) from None
-        else:
-            seconds = sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
-    if seconds < 0:
-        raise ValueError(f"deadline must be at least 0 seconds, got {deadline!r}.")
-    return seconds
+def _overridden(name: str) -> str:
+    """The meaning of ``Way``'s field ``name`` as an argument of the asset."""
+    return f"{doc_of(Way, name)} Run config overrides it."
 
 
 class ProviderBatchRunConfig(CheckpointRunConfig):
     """Run config of a request/parse asset: a checkpointed asset's, how to run it (``mode``,
     ``deadline``) and whether to wait."""
 
-    wait: bool | None = Field(
-        default=None,
-        description="Wait for the provider's batches and collect them in this run (true), or "
-        "submit and end, leaving the partition to provider_batches_sensor (false); default: "
-        "the asset's.",
-    )
+    wait: bool | None = Field(default=None, description=f"{doc_of(Way, 'wait')} {_LEFT_OUT}")
     recompute_unanswered: bool = Field(
         default=False,
         description="When parse changed: request again (paid) the finished rows that have no "
         "stored answer (keep_answers off, or stored without one). false: they keep their outputs.",
     )
-    mode: str | None = Field(
-        default=None,
-        description=f"How rows are asked: {_MODES}. online: each row's request sent at once "
-        "through the provider's resource; batch: provider batches; hybrid: batches, then "
-        "online for what the deadline, an expiry or a failure left; default: the asset's.",
-    )
+    mode: str | None = Field(default=None, description=f"{doc_of(Way, 'mode')} {_LEFT_OUT}")
     deadline: Any = Field(
-        default=None,
-        description="hybrid: seconds, or a duration such as 90s, 15m or 1h30m, from the run's "
-        "start; then what is still queued is cancelled and finished online; default: the "
-        "asset's.",
+        default=None, description=f"{doc_of(Way, 'deadline_seconds')} {_LEFT_OUT}"
     )
 
     @model_validator(mode="after")
-    def _mode(self) -> "ProviderBatchRunConfig":
-        # Checked when the step starts, before anything is read or sent.
-        if self.mode is not None:
-            mode_of(self.mode)
-        seconds_of(self.deadline)
+    def _way(self) -> "ProviderBatchRunConfig":
+        # What the run config says alone, checked when the step starts, before anything is read
+        # or sent; over the asset's way in _job.
+        Way.of(self.mode, self.deadline, self.wait)
         return self
 
 
@@ -130,11 +79,7 @@ class ProviderArguments(CommonArguments, AssetSettings):
         "The provider's API path of every request. OpenAI: /v1/chat/completions by default, "
         "/v1/embeddings, /v1/responses. Anthropic: /v1/messages only.",
     )
-    wait: bool = setting(
-        ProviderJob.wait,
-        "Wait for the batches in the run (True), or submit and end (False). Run config wait "
-        "overrides it.",
-    )
+    wait: bool = setting(Way.wait, _overridden("wait"))
     poll_seconds: float = setting(
         ProviderJob.poll_seconds,
         "The first wait between polls of a waiting run, doubled after each poll.",
@@ -142,18 +87,8 @@ class ProviderArguments(CommonArguments, AssetSettings):
     max_poll_seconds: float = setting(
         ProviderJob.max_poll_seconds, "The longest wait between polls."
     )
-    mode: str = setting(
-        ProviderJob.mode.value,
-        f"How rows are asked ({_MODES}): each row's request at once through the provider's "
-        "resource, provider batches, or batches then online after deadline. Run config mode "
-        "overrides it.",
-    )
-    deadline: float | str | None = setting(
-        ProviderJob.deadline_seconds,
-        "hybrid: seconds, or a duration such as '15m', from the run's start, after which "
-        "queued batches are cancelled and their rows finished online. None: only rows of "
-        "expired or failed batches go online. Run config deadline overrides it.",
-    )
+    mode: str = setting(Way.mode.value, _overridden("mode"))
+    deadline: float | str | None = setting(Way.deadline_seconds, _overridden("deadline_seconds"))
     keep_answers: bool = setting(
         ProviderJob.keep_answers,
         "Store each row's response body (`_answer`), so a changed parse re-derives the outputs "
@@ -162,8 +97,7 @@ class ProviderArguments(CommonArguments, AssetSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        mode_of(self.mode)
-        seconds_of(self.deadline)
+        _ = self.way  # mode, deadline and wait are checked by Way.of
         if self.batch_size not in (None, 1):
             raise ValueError(
                 f"batch_size={self.batch_size}, but a request/parse asset sends one row per "
@@ -174,6 +108,11 @@ class ProviderArguments(CommonArguments, AssetSettings):
                 f"poll_seconds must be positive and at most max_poll_seconds, got "
                 f"{self.poll_seconds} and {self.max_poll_seconds}"
             )
+
+    @property
+    def way(self) -> Way:
+        """The asset's mode, deadline and waiting, which run config overrides."""
+        return Way.of(self.mode, self.deadline, self.wait)
 
 
 @keyword_arguments_of(ProviderArguments)
@@ -255,14 +194,8 @@ def _job(
     api = resource.batch_provider(a.endpoint)
     if not isinstance(api, BatchProvider):
         raise TypeError(f"resource {provider!r}: batch_provider() is no BatchProvider")
-    waits = a.wait if config.wait is None else config.wait
-    mode = mode_of(a.mode if config.mode is None else config.mode)
-    deadline = seconds_of(a.deadline if config.deadline is None else config.deadline)
-    if config.deadline is not None and mode is not Mode.hybrid:
-        raise ValueError(
-            f"Run config sets a deadline, which only mode hybrid follows, but this run's "
-            f"mode is {mode.value}: add mode: hybrid, or drop the deadline."
-        )
+    way = Way.of(config.mode, config.deadline, config.wait, over=a.way)
+    mode = way.mode
     send = None
     if mode is not Mode.batch:
         if not hasattr(resource, "sender"):
@@ -275,11 +208,9 @@ def _job(
         api,
         request,
         a.parse,
-        waits,
+        way,
         a.poll_seconds,
         a.max_poll_seconds,
-        mode=mode,
-        deadline_seconds=deadline,
         send=send,
         keep_answers=a.keep_answers,
         recompute_unanswered=config.recompute_unanswered,
