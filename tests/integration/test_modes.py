@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import fields
 from typing import Any
 
 import dagster as dg
@@ -26,7 +27,13 @@ from checkpoint_assets import (
     shard_partitions,
 )
 from checkpoint_assets.engine import Checkpoint, open_store
+from checkpoint_assets.engine.fields import DOC, doc_of
 from checkpoint_assets.engine.providers.answers import ANSWER
+from checkpoint_assets.engine.providers.job import Way
+from checkpoint_assets.integration.define.provider_asset import (
+    ProviderArguments,
+    ProviderBatchRunConfig,
+)
 from examples.llm_batch.jobs import Settings
 from examples.llm_batch.online import Both, serve
 
@@ -224,6 +231,41 @@ def test_a_bad_mode_or_deadline_is_a_clear_error(setup: Setup) -> None:
     assert setup.servers.provider.snapshot()["submitted"] == 0  # nothing was sent
     with pytest.raises(ValueError, match="mode must be one of online, batch, hybrid"):
         setup.asset(mode="fast")
+
+
+def test_the_assets_arguments_and_run_config_keep_one_set_of_rules() -> None:
+    """Mode, deadline and wait: the decorator's arguments and the run config alone are read by
+    ``Way.of`` (a run's config over the asset's: ``test_a_bad_mode_or_deadline_is_a_clear_error``),
+    with the same defaults and meanings."""
+
+    def asset(**arguments: Any) -> dg.AssetsDefinition:
+        @provider_batch_asset(source="tickets", id_column=ID, parse=openai_parse, **arguments)
+        def routed(row: dict[str, Any]) -> dict[str, Any]:
+            return {"messages": [{"role": "user", "content": row["body"]}]}
+
+        return routed
+
+    for written, said in (
+        ({"mode": "fast"}, "mode must be one of online, batch, hybrid, got 'fast'"),
+        ({"mode": "hybrid", "deadline": "soon"}, "deadline must be seconds or a duration"),
+        ({"mode": "hybrid", "deadline": -1}, "deadline must be at least 0 seconds"),
+        ({"mode": "hybrid", "wait": False}, "mode hybrid finishes rows online in the run"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            asset(**written)
+        with pytest.raises(ValueError, match=said):
+            ProviderBatchRunConfig(**written)
+    # Alone, a deadline stands for the hybrid runs: the asset's for those run config makes
+    # hybrid, a run config's over an asset whose mode is hybrid.
+    asset(deadline="15m")
+    assert ProviderBatchRunConfig(deadline="15m").deadline == "15m"
+    arguments = {f.name: f for f in fields(ProviderArguments)}
+    for key, name in (("mode", "mode"), ("deadline", "deadline_seconds"), ("wait", "wait")):
+        meaning = doc_of(Way, name)
+        assert arguments[key].metadata[DOC].startswith(meaning)
+        assert str(ProviderBatchRunConfig.model_fields[key].description).startswith(meaning)
+        default = getattr(Way(), name)
+        assert arguments[key].default == getattr(default, "value", default)
 
 
 @pytest.mark.provider(rows=200, error_rate=0.2)
