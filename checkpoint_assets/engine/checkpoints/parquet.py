@@ -150,7 +150,7 @@ def _open(
     file = pq.ParquetFile(pa.BufferReader(raw), pre_buffer=False, page_checksum_verification=True)
     names = file.schema_arrow.names
     constants = _constants(raw, file)
-    schema = _frame(file.schema_arrow.empty_table()).schema if constants else pl.Schema()
+    schema = _frame(_empty(file)).schema if constants else pl.Schema()
     values = [pl.lit(value, schema[c]).alias(c) for c, value in constants.items()]
 
     def complete(frame: pl.DataFrame) -> pl.DataFrame:
@@ -201,8 +201,14 @@ def _read(file: pq.ParquetFile, columns: list[str]) -> pl.DataFrame:
     """``columns`` of ``file``, one row group at a time: faster, and less memory at its peak,
     than the whole table at once."""
     if file.num_row_groups == 0:
-        return _frame(file.schema_arrow.empty_table()).select(columns)
+        return _frame(_empty(file)).select(columns)
     return pl.concat(list(_groups(file, columns)), rechunk=False)
+
+
+def _empty(file: pq.ParquetFile) -> pa.Table:
+    """A table of no rows with ``file``'s schema. Built from no batches: pyarrow's
+    ``Schema.empty_table()`` imports pandas, which takes seconds in a process that had not."""
+    return pa.Table.from_batches([], schema=file.schema_arrow)
 
 
 def _groups(file: pq.ParquetFile, columns: list[str]) -> Iterator[pl.DataFrame]:
