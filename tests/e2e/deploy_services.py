@@ -160,18 +160,39 @@ def postgres_server() -> Iterator[dict[str, str]]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+class RayHead:
+    """A Ray head being started: its dashboard ``address`` (what ``RAY_ADDRESS`` names) is known
+    at once; ``wait()`` returns when its job API answers."""
+
+    def __init__(self, address: str, process: subprocess.Popen[bytes], log: Path) -> None:
+        self.address, self._process, self._log = address, process, log
+
+    def wait(self, timeout: float = 120) -> None:
+        from ray.job_submission import JobSubmissionClient
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                JobSubmissionClient(self.address).list_jobs()
+                return
+            except Exception:
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail("Ray head did not start:\n" + _tail(self._log))
+                time.sleep(1)
+
+
 @contextlib.contextmanager
-def ray_head(env: dict[str, str], num_cpus: int = 2) -> Iterator[str]:
+def ray_head(env: dict[str, str], num_cpus: int = 2) -> Iterator[RayHead]:
     """A local Ray head with ``num_cpus`` CPUs, its dashboard (job API) on a free port of
-    127.0.0.1.
+    127.0.0.1, yielded as soon as it is started (other services can start meanwhile).
 
     ``env`` is the cluster's environment: every Ray job (and so every Dagster run) starts with
     it. The project's venv comes first on PATH, so a job finds ``dagster``. Ray starts in its
     own temp dir, outside the repository: a job finds code only through its runtime_env or
-    ``env``. Yields the dashboard address, what ``RAY_ADDRESS`` names.
+    ``env``.
     """
     try:
-        from ray.job_submission import JobSubmissionClient
+        import ray.job_submission  # noqa: F401 - RayHead.wait uses it
     except ImportError:
         unavailable('Ray is not installed (pip install -e ".[ray]")')
         raise
@@ -186,7 +207,8 @@ def ray_head(env: dict[str, str], num_cpus: int = 2) -> Iterator[str]:
         # local to the test.
         "RAY_AUTH_MODE": "disabled",
     }
-    log = open(temp / "ray-start.log", "w")  # noqa: SIM115 - closed below
+    # Ray writes it unbuffered; RayHead.wait reads it when Ray does not start.
+    log = open(temp / "ray-start.log", "wb", buffering=0)  # noqa: SIM115 - closed below
     process = subprocess.Popen(
         [
             os.path.join(VENV_BIN, "ray"),
@@ -210,19 +232,8 @@ def ray_head(env: dict[str, str], num_cpus: int = 2) -> Iterator[str]:
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    address = f"http://127.0.0.1:{dashboard}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                JobSubmissionClient(address).list_jobs()
-                break
-            except Exception:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    log.flush()
-                    pytest.fail("Ray head did not start:\n" + _tail(temp / "ray-start.log"))
-                time.sleep(1)
-        yield address
+        yield RayHead(f"http://127.0.0.1:{dashboard}", process, temp / "ray-start.log")
     finally:
         ours = _tree(process.pid)
         # `ray start --block` stops its cluster on SIGTERM; whatever outlives that (workers,

@@ -7,8 +7,10 @@ instance config. Ray starts in a temp dir with the package installed but not the
 reaches each job through the launcher's runtime_env. Passwords and keys are in the cluster's
 environment only. The backfill (2 shards on a cluster that runs 1 at once) is launched through
 GraphQL as the UI launches it; one shard's Ray job is stopped half-way and the instance's run
-retry resumes it from its checkpoint; meanwhile `dagster asset materialize` runs a shard in
-process under the same daemon's run monitoring; the downstream asset reads every shard back.
+retry resumes it from its checkpoint; before the backfill's runs, `dagster asset materialize`
+runs a shard in process under the same daemon's run monitoring, which leaves it alone. Ray,
+`dagster dev` and the in-process runs start side by side: the daemon picks a new backfill up only
+every 30 s from its start.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,7 @@ LATENCY_MS = 1500  # per call: ~12 s of work a shard, a flush (every 5 s on S3) 
 CLUSTER_CPUS = 1
 RUN_SLOTS = 1  # runs the cluster holds at once: floor(1 CPU / num_cpus 1 of dagster.yaml)
 MAX_RETRIES = 2  # run_retries.max_retries in deploy/ray/dagster.yaml
+CLI_LATENCY_MS = 300  # the in-process shard's calls
 CLI_TAG = {"ops": {"ticket_routing": {"config": {"checkpoint_tag": "cli"}}}}
 
 
@@ -77,11 +81,13 @@ def _wait(what: str, check: Callable[[], Any], timeout: float, log: Path) -> Any
 def _instance_config(home: Path) -> dict[str, str]:
     """deploy/ray/dagster.yaml as it is, and the variables a platform team sets for this
     cluster: the demo's package as the code the jobs get, max_concurrent_runs sized as the
-    file's comment says."""
-    text = (ROOT / "deploy" / "ray" / "dagster.yaml").read_text()
-    launcher = yaml.safe_load(text)["run_launcher"]["config"]["ray"]
+    file's comment says. Only the queue's poll interval is shorter (1 s, not Dagster's 5 s):
+    the runs wait in the queue one after another."""
+    config = yaml.safe_load((ROOT / "deploy" / "ray" / "dagster.yaml").read_text())
+    launcher = config["run_launcher"]["config"]["ray"]
     assert CLUSTER_CPUS // launcher["num_cpus"] == RUN_SLOTS
-    (home / "dagster.yaml").write_text(text)
+    config["run_coordinator"]["config"]["dequeue_interval_seconds"] = 1
+    (home / "dagster.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return {
         "DAGSTER_RAY_PY_MODULES": str(ROOT / "examples"),
         "DAGSTER_MAX_CONCURRENT_RUNS": str(RUN_SLOTS),
@@ -137,7 +143,7 @@ def test_backfill_runs_each_shard_as_a_ray_job_and_a_stopped_job_resumes_on_retr
     log = tmp_path / "dagster_dev.log"
 
     started = time.monotonic()
-    with postgres_server() as pg:
+    with postgres_server() as pg, ThreadPoolExecutor(1) as background:
         node_secrets = {"DAGSTER_PG_PASSWORD": pg["DAGSTER_PG_PASSWORD"], **aws_keys}
         # The Ray nodes hold the secrets and the demo's tuning, not the repository: the launcher
         # passes the instance's settings, the code comes through its runtime_env.
@@ -145,25 +151,35 @@ def test_backfill_runs_each_shard_as_a_ray_job_and_a_stopped_job_resumes_on_retr
         cluster_env = {k: v for k, v in os.environ.items() if k not in passed_by_launcher}
         cluster_env |= demo | node_secrets | {"PYTHONPATH": _installed_package_only(tmp_path)}
         env = {**os.environ, **demo, **s3, **pg, **aws_keys, **settings, "DAGSTER_HOME": str(home)}
-        with ray_head(cluster_env, num_cpus=CLUSTER_CPUS) as ray_address:
-            env["RAY_ADDRESS"] = ray_address
-            for key, value in env.items():
-                monkeypatch.setenv(key, value)
-            ray = JobSubmissionClient(ray_address)
-            instance = dg.DagsterInstance.get()
-            # The schema exists (the instance above made it) before two processes open it.
-            tickets = _materialize(env, tmp_path / "tickets.log", "--select", "tickets")
-            with dagster_dev(env, log) as port:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        instance = dg.DagsterInstance.get()
+        # The schema exists (the instance above made it) before other processes open it. The
+        # in-process runs need no Ray: `tickets` runs while the Ray head and `dagster dev` start.
+        tickets = _materialize(env, tmp_path / "tickets.log", "--select", "tickets")
+        with ray_head(cluster_env, num_cpus=CLUSTER_CPUS) as head:
+            env["RAY_ADDRESS"] = head.address
+            monkeypatch.setenv("RAY_ADDRESS", head.address)
+
+            def shard_in_process() -> Callable[[], None]:
+                """A shard in process (to its own checkpoint tag: the backfill holds the default
+                one), started once Ray answers and `tickets` is done, while `dagster dev` starts:
+                it runs under the daemon's run monitoring, and holds the one run slot before the
+                backfill's runs. Its calls are quicker: only its run's start and end matter."""
+                head.wait()
                 tickets()
-                backfill_id = launch_backfill(port, SHARDS, "ticket_routing")
-                # A shard in process under the daemon's run monitoring (to its own checkpoint
-                # tag: the backfill holds the default one).
-                cli = _materialize(
-                    env,
+                return _materialize(
+                    {**env, "DEMO_LATENCY_MS": str(CLI_LATENCY_MS)},
                     tmp_path / "cli.log",
                     *("--select", "ticket_routing", "--partition", SHARDS[0]),
                     *("--config-json", json.dumps(CLI_TAG)),
                 )
+
+            cli_started = background.submit(shard_in_process)
+            with dagster_dev(env, log) as port:
+                cli = cli_started.result()
+                ray = JobSubmissionClient(head.address)
+                backfill_id = launch_backfill(port, SHARDS, "ticket_routing")
                 watch = _Watch(instance, backfill_id, ray, endpoint, bucket)
                 stopped = _wait("a shard with a flushed part", watch.shard_half_done, 180, log)
                 assert ray.stop_job(f"dagster-run-{stopped.run_id}")
@@ -171,7 +187,7 @@ def test_backfill_runs_each_shard_as_a_ray_job_and_a_stopped_job_resumes_on_retr
                 cli()
             backfill_seconds = time.monotonic() - started
             listing = str(ray.list_jobs())  # what `ray job list` prints
-            reserved = _reserved_cpus(ray_address)
+            reserved = _reserved_cpus(head.address)
             jobs = {j.submission_id: j for j in ray.list_jobs()}
             # The same instance config with 2 runs at once, more than the cluster holds.
             monkeypatch.setenv("DAGSTER_MAX_CONCURRENT_RUNS", str(RUN_SLOTS + 1))
@@ -209,13 +225,14 @@ def test_backfill_runs_each_shard_as_a_ray_job_and_a_stopped_job_resumes_on_retr
         assert resumed > 0, metadata
         assert resumed + computed == metadata["rows_total"].value
 
-        # The in-process run was left to its process by run monitoring: it succeeded, was never
-        # failed, and no retry of it was launched.
+        # The in-process run was left to its process by run monitoring, which checked it: it
+        # succeeded, was never failed, and no retry of it was launched.
         (cli_run,) = [
             r
             for r in instance.get_runs(dg.RunsFilter(tags={"dagster/partition": SHARDS[0]}))
             if "dagster/backfill" not in r.tags and not r.parent_run_id
         ]
+        assert f"Checking run {cli_run.run_id}" in log.read_text(), "monitoring never saw it"
         assert cli_run.status == dg.DagsterRunStatus.SUCCESS
         assert not instance.all_logs(cli_run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
         assert not instance.get_runs(dg.RunsFilter(tags={"dagster/parent_run_id": cli_run.run_id}))
