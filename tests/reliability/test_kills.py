@@ -15,18 +15,19 @@ input grows from run to run, so each run has new work. After the last, clean run
   flight, and for nothing at all when it came after the merged file was written or before the
   lock was taken.
 
-Most kills go through the engine alone (a fork of a warm process costs milliseconds); a handful
-go through Dagster's ``materialize`` of one shard of a checkpointed asset.
+Most kills go through the engine alone (a fork of a warm process costs milliseconds); a few, one
+per point, go through Dagster's ``materialize`` of one shard of a checkpointed asset.
 
 Settings (environment):
 
-- ``CHECKPOINT_KILLS``: kills for the engine on local disk (default 100: 20 to 45 s on a busy
+- ``CHECKPOINT_KILLS``: kills for the engine on local disk (default 100: 10 to 20 s on a busy
   2-core machine) and, unless ``CHECKPOINT_KILLS_S3`` says otherwise, on the moto S3 server
-  (default 30 there, 20 to 40 s: each run makes real HTTP requests).
-- ``CHECKPOINT_KILLS_DAGSTER``: kills per storage through Dagster (default 4; marked slow).
+  (default 30 there, 15 to 20 s: each run makes real HTTP requests).
+- ``CHECKPOINT_KILLS_DAGSTER``: kills per storage through Dagster (default 9, one per point that
+  applies; marked slow).
 - ``CHECKPOINT_KILLS_SEED``: the plan's seed (default 12); a failure names the seed and the run.
 
-The long setting (about 12 min on local disk, 1 to 3 s per kill on S3, 2 to 3 min for Dagster;
+The long setting (about 5 min on local disk, 0.5 to 1 s per kill on S3 and through Dagster;
 ``--timeout 0`` lifts the suite's 5-minute limit per test)::
 
     CHECKPOINT_KILLS=1000 CHECKPOINT_KILLS_DAGSTER=20 \
@@ -52,6 +53,7 @@ import pytest
 from helpers import kill_child
 from helpers.jobs import Storage, ids_in_shard
 
+from checkpoint_assets.cli import main as cli
 from checkpoint_assets.engine import Checkpoint, open_store
 from checkpoint_assets.engine.checkpoints.layout import checkpoint_name
 from checkpoint_assets.engine.sharding.scheme import Shard
@@ -59,7 +61,7 @@ from checkpoint_assets.engine.sharding.scheme import Shard
 DRIVER = Path(kill_child.__file__)
 KILLS = int(os.environ.get("CHECKPOINT_KILLS", "100"))
 S3_KILLS = int(os.environ.get("CHECKPOINT_KILLS_S3", os.environ.get("CHECKPOINT_KILLS", "30")))
-DAGSTER_KILLS = int(os.environ.get("CHECKPOINT_KILLS_DAGSTER", "4"))
+DAGSTER_KILLS = int(os.environ.get("CHECKPOINT_KILLS_DAGSTER", "9"))
 SEED = int(os.environ.get("CHECKPOINT_KILLS_SEED", "12"))
 
 # Kill points after which nothing computed may be paid for again: everything the run computed
@@ -177,14 +179,8 @@ def check(
     )
     assert wrong.is_empty(), wrong.head()
     assert checkpoint.list_parts() == ([], [])
-    verify = subprocess.run(
-        [sys.executable, "-m", "checkpoint_assets.cli", "verify", base_dir, name]
-        + [arg for k, v in options.items() for arg in ("-o", f"{k}={json.dumps(v)}")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert verify.returncode == 0, verify.stdout + verify.stderr
+    options_args = [arg for k, v in options.items() for arg in ("-o", f"{k}={json.dumps(v)}")]
+    assert cli(["verify", base_dir, name, *options_args]) == 0  # what it found: captured stdout
 
     # What each kill made later runs pay for again.
     last_run: dict[int, int] = {}
