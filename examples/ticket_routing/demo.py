@@ -1,10 +1,11 @@
 """Run the ticket-routing demo end to end on the local instance in ``$DAGSTER_HOME``.
 
-1. materialize ``tickets`` (100,000 generated support tickets), unless the instance holds them;
+1. materialize ``tickets`` (100,000 generated support tickets) in this process, unless the
+   instance holds them;
 2. backfill every shard of ``ticket_routing`` the way the UI's "Materialize all" does: an asset
    backfill, launched by Dagster's daemon. The asset's single-run backfill policy makes it one run
    that walks the 8 shards;
-3. materialize ``routing_summary``, which reads all shards back as one table;
+3. materialize ``routing_summary`` in this process, which reads all shards back as one table;
 4. print what each shard computed, resumed and failed.
 
 Run it twice: the second run computes nothing, every row is resumed from the checkpoints.
@@ -44,7 +45,6 @@ from examples.ticket_routing.definitions import SHARDS, defs  # noqa: E402
 QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
 ASSET = dg.AssetKey("ticket_routing")
-MODULE = "examples.ticket_routing.definitions"
 DAEMON = os.path.join(os.path.dirname(sys.executable), "dagster-daemon")
 
 
@@ -58,12 +58,14 @@ def _check(args: Sequence[str], returncode: int, output: str) -> None:
         raise SystemExit(f"`{' '.join(args)}` failed (exit {returncode}).")
 
 
-def _dagster(step: str, *args: str) -> None:
-    _say(f"{step}: dagster {' '.join(args)} ...")
+def _in_process(step: str, instance: dg.DagsterInstance, asset: str) -> None:
+    """Materialize ``asset`` in this process, on ``instance``: no process to start."""
+    _say(f"{step}: materialize {asset} in this process ...")
     t0 = time.monotonic()
-    command = [sys.executable, "-m", "dagster", *args, "-m", MODULE]
-    done = subprocess.run(command, capture_output=True, text=True)
-    _check(["dagster", *args], done.returncode, done.stdout + done.stderr)
+    job = defs.resolve_implicit_global_asset_job_def()
+    job.execute_in_process(
+        instance=instance, asset_selection=[dg.AssetKey(asset)], run_config=QUIET
+    )
     _say(f"{step}: done in {time.monotonic() - t0:.1f} s")
 
 
@@ -201,7 +203,7 @@ def main() -> int:
     if _tickets_stored(instance, wanted):
         _say(f"1/3 tickets: {wanted:,} stored, kept (delete dagster_home to generate them again)")
     else:
-        _dagster("1/3 tickets", "asset", "materialize", "--select", "tickets")
+        _in_process("1/3 tickets", instance, "tickets")
     backfill_id = _launch_backfill(instance)
     _say(
         f"2/3 shards: backfill {backfill_id} of all {len(SHARDS.get_partition_keys())} shards, "
@@ -222,15 +224,7 @@ def main() -> int:
             _stop(daemon)
     failed = [r for r in runs if r.status != dg.DagsterRunStatus.SUCCESS]
     _say(f"2/3 shards: all finished in {time.monotonic() - t0_shards:.1f} s")
-    _say("3/3 summary: materialize routing_summary in this process ...")
-    t0_summary = time.monotonic()
-    summary_job = defs.resolve_implicit_global_asset_job_def()
-    summary_job.execute_in_process(
-        instance=instance,
-        asset_selection=[dg.AssetKey("routing_summary")],
-        run_config=QUIET,
-    )
-    _say(f"3/3 summary: done in {time.monotonic() - t0_summary:.1f} s")
+    _in_process("3/3 summary", instance, "routing_summary")
     elapsed = time.monotonic() - t0
 
     # Each shard's materialization reports its own rows: one row per run, the sum of its shards.

@@ -4,11 +4,14 @@ shards, launched by Dagster's daemon as one run; run again, it computes nothing.
 Between the two runs an LLM example runs on the same ``dagster_home``, as the docs run the
 examples one after another in one clone: it stores its own assets beside the demo's and changes
 none of the demo's files (the asset keys all examples share: ``e2e/test_examples_together.py``).
+It runs in this process, from the example's definitions imported under the demo's environment;
+``e2e/test_llm_openai.py`` runs it through `dagster asset materialize`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import re
 import subprocess
 import sys
@@ -52,16 +55,25 @@ def _counts(output: str) -> tuple[int, int, int]:
     return runs, computed, resumed
 
 
-def _materialize(env: dict[str, str], module: str, *args: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "dagster", "asset", "materialize", "-m", module, *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+def _materialize(env: dict[str, str], module: str, assets: list[str], partition: str) -> None:
+    """Materialize ``assets`` of ``module`` in this process, on the instance of ``env``'s
+    DAGSTER_HOME, the module imported again under ``env`` (the examples read their settings
+    from the environment when imported), then again under the test's own environment."""
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            for key, value in env.items():
+                patch.setenv(key, value)
+            example = importlib.reload(importlib.import_module(module))
+            job = example.defs.resolve_implicit_global_asset_job_def()
+            with dg.DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
+                result = job.execute_in_process(
+                    instance=instance,
+                    partition_key=partition,
+                    asset_selection=[dg.AssetKey(a) for a in assets],
+                )
+        assert result.success
+    finally:
+        importlib.reload(importlib.import_module(module))
 
 
 def _files(folder: Path) -> dict[str, str]:
@@ -99,7 +111,7 @@ def test_the_demo_backfills_all_shards_in_one_run_and_computes_nothing_the_secon
     env = demo_env | {"LLM_TICKETS": "300", "OPENAI_API_KEY": "local", "OPENAI_MODEL": "m"}
     with server.serve(latency_ms=1, seed=2) as base_url:
         env["OPENAI_BASE_URL"] = base_url
-        _materialize(env, LLM, "--select", "llm_tickets,ticket_department", "--partition", "0-of-4")
+        _materialize(env, LLM, ["llm_tickets", "ticket_department"], "0-of-4")
     after = _files(checkpoints)
     assert {k: after[k] for k in demo_files} == demo_files  # the demo's files are untouched
     assert "llm_tickets.parquet" in after
