@@ -339,8 +339,7 @@ def test_a_new_create_dagster_project_reaches_dg_launch_as_the_readme_says(tmp_p
     scaffolded = defs / "ticket_routing" / "defs.yaml"
     assert "source: tickets" in scaffolded.read_text()
     run("check", "defs")
-    run("launch", "--assets", "tickets")
-    run("launch", "--assets", "ticket_routing", "--partition", "1-of-4")
+    run("launch", "--assets", "tickets,ticket_routing", "--partition", "1-of-4")  # one run
 
     stored = pl.read_parquet(home / "checkpoints" / "ticket_routing" / "default" / "1-of-4.parquet")
     tickets = pl.read_parquet(home / "checkpoints" / "tickets.parquet")
