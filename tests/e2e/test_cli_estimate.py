@@ -2,7 +2,9 @@
 
 Its console script runs in a subprocess and loads the definitions from a file (``-f``). It uses
 the instance and checkpoints of ``$DAGSTER_HOME`` and the local chat server. It prints the
-figures the dry run records and the real run meets.
+figures the dry run records and the real run meets. The table and the errors come from the same
+command line run in this process (``main``, what the console script calls): its output and exit
+status, without a process start each.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 from helpers import estimate_defs
 from helpers.estimate_defs import ASSET, ROWS
 
+from checkpoint_assets.cli import main
 from checkpoint_assets.integration import metadata as md
 from examples.llm_openai import server
 
@@ -53,6 +56,14 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """The command line ``args`` run in this process by the console script's ``main``."""
+    capsys.readouterr()  # what came before
+    returncode = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["checkpoint-assets", *args], returncode, out, err)
+
+
 def materialize(partition: str | None = None, **config: Any) -> dg.ExecuteInProcessResult:
     """Run the definitions' asset (or, without a partition, store the texts) in process."""
     defs = estimate_defs.defs
@@ -73,7 +84,7 @@ def files(home: dict[str, str]) -> dict[str, bytes]:
 
 
 def test_the_cli_prints_the_dry_runs_figures_and_the_real_run_meets_them(
-    home: dict[str, str],
+    home: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     materialize()  # the texts, stored under $DAGSTER_HOME
     materialize("0-of-2", limit=10)  # a partial run of one shard
@@ -108,7 +119,7 @@ def test_the_cli_prints_the_dry_runs_figures_and_the_real_run_meets_them(
         assert event.metadata["rows_computed"].value == figures["rows_to_compute"]
 
     # Once the shard is done, the table shows nothing left to compute.
-    table = cli("estimate", "-f", DEFS, ASSET, "--partition", "1-of-2")
+    table = in_process(capsys, "estimate", "-f", DEFS, ASSET, "--partition", "1-of-2")
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
     assert lines[0].split()[:3] == ["partition", "rows", "done"]
@@ -118,15 +129,17 @@ def test_the_cli_prints_the_dry_runs_figures_and_the_real_run_meets_them(
     assert "Input tokens counted by bytes/4." in table.stderr
 
 
-def test_the_cli_names_what_is_wrong_and_exits_2(home: dict[str, str]) -> None:
-    unknown = cli("estimate", "-f", DEFS, "texts")
+def test_the_cli_names_what_is_wrong_and_exits_2(
+    home: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    unknown = in_process(capsys, "estimate", "-f", DEFS, "texts")
     assert unknown.returncode == 2
     assert "texts is not a checkpointed asset" in unknown.stderr
     assert "Name one of: routed." in unknown.stderr
-    missing = cli("estimate", "-f", DEFS, ASSET, "--partition", "7-of-2")
+    missing = in_process(capsys, "estimate", "-f", DEFS, ASSET, "--partition", "7-of-2")
     assert missing.returncode == 2
     assert "no partition 7-of-2" in missing.stderr
     # The source was never materialized: the dry run fails as the run would, with its cause.
-    failed = cli("estimate", "-f", DEFS, ASSET, "--partition", "0-of-2")
+    failed = in_process(capsys, "estimate", "-f", DEFS, ASSET, "--partition", "0-of-2")
     assert failed.returncode == 2
     assert "The dry run of routed 0-of-2 failed:" in failed.stderr
