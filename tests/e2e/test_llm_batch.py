@@ -26,7 +26,9 @@ MATERIALIZE += ("-m", "examples.llm_batch.definitions")
 def test_the_example_routes_a_shard_through_each_provider(
     asset: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with serve(Settings(processing_delay=0.2)) as url:
+    # Each batch ends as it is submitted: the run collects it at its first poll, not after
+    # the example's poll_seconds (10 s). Polling a batch that runs: integration/.
+    with serve(Settings(processing_delay=0)) as url:
         monkeypatch.setenv("OPENAI_BASE_URL", url)
         monkeypatch.setenv("ANTHROPIC_BASE_URL", url.removesuffix("/v1"))
         monkeypatch.setenv("OPENAI_API_KEY", "local")
