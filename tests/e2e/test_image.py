@@ -24,6 +24,7 @@ from deploy_services import ROOT
 from helpers.venvs import venv_with
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from uv import find_uv_bin
 
 DOCKERFILE = ROOT / "deploy" / "kubernetes" / "Dockerfile"
 RAY_DOCKERFILE = ROOT / "deploy" / "ray" / "Dockerfile"
@@ -296,9 +297,10 @@ def test_the_dockerfile_pip_lines_install_in_a_new_venv(image: str, tmp_path: Pa
 
 
 def _installed(python: Path) -> dict[str, str]:
-    """Every distribution of a venv and its version, by canonical name."""
+    """Every distribution of a venv and its version, by canonical name (read by uv: pip's own
+    start would take a second)."""
     listed = subprocess.run(
-        [python, "-m", "pip", "list", "--format", "json", "--disable-pip-version-check"],
+        [find_uv_bin(), "pip", "list", "--format", "json", "--python", python],
         capture_output=True,
         text=True,
         check=True,
