@@ -57,13 +57,15 @@ def _counts(output: str) -> tuple[int, int, int]:
 
 def _materialize(env: dict[str, str], module: str, assets: list[str], partition: str) -> None:
     """Materialize ``assets`` of ``module`` in this process, on the instance of ``env``'s
-    DAGSTER_HOME, the module imported again under ``env`` (the examples read their settings
-    from the environment when imported), then again under the test's own environment."""
+    DAGSTER_HOME, the module imported anew under ``env`` (the examples read their settings from
+    the environment when imported). Afterwards ``sys.modules`` holds what it held before, so the
+    modules that imported the example keep sharing its objects."""
+    saved = sys.modules.pop(module, None)
     try:
         with pytest.MonkeyPatch.context() as patch:
             for key, value in env.items():
                 patch.setenv(key, value)
-            example = importlib.reload(importlib.import_module(module))
+            example = importlib.import_module(module)
             job = example.defs.resolve_implicit_global_asset_job_def()
             with dg.DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
                 result = job.execute_in_process(
@@ -73,7 +75,13 @@ def _materialize(env: dict[str, str], module: str, assets: list[str], partition:
                 )
         assert result.success
     finally:
-        importlib.reload(importlib.import_module(module))
+        sys.modules.pop(module, None)
+        package, _, name = module.rpartition(".")
+        if saved is not None:
+            sys.modules[module] = saved
+            setattr(sys.modules[package], name, saved)
+        elif hasattr(sys.modules[package], name):
+            delattr(sys.modules[package], name)
 
 
 def _files(folder: Path) -> dict[str, str]:
