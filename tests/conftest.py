@@ -6,7 +6,7 @@ never an in-process mock of boto. The server counts the requests it serves per b
 GCS and Azure Blob run against their emulators (``helpers/clouds.py``), started once per session
 (once per xdist worker) by the tests that ask for them.
 
-The suite runs on two pytest-xdist workers (``scripts/test``: ``-n 2 --dist loadgroup``); the
+The suite runs on three pytest-xdist workers (``scripts/test``: ``-n 3 --dist loadgroup``); the
 groups below keep some tests on one worker (``XDIST_GROUPS``).
 """
 
