@@ -25,7 +25,8 @@ import pytest
 # Tests that one xdist worker runs, one group at a time (``GroupScheduling``):
 # - "timing": outcomes that depend on real time or on a share of the CPU (throttling against real
 #   threads and endpoints, kills against the documented loss bound, the benchmark smoke and its
-#   endpoint scenarios). Never two of them at once, so each meets at most the other two workers' load.
+#   endpoint scenarios). Never two of them at once, so each meets at most the other two
+#   workers' load.
 # - a file whose module-scoped fixture is expensive (a `dagster dev` with its daemon, a built
 #   checkpoint world, a moto server with IAM, a built wheel, the built docs site) starts it once,
 #   not once per worker.
