@@ -11,8 +11,9 @@ one checkpoint store. Two ways:
   finishes. Printed: runs that ended red, failed rows, refused submissions (recorded, and the
   server's count), the queue's use from the first create to the last batch's end, and its peak.
 - ``sensor``: each run submits what has room and ends (``wait: false``); a loop in this process
-  does what ``provider_batches_sensor`` does each tick: a partition whose batches have all ended,
-  or one whose rows wait for room once a batch has ended since its last run, gets a run. Printed
+  does what ``provider_batches_sensor`` does each tick: a partition whose batches have all ended
+  gets a run, and so does one partition whose rows wait for room for each of those (the longest
+  waiting first). Printed
   as above, with the runs each shard took.
 
 And ``split``: one shard of 200,000 rows submitted to a queue without limit, its submissions
@@ -234,9 +235,13 @@ def way_sensor(
                     todo.discard(d["shard"])
         ready = set()
         time.sleep(args.tick)
+        freed, any_running, room = 0, False, []
         for s in sorted(todo):  # one tick of provider_batches_sensor
             records = Records(store, Checkpoint(store, name(s, shards)).files).load()
             batches = [r.batch_id for r in records if r.open and r.batch_id]
+            if not batches:  # its rows wait for room
+                room.append(s)
+                continue
             running = False
             for b in batches:
                 if b in ended_at:
@@ -246,10 +251,15 @@ def way_sensor(
                     break
                 ended_at[b] = time.time()
             if running:
+                any_running = True
                 continue
-            room_freed = any(at > last_end[s] for at in ended_at.values())
-            if batches or room_freed:
-                ready.add(s)
+            ready.add(s)
+            freed += 1
+        # Each shard whose batches ended frees room for one waiting shard, longest waiting
+        # first. With no batch running the sensor waits 600 s before trying again; the loop
+        # tries at once.
+        room.sort(key=lambda s: last_end[s])
+        ready.update(room[: freed if freed or any_running else len(room)])
     return {
         "runs": sum(runs.values()),
         "runs_per_shard": sorted(runs.values()),

@@ -272,3 +272,40 @@ def test_submit_and_end_leaves_rows_waiting_for_room_and_the_sensor_asks_for_the
     assert provider["submitted"] == provider["processed"] == ROWS
     no_failed_rows_and_no_attempt_spent(setup)
     setup.stored_once()
+
+
+def test_each_partition_whose_batches_ended_frees_room_for_one_waiting_partition() -> None:
+    """A batch that ends frees about one submission's room: the sensor requests the partition
+    that collects it and one partition whose rows wait for room (the longest waiting), not every
+    waiting partition, so a backfill far larger than the queue is not a run per partition at
+    each batch's end."""
+    import time
+    import types
+
+    import dagster as dg
+
+    from checkpoint_assets.engine.providers.submissions import State
+    from checkpoint_assets.integration.watch.provider_sensor import Pending, PendingState, _ready
+
+    ended = {"b-ended"}
+    api = types.SimpleNamespace(
+        poll=lambda b: types.SimpleNamespace(state=State.ENDED if b in ended else State.RUNNING)
+    )
+    now = time.time()
+    state = PendingState(
+        pending={
+            "0": Pending("r0", ["b-ended"], 1, at=now - 60),
+            "1": Pending("r1", ["b-running"], 2, at=now - 60),
+            "2": Pending("r2", [], 3, waiting=40, at=now - 30),
+            "3": Pending("r3", [], 4, waiting=40, at=now - 40),  # has waited longest
+            "4": Pending("r4", [], 5, waiting=40, at=now - 20),
+        }
+    )
+    key = dg.AssetKey("routed")
+    with dg.instance_for_test() as instance:
+        assert _ready(instance, key, None, api, state) == ["0", "3"]  # type: ignore[arg-type]
+        ended.add("b-running")
+        state.pending["1"].requested = False
+        assert _ready(instance, key, None, api, state) == ["1", "2"]  # type: ignore[arg-type]
+        # "4" waits: no batch ended since, and the queue was seen full less than 600 s ago.
+        assert _ready(instance, key, None, api, state) == []  # type: ignore[arg-type]

@@ -11,8 +11,10 @@ works. Each tick takes these steps, in order:
    its batches: one request each, stopping at the first still running. When none is running
    any more, it requests the partition's run, once per submitting run.
 4. A partition whose rows wait for room in the provider's queue (``rows_waiting_for_queue``)
-   and that has no batch of its own is requested once room is likely: a batch of another
-   partition of the asset was seen ended in this tick, or none of them has a batch running and
+   and that has no batch of its own is requested once room is likely. Each partition whose
+   batches were seen ended in this tick frees about one submission's room: that many waiting
+   partitions are requested, those that have waited longest first. When none of the asset's
+   partitions has a batch running, each waiting partition is requested once
    ``_ROOM_RETRY_SECONDS`` have passed since its run ended (the queue is held by others).
 
 The collecting run re-attaches to the batches through the checkpoint's submission records. It
@@ -233,7 +235,7 @@ def _ready(
         busy = {p for p, s in statuses.items() if s == dg.AssetPartitionStatus.IN_PROGRESS}
     ready = []
     room = []  # partitions whose rows wait for room, with no batch of their own
-    freed = False  # a batch of the asset was seen ended in this tick
+    freed = 0  # partitions whose batches were seen ended in this tick: room for as many
     running = False  # a batch of the asset was seen running
     for partition in waiting:
         waited = state.pending[partition]
@@ -249,13 +251,16 @@ def _ready(
         if all(api.poll(b).state is not State.RUNNING for b in waited.batches):
             waited.requested = True
             ready.append(partition)
-            freed = True
+            freed += 1
         else:
             running = True
     now = time.time()
-    for partition in room:
+    for partition in sorted(room, key=lambda p: state.pending[p].at):  # longest waiting first
         waited = state.pending[partition]
-        if freed or (not running and now - waited.at >= _ROOM_RETRY_SECONDS):
-            waited.requested = True
-            ready.append(partition)
+        if freed:
+            freed -= 1
+        elif running or now - waited.at < _ROOM_RETRY_SECONDS:
+            continue
+        waited.requested = True
+        ready.append(partition)
     return ready
