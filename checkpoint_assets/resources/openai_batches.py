@@ -114,14 +114,19 @@ class OpenAIBatches:
     def create(self, requests: Sequence[Request], upload: str | None, tag: str) -> str:
         if upload is None:
             upload = self.upload(requests, tag)
+        return self._created(upload, completion_window="24h", metadata={TAG_KEY: tag})
+
+    def _created(self, upload: str, **options: Any) -> str:
+        """The id of the batch created from the uploaded file ``upload`` with ``options``. A
+        refusal for want of queue room (a 429, or a batch created ``failed`` with
+        ``token_limit_exceeded``) raises ``QueueFull``; a spent quota goes through as it is."""
         import openai
 
         try:
             batch = self.client.batches.create(
                 input_file_id=upload,
                 endpoint=self.endpoint,  # type: ignore[arg-type]  # the client lists known ones
-                completion_window="24h",
-                metadata={TAG_KEY: tag},
+                **options,
             )
         except openai.RateLimitError as e:
             if _code(e) == "insufficient_quota":

@@ -22,13 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from checkpoint_assets.engine.providers.submissions import Limits, Request
-from checkpoint_assets.resources.openai_batches import (
-    _QUEUE_FULL,
-    OpenAIBatches,
-    _code,
-    _queue_full,
-    _refusal,
-)
+from checkpoint_assets.resources.openai_batches import OpenAIBatches
 
 if TYPE_CHECKING:
     import openai
@@ -77,22 +71,9 @@ class CompatibleBatches(OpenAIBatches):
             if upload is None:
                 upload = self.upload(requests, tag)
             extra = {"metadata": {"checkpoint_assets_submission": tag}} if self.metadata else {}
-            batch = self.client.batches.create(
-                input_file_id=upload,
-                endpoint=self.endpoint,  # type: ignore[arg-type]
-                completion_window=self.window,  # type: ignore[arg-type]  # OpenAI's is 24h
-                **extra,  # type: ignore[arg-type]
-            )
+            return self._created(upload, completion_window=self.window, **extra)
         except openai.BadRequestError as e:
             raise self._refused(e) from e
-        except openai.RateLimitError as e:
-            if _code(e) == "insufficient_quota":
-                raise  # the account's credit: no queue, waiting does not help
-            raise _refusal(e) from e
-        errors = batch.errors.data if batch.errors and batch.errors.data else []
-        if batch.status == "failed" and any(e.code == _QUEUE_FULL for e in errors):
-            raise _queue_full(batch.id, errors)
-        return batch.id
 
     def _refused(self, e: Exception) -> Exception:
         """A create the provider refused, said as the setting to change, where it is one."""
