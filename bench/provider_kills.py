@@ -15,9 +15,7 @@ was processed, batches created, rows stored and rows stored twice; for the hybri
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,12 +43,8 @@ from examples.llm_batch import jobs  # noqa: E402
 POINTS = ("after_upload", "after_create", "downloading", "none")
 
 
-def kill(case: ProviderCase, urls: Any, base_dir: str, rows: int, point: str) -> int:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    child = Path(provider_kill_child.__file__)
-    command = [sys.executable, str(child), case.name, json.dumps(dict(urls)), base_dir]
-    done = subprocess.run([*command, str(rows), point], env=env, capture_output=True, text=True)
-    return done.returncode
+def kill(case: ProviderCase, urls: Any, base_dir: str, rows: int, point: str) -> int | None:
+    return provider_kill_child.forked(case, urls, base_dir, rows, point)[0]
 
 
 def stored(base_dir: str) -> tuple[int, int]:

@@ -5,15 +5,18 @@ backfill of ``n`` shards leaves them: nine in ten finished (meta and merged file
 interrupted (meta, merged file and two unmerged parts) and held by a live run (a lock file).
 Both kinds are real checkpoints written by the engine, copied under each shard's name.
 
-The command runs in this process (``cli.main``, so interpreter start-up is not counted) against
-the moto server of ``tests/conftest.py``, which counts the requests it serves. Reported per size:
-seconds, requests by kind, and requests per checkpoint.
+The command runs in a child process (``python -c`` calling ``cli.main``; its start-up alone, with
+no checkpoints, is reported apart) against the moto server of ``tests/conftest.py``, which counts
+the requests it serves. Reported per size: seconds, the command's own CPU seconds, requests by
+kind, and requests per checkpoint. The server runs in the benchmark's process, on the same cores:
+where the command's CPU is a small part of its seconds, the time is the server's.
 """
 
 import contextlib
 import json
 import logging
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -121,7 +124,7 @@ def _fill(endpoint: str, bucket: str, n: int, templates: dict[str, dict[str, byt
 
 def _status(
     server: Any, bucket: str, readers: int
-) -> tuple[float, Counter[str], list[dict[str, Any]]]:
+) -> tuple[float, float, Counter[str], list[dict[str, Any]]]:
     """``checkpoint-assets status --json`` in a child process (the server keeps this one busy),
     reading ``readers`` checkpoints at once (1: one after the other, as before)."""
     before = server.requests(bucket)
@@ -133,13 +136,21 @@ def _status(
         *(sys.executable, "-c", code, "status", f"s3://{bucket}/checkpoints", "--json"),
         *("-o", f'client_kwargs={{"endpoint_url": "{server.endpoint}"}}'),
     ]
+    cpu = _children_cpu()
     started = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=REPO)
     seconds = time.perf_counter() - started
     assert done.returncode == 0, done.stderr[-2000:]
     requests = server.requests(bucket)
     requests.subtract(before)
-    return seconds, +requests, json.loads(done.stdout)
+    return seconds, _children_cpu() - cpu, +requests, json.loads(done.stdout)
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's ended children: the command's own, apart from the server's,
+    which runs in this process and shares the machine's cores with it."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def status_scale(
@@ -165,14 +176,15 @@ def status_scale(
                     if n > 1000 and readers == 1 and delay:
                         continue  # minutes, and no news: a round trip per request
                     runs = [_status(server, bucket, readers) for _ in range(max(repeat, 1))]
-                    seconds = sorted(r[0] for r in runs)[len(runs) // 2]
-                    requests, listed = runs[0][1], runs[0][2]
+                    seconds, cpu = sorted((r[0], r[1]) for r in runs)[len(runs) // 2]
+                    requests, listed = runs[0][2], runs[0][3]
                     assert len(listed) == n, len(listed)
                     assert not any(s["error"] for s in listed)
                     assert sum(1 for s in listed if s["lock"]) == (n + 9) // 10
                     label = f"{how}, {delay * 1000:g} ms per request"
-                    details[label] = {"seconds": seconds, "requests": dict(requests)}
+                    details[label] = {"seconds": seconds, "cpu": cpu, "requests": dict(requests)}
                     result.add(f"{n} checkpoints: {label}", seconds, "s")
+                    result.add(f"{n} checkpoints: {label}, the command's CPU", cpu, "s")
             server.latency = 0.0
             total = sum(requests.values())
             details["requests_per_checkpoint"] = total / n

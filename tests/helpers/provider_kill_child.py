@@ -1,8 +1,8 @@
 """Child process of the provider batch kill tests: one run of a shard through a provider's batch
 API (any case of ``helpers/provider_cases.py``), SIGKILLed at a chosen point.
 
-Usage: ``python provider_kill_child.py CASE URLS BASE_DIR ROWS POINT``: ``CASE`` names a
-provider of ``helpers/provider_cases.py``, ``URLS`` is its fake's ``urls`` as JSON. The point is
+``forked`` runs it in a child process forked from a warm server process; ``CASE`` names a
+provider of ``helpers/provider_cases.py``, ``URLS`` are its fake's ``urls``. The point is
 installed by wrapping the provider adapter's or the checkpoint's methods (no hook in the
 package); ``none`` runs to the end. The tests run the next run in their own process with
 ``run_shard``.
@@ -10,8 +10,9 @@ package); ``none`` runs to the end. The tests run the next run in their own proc
 
 from __future__ import annotations
 
-import json
-import sys
+import multiprocessing
+import os
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -117,6 +118,40 @@ def _run(case: ProviderCase, api: BatchProvider, base_dir: str, rows: int) -> Ru
     return stats
 
 
-if __name__ == "__main__":
-    name, urls, base_dir, count, point = sys.argv[1:6]
-    run_shard(BY_NAME[name], json.loads(urls), base_dir, int(count), point)
+def killed_run(
+    name: str, urls: Mapping[str, str], base_dir: str, rows: int, point: str, env: Mapping[str, str]
+) -> None:
+    """A forked child's run (``forked``): the test's environment, then the run killed at
+    ``point``; a traceback, if it ends another way, to ``<base_dir>.err``."""
+    os.environ.update(env)
+    try:
+        run_shard(BY_NAME[name], urls, base_dir, rows, point)
+    except BaseException:
+        with open(f"{base_dir}.err", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def forked(
+    case: ProviderCase, urls: Mapping[str, str], base_dir: str, rows: int, point: str
+) -> tuple[int | None, str]:
+    """Run the shard in a child process killed at ``point``: its exit code (-9 when killed) and
+    its traceback, if any.
+
+    The child is forked from a server process that imported this module once (multiprocessing's
+    ``forkserver``, with this module preloaded), so each child starts in milliseconds, with a
+    single thread, and none of the test process's threads or locks."""
+    process = _FORKS.Process(
+        target=killed_run, args=(case.name, dict(urls), base_dir, rows, point, dict(os.environ))
+    )
+    process.start()
+    process.join(300)
+    if process.exitcode is None:
+        process.kill()
+        process.join()
+    err = f"{base_dir}.err"
+    return process.exitcode, open(err).read() if os.path.exists(err) else ""
+
+
+_FORKS = multiprocessing.get_context("forkserver")
+_FORKS.set_forkserver_preload([__name__])

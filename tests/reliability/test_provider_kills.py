@@ -2,11 +2,12 @@
 results pays for no request twice and stores every row once: every provider of the contract
 suite (``helpers/provider_cases.py`` ``CASES``).
 
-Each test kills one real process (``helpers/provider_kill_child.py``) of a 2,000-row shard (one
-submission, its results one part) at one point, then runs the shard again to the end (in the
-test's process), against the provider's fake, which counts what it was asked: requests processed
-equal the rows, each ``custom_id`` processed once (none submitted again), and the rows stored by
-the killed run plus those the next run stored are the rows, each once.
+Each test kills one real process (``helpers/provider_kill_child.py``, forked from a warm server
+process) running a 2,000-row shard (one submission, its results one part) at one point, then
+runs the shard again to the end (in the test's process), against the provider's fake, which
+counts what it was asked: requests processed equal the rows, each ``custom_id`` processed once
+(none submitted again), and the rows stored by the killed run plus those the next run stored are
+the rows, each once.
 
 Every provider is killed at the points of its adapter: after the upload, after the create (the
 batch's id not recorded: found again by its tag), and halfway through the download. The points
@@ -16,13 +17,8 @@ its record, sending failed requests again), run with OpenAI's.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,19 +28,9 @@ from helpers.provider_cases import CASES, OPENAI, Fake, ProviderCase
 from checkpoint_assets.engine import Checkpoint, open_store
 from examples.llm_batch.jobs import Settings
 
-CHILD = Path(provider_kill_child.__file__)
 ROWS = 2_000
 #: The points of every provider's adapter.
 ADAPTER_POINTS = ("after_upload", "after_create", "downloading")
-
-
-def child(
-    case: ProviderCase, urls: Mapping[str, str], base_dir: str, point: str
-) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    command = [sys.executable, str(CHILD), case.name, json.dumps(dict(urls)), base_dir]
-    command += [str(ROWS), point]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
 
 
 @pytest.fixture
@@ -58,8 +44,8 @@ def secrets(monkeypatch: Any) -> Iterator[None]:
 def killed_then_run(case: ProviderCase, fake: Fake, base_dir: str, point: str) -> tuple[int, Any]:
     """Kill a run of the shard at ``point``, then run it to the end; the rows the killed run
     stored, and the second run's stats."""
-    killed = child(case, fake.urls, base_dir, point)
-    assert killed.returncode == -9, killed.stderr[-2000:]
+    code, error = provider_kill_child.forked(case, fake.urls, base_dir, ROWS, point)
+    assert code == -9, error[-2000:]
     checkpoint = Checkpoint(open_store(base_dir), provider_kill_child.NAME)
     before = checkpoint.load("id").rows.height if checkpoint.meta_file.read() else 0
     return before, provider_kill_child.run_shard(case, fake.urls, base_dir, ROWS)

@@ -130,7 +130,8 @@ def test_s3_slowdown_is_retried_with_backoff(proxy: FaultProxy, s3_server: str) 
 def test_s3_persistent_slowdown_is_a_clear_error_and_a_rerun_resumes(
     proxy: FaultProxy, s3_server: str
 ) -> None:
-    store = _s3(proxy, s3_server)
+    # botocore's back-off kept short (legacy mode sleeps up to 15 s over its five attempts)
+    store = _s3(proxy, s3_server, retries={"mode": "standard", "total_max_attempts": 2})
     proxy.add(Fault("slowdown", "PUT", PART_PUT, times=10**6, skip=3))
     calls: list[int] = []
 
@@ -177,7 +178,8 @@ def test_s3_put_cut_off_half_way_is_retried(proxy: FaultProxy, s3_server: str) -
 def test_s3_puts_cut_off_every_time_are_a_clear_error_and_a_rerun_resumes(
     proxy: FaultProxy, s3_server: str
 ) -> None:
-    store = _s3(proxy, s3_server, retries={"max_attempts": 1})  # s3fs still retries on its own
+    # One attempt for botocore (no back-off of its own); s3fs still retries on its own.
+    store = _s3(proxy, s3_server, retries={"mode": "standard", "total_max_attempts": 1})
     proxy.add(Fault("cut", "PUT", PART_PUT, times=10**6, skip=2))
     calls: list[int] = []
 
