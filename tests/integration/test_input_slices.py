@@ -1,7 +1,7 @@
 """A shard's input is read a slice at a time as its calls need it, never collected whole.
 
 The source is stored on a filesystem that records every byte range read
-(``helpers/read_counting_fs.py``), in row groups of ``keyed.ROW_GROUP_ROWS`` rows. A run reads
+(``helpers/read_counting_fs.py``), in row groups of ``ROW_GROUP_ROWS`` rows. A run reads
 its shard twice, the same key ranges each time: once to hash every row, then again as the calls
 take the rows (from a local copy of the first read, for a source off local disk: the first test
 reads the source again, so its reads show). So a row group read twice as often by the end as at
@@ -30,21 +30,33 @@ from checkpoint_assets import (
     provider_batch_asset,
     shard_partitions,
 )
-from checkpoint_assets.engine.plan.inputs import SLICE_ROWS
+from checkpoint_assets.engine.plan import inputs
 from checkpoint_assets.engine.providers.submissions import Limits
 from checkpoint_assets.engine.sharding import hashing, keyed
-from checkpoint_assets.engine.sharding.keyed import ROW_GROUP_ROWS
 from checkpoint_assets.engine.sharding.scheme import shard_key_column
 from checkpoint_assets.integration.run import asset_run as asset_module
+from checkpoint_assets.integration.store import source
 from checkpoint_assets.integration.store.source import ShardRows
 from checkpoint_assets.resources.openai_batches import OpenAIBatches
 from examples.llm_batch.jobs import Settings
 from examples.llm_batch.provider import serve
 from examples.llm_batch.provider import stats as provider_stats
 
-ROWS = 240_000  # one shard of 2: about 7 row groups, 4 slices
-BATCH = 4_000
+# The slice and the row group a quarter of the package's (``inputs.SLICE_ROWS``,
+# ``keyed.ROW_GROUP_ROWS``), in the same ratio, so the rows are a quarter too: the same reads, at
+# a quarter of the work. (Smaller row groups than this are read several to a request.)
+SLICE_ROWS = inputs.SLICE_ROWS // 4
+ROW_GROUP_ROWS = keyed.ROW_GROUP_ROWS // 4
+ROWS = 60_000  # one shard of 2: about 7 row groups, 4 slices
+BATCH = 1_000
 BODY = "body"
+
+
+@pytest.fixture(autouse=True)
+def _small_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inputs, "SLICE_ROWS", SLICE_ROWS)
+    monkeypatch.setattr(source, "SLICE_ROWS", SLICE_ROWS)
+    monkeypatch.setattr(keyed, "ROW_GROUP_ROWS", ROW_GROUP_ROWS)
 
 
 def _body_reads(path: str) -> Counter[int]:
@@ -113,7 +125,7 @@ def _run_shard(tmp_path: Path) -> tuple[Seen, Counter[int], int]:
         input_columns=[BODY],
         partitions_def=shard_partitions(2),
         batch_size=BATCH,
-        checkpoint_interval=50_000,
+        checkpoint_interval=12_500,
     )
     def routed(batch: pl.DataFrame) -> pl.DataFrame:
         keys = batch.select(hashing.shard_key("ticket_id", pl.Int64)).to_series()
@@ -177,7 +189,7 @@ class _SmallBatches(OpenAIResource):
         return api
 
 
-SUBMISSION = 20_000  # requests in one provider batch: a shard of 1-of-2 sends 6
+SUBMISSION = 5_000  # requests in one provider batch: a shard of 1-of-2 sends 6
 
 
 def test_a_provider_batch_shard_reads_its_input_a_slice_at_a_time_as_it_submits(
@@ -237,7 +249,7 @@ def test_a_source_stored_elsewhere_is_read_back_from_local_files(
     stream once into a local file (the buffer is made small, so they do not stay in memory),
     read back a slice at a time; every row is computed once, with its own input."""
     monkeypatch.setattr(keyed, "BUFFER_BYTES", 64 * 1024)
-    ids = list(range(100_000))
+    ids = list(range(40_000))
     calls: list[int] = []
 
     @dg.asset(name="lazy_tickets", io_manager_key="plain")

@@ -252,8 +252,9 @@ def route(batch: pl.DataFrame) -> pl.DataFrame:
 def test_many_shards_writing_at_once_lose_nothing(storage: Storage) -> None:
     base_dir, options = storage
     results = ResultStore(open_store(base_dir, options), open_store(base_dir, options).path("rs"))
-    data = _bodies(2_000)
-    settings = engine_settings(checkpoint_interval=64)
+    # 8 shards of about 40 rows, two flushes each: every shard writes while the others do.
+    data = _bodies(320)
+    settings = engine_settings(checkpoint_interval=20)
     shards = 8
     errors: list[BaseException] = []
     start = threading.Barrier(shards)
