@@ -36,6 +36,7 @@ XDIST_GROUPS = {
     "reliability/test_kills.py": "timing",
     "e2e/test_bench_smoke.py": "timing",
     "e2e/test_llm_openai.py::test_a_shard_killed_mid_run_resumes_without_duplicates": "timing",
+    "e2e/test_rate_limits.py::test_a_first_burst_waits_for_answers_that_state_the_budget": "timing",
     "e2e/test_daemon_path.py": "daemon_path",
     "e2e/test_install.py": "install",
     "e2e/test_cli.py": "cli",

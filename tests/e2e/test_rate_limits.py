@@ -360,7 +360,10 @@ def test_a_first_burst_waits_for_answers_that_state_the_budget(kind: str) -> Non
         served = stats(base_url)
 
     assert served["ok"] == 40
-    assert served["over_budget"] <= 2, served
+    # Unpaced, 19 go over the budget. Paced, the few sent before the first answer arrives may:
+    # how many depends on the machine's load (2 on a quiet machine, 4 seen beside two busy
+    # workers).
+    assert served["over_budget"] <= 4, served
 
 
 def test_assumed_limits_pace_a_server_that_states_none() -> None:
