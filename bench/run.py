@@ -38,6 +38,7 @@ SCENARIOS = (
     "s3_requests",
     "hashing",
     "ray",
+    "distribatch",
     "remote",
     "reshard",
     "global_table",
@@ -83,7 +84,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for CI (seconds)")
     every = ",".join(SCENARIOS + ON_REQUEST)
     p.add_argument("--only", help=f"comma-separated scenarios to run ({every})")
-    p.add_argument("--ray", action="store_true", help="run the Ray scenario in a smoke run too")
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the peers' scenarios (Ray Data, distribatch) in a smoke run too",
+    )
     p.add_argument("--workdir", help="where checkpoints are written (default: a temp folder)")
     p.add_argument("--results", default=RESULTS, help="folder of the JSON results")
     return p.parse_args(argv)
@@ -140,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         "s3_requests": lambda: [s3_requests.s3_requests(sizes.rows)],
         "hashing": lambda: [scenarios.hashing_speed(sizes, workdir)],
         "ray": lambda: [scenarios.ray_data(sizes, workdir, enabled=args.ray or not args.smoke)],
+        "distribatch": lambda: [
+            scenarios.distribatch_peer(sizes, workdir, enabled=args.ray or not args.smoke)
+        ],
         "remote": lambda: remote.all_scenarios(sizes.remote_rows, workdir),
         "sensor_tick": lambda: sensor_tick.sensor_tick(
             _counts(args.sensor_shards), sizes.repeat, tuple(args.sensor_instances.split(","))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = {"overhead", "per_call", "resume", "memory", "compaction", "s3_requests", "hashing"}
-SCENARIOS |= {"ray"}
+SCENARIOS |= {"ray", "distribatch"}
 SCENARIOS |= {"remote", "openai", "throttled", "kill"}
 SCENARIOS |= {"reshard", "global_table"}
 SCENARIOS |= {"random 429 1%", "random 429 5%", "random 429 20%", "limit 32 from 64"}
@@ -47,5 +47,6 @@ def test_the_smoke_benchmark_writes_every_scenario_as_json(tmp_path: Path) -> No
         if scenario["status"] == "ok":
             assert scenario["figures"], key
             assert all(f["value"] is not None for f in scenario["figures"]), key
-    assert report["scenarios"]["ray"]["note"] or report["scenarios"]["ray"]["figures"]
+    for peer in ("ray", "distribatch"):
+        assert report["scenarios"][peer]["note"] or report["scenarios"][peer]["figures"]
     assert "scenario" in done.stdout and "resume" in done.stdout  # the table
