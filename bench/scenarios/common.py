@@ -3,6 +3,7 @@ order alternates, children in their own process)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -12,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,6 +39,23 @@ class Sizes:
     global_checkpoints: int = 256
     overhead_rounds: int = 5  # at least; more with a larger ``repeat``
     overhead_warmup: int = 1  # rounds first, not counted (a smoke run's figures mean nothing: 0)
+
+
+def peer(result: Any, module: str, name: str, enabled: bool) -> ModuleType | None:
+    """The module of a tool measured beside the package (Ray Data, distribatch), or None with
+    ``result`` marked skipped: not installed (the ``bench`` extra), or a smoke run without
+    ``--ray``."""
+    try:
+        found = importlib.import_module(module)
+    except ImportError:
+        result.status = "skipped"
+        result.note = f'{name} is not installed (pip install -e ".[bench]" to compare with it)'
+        return None
+    if not enabled:
+        result.status = "skipped"
+        result.note = "skipped in smoke runs; pass --ray to run it"
+        return None
+    return found
 
 
 def median(values: list[float]) -> float:

@@ -13,25 +13,17 @@ with ``checkpoint_interval=1000`` to match.
 """
 
 import os
-import time
-from collections.abc import Callable
 
 import polars as pl
 
 from bench import data
 from bench.report import Result
-from bench.scenarios.common import Sizes
+from bench.scenarios.common import Sizes, peer, timed
 from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.loop import runner
 from checkpoint_assets.engine.storage import open_store
 
 INTERVAL = 1_000  # distribatch's local flush, fixed
-
-
-def _seconds(fn: Callable[[], object]) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
 
 
 def _echo(batch: pl.DataFrame) -> pl.DataFrame:
@@ -42,15 +34,8 @@ def _echo(batch: pl.DataFrame) -> pl.DataFrame:
 def distribatch_peer(sizes: Sizes, workdir: str, enabled: bool) -> Result:
     """Both sides, without a checkpoint, fresh with one, and a no-op resume."""
     result = Result("distribatch", "distribatch's checkpointing, side by side")
-    try:
-        import distribatch
-    except ImportError:
-        result.status = "skipped"
-        result.note = 'distribatch is not installed (pip install -e ".[bench]" to compare with it)'
-        return result
-    if not enabled:
-        result.status = "skipped"
-        result.note = "skipped in smoke runs; pass --ray to run it"
+    distribatch = peer(result, "distribatch", "distribatch", enabled)
+    if distribatch is None:
         return result
     folder = os.path.join(workdir, "distribatch")
     frame = data.make_input(sizes.rows)
@@ -72,11 +57,11 @@ def distribatch_peer(sizes: Sizes, workdir: str, enabled: bool) -> Result:
         )
         assert stored.height == sizes.rows
 
-    plain_theirs = _seconds(lambda: theirs(False))
-    fresh_theirs = _seconds(lambda: theirs(True))
-    resume_theirs = _seconds(lambda: theirs(True))
-    plain_ours = _seconds(lambda: _echo(frame))
-    fresh_ours, resume_ours = _seconds(ours), _seconds(ours)
+    plain_theirs = timed(lambda: theirs(False))
+    fresh_theirs = timed(lambda: theirs(True))
+    resume_theirs = timed(lambda: theirs(True))
+    plain_ours = timed(lambda: _echo(frame))
+    fresh_ours, resume_ours = timed(ours), timed(ours)
     files = sum(len(names) for _, _, names in os.walk(theirs_dir))
 
     result.add("checkpoint-assets: checkpointing adds", fresh_ours - plain_ours, "s")

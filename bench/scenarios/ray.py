@@ -6,7 +6,7 @@ import polars as pl
 
 from bench import data
 from bench.report import Result
-from bench.scenarios.common import Sizes, child, timed
+from bench.scenarios.common import Sizes, child, peer, timed
 from checkpoint_assets.engine.checkpoints.checkpoint import Checkpoint
 from checkpoint_assets.engine.loop import runner
 from checkpoint_assets.engine.storage import open_store
@@ -16,16 +16,10 @@ from checkpoint_assets.engine.storage import open_store
 def ray_data(sizes: Sizes, workdir: str, enabled: bool) -> Result:
     """The same job through Ray Data with ``CheckpointConfig``, fresh and no-op resume."""
     result = Result("ray", "Ray Data job-level checkpointing, side by side")
-    try:
-        import ray.data
-    except ImportError:
-        result.status = "skipped"
-        result.note = 'Ray Data is not installed (pip install -e ".[bench]" to compare with it)'
+    if peer(result, "ray.data", "Ray Data", enabled) is None:
         return result
-    if not enabled:
-        result.status = "skipped"
-        result.note = "skipped in smoke runs; pass --ray to run it"
-        return result
+    import ray
+
     folder = os.path.join(workdir, "ray")
     os.makedirs(os.path.join(folder, "input"))
     source = os.path.join(folder, "input", "data.parquet")
