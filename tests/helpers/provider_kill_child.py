@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -144,7 +145,8 @@ def forked(
     process = _FORKS.Process(
         target=killed_run, args=(case.name, dict(urls), base_dir, rows, point, dict(os.environ))
     )
-    process.start()
+    with _server_path():
+        process.start()
     process.join(300)
     if process.exitcode is None:
         process.kill()
@@ -153,5 +155,27 @@ def forked(
     return process.exitcode, open(err).read() if os.path.exists(err) else ""
 
 
+@contextmanager
+def _server_path() -> Iterator[None]:
+    """The test process's ``sys.path`` as ``PYTHONPATH`` while a child starts: the first start
+    starts the server, and Python 3.11's forkserver ignores the ``sys_path`` it is given, so
+    without it the server could not import this module (a failed preload is silent) and every
+    child would import it, Dagster and the provider's SDK again (about 2.5 CPU seconds each)."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
 _FORKS = multiprocessing.get_context("forkserver")
-_FORKS.set_forkserver_preload([__name__])
+# Imported in the server too, else in every child: the SDKs of the provider cases (a resource
+# imports its own when it makes a client), and the storage of the ephemeral Dagster instance a
+# resource is initialized with (imported when the first one is made).
+_SDKS = ["openai", "anthropic", "google.genai", "boto3"]
+_INSTANCE = ["dagster._core.storage.event_log", "dagster._core.storage.runs"]
+_FORKS.set_forkserver_preload([__name__, *_SDKS, *_INSTANCE])
