@@ -288,6 +288,7 @@ def tutorial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Tutori
     forget_project()
 
 
+@pytest.mark.slow
 def test_the_tutorial_runs_as_written(tutorial: Tutorial) -> None:
     checkpoints = tutorial.home / "checkpoints"
     failed: dict[str, int] = {}  # failed rows per shard, as last materialized

@@ -83,6 +83,7 @@ def files(home: dict[str, str]) -> dict[str, bytes]:
     return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_the_cli_prints_the_dry_runs_figures_and_the_real_run_meets_them(
     home: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import polars as pl
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,6 +28,7 @@ def dagster(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]
     )
 
 
+@pytest.mark.slow
 def test_dagster_asset_materialize_runs_a_shard_from_the_repo_root_into_dagster_home(
     demo_env: dict[str, str],
 ) -> None:

@@ -103,6 +103,7 @@ def _latest(instance: dg.DagsterInstance, asset: str) -> dict[str, object]:
 
 
 @pytest.mark.timeout(1300)
+@pytest.mark.slow
 def test_the_demo_backfills_all_shards_in_one_run_and_computes_nothing_the_second_time(
     demo_env: dict[str, str],
 ) -> None:

@@ -82,6 +82,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("end", ["newest", "oldest"])
+@pytest.mark.slow
 def test_the_wheel_installs_beside_dagster_at_either_end_of_its_range_and_changes_none_of_it(
     tmp_path: Path, end: str, wheel: Path
 ) -> None:

@@ -53,6 +53,7 @@ def test_the_example_routes_a_shard_through_each_provider(
         assert stats(url)["processed"] == meta["rows_total"]
 
 
+@pytest.mark.slow
 def test_the_cli_run_that_submits_and_ends_says_what_waits_and_what_collects_it(
     demo_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -408,6 +408,7 @@ def _metadata(env: dict[str, str], partition: str) -> dict[str, Any]:
         return {k: v.value for k, v in materialization.metadata.items()}
 
 
+@pytest.mark.slow
 def test_two_shards_in_two_processes_share_the_key_and_are_seldom_refused(
     demo_env: dict[str, str],
 ) -> None:

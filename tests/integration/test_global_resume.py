@@ -101,7 +101,7 @@ def meta(result: dg.ExecuteInProcessResult, node: str = "routing") -> dict[str, 
 
 
 @pytest.mark.parametrize(
-    ("old", "new"), [(8, 16), (16, 4), (None, 3)], ids=["8->16", "16->4", "unpartitioned->3"]
+    ("old", "new"), [(4, 8), (8, 2), (None, 3)], ids=["4->8", "8->2", "unpartitioned->3"]
 )
 def test_resharding_recomputes_nothing_that_was_finished(
     env: dict[str, Any], old: int | None, new: int

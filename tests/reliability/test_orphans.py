@@ -178,6 +178,7 @@ def stored_ids(home: Home) -> list[int]:
     return sorted(rows.filter(pl.col("_error").is_null()).get_column("ticket_id").to_list())
 
 
+@pytest.mark.slow
 def test_a_live_run_marked_failed_stops_its_step_and_no_row_is_paid_twice(home: Home) -> None:
     first = home.materialize()
     holder = mid_shard(home)
@@ -201,6 +202,7 @@ def test_a_live_run_marked_failed_stops_its_step_and_no_row_is_paid_twice(home: 
     assert home.holder() is None
 
 
+@pytest.mark.slow
 def test_a_killed_materialize_leaves_no_step_running_and_a_rerun_resumes(home: Home) -> None:
     launcher = home.materialize(start_new_session=True)
     holder = mid_shard(home)
