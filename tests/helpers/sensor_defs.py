@@ -51,9 +51,12 @@ retries = failed_partitions_sensor(
     minimum_interval_seconds=1,
     default_status=dg.DefaultSensorStatus.RUNNING,
 )
+# Each run's steps in the run's own process: the tests watch the runs the daemon launches, not
+# how a run spreads its steps over processes (a process more per step would only cost time).
 defs = dg.Definitions(
     assets=[tickets, scored],
     jobs=[scored_job],
     sensors=[retries],
     resources={"io_manager": CheckpointIOManager()},
+    executor=dg.in_process_executor,
 )

@@ -336,7 +336,7 @@ def test_the_daemon_launches_the_retries_then_stops(tmp_path: Path) -> None:
             f"""\
             load_from:
               - python_module:
-                  module_name: helpers.sensor_daemon_defs
+                  module_name: helpers.sensor_defs
                   working_directory: {REPO / "tests"}
             """
         )
