@@ -75,4 +75,6 @@ defs = dg.Definitions(
             max_tokens=8,  # a department name
         ),
     },
+    # A run's steps run in the run's own process: no process start per step.
+    executor=dg.in_process_executor,
 )

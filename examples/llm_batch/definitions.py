@@ -127,4 +127,6 @@ defs = dg.Definitions(
             base_dir=os.environ.get("CHECKPOINT_BASE_DIR", os.path.join(_HOME, "checkpoints"))
         ),
     },
+    # A run's steps run in the run's own process: no process start per step.
+    executor=dg.in_process_executor,
 )

@@ -107,4 +107,6 @@ defs = dg.Definitions(
             model=os.environ.get("OPENAI_MODEL", "gpt-4o-mini"),
         ),
     },
+    # A run's steps run in the run's own process: no process start per step.
+    executor=dg.in_process_executor,
 )

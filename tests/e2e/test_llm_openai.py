@@ -152,7 +152,7 @@ def test_a_shard_killed_mid_run_resumes_without_duplicates(
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        start_new_session=True,  # the CLI and its step process: one group to kill
+        start_new_session=True,  # the CLI and whatever it starts: one group to kill
     )
     deadline = time.monotonic() + 120
     while not (parts.exists() and any(parts.glob("*.parquet"))):
