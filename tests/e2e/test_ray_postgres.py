@@ -39,9 +39,6 @@ LATENCY_MS = 1500  # per call: ~12 s of work a shard, a flush (every 5 s on S3) 
 CLUSTER_CPUS = 1
 RUN_SLOTS = 1  # runs the cluster holds at once: floor(1 CPU / num_cpus 1 of dagster.yaml)
 MAX_RETRIES = 2  # run_retries.max_retries in deploy/ray/dagster.yaml
-# The in-process shard's calls: ~12 s of work, so the daemon's run monitoring (every 5 s, once
-# `dagster dev` is up) checks the run while it runs.
-CLI_LATENCY_MS = 1500
 CLI_TAG = {"ops": {"ticket_routing": {"config": {"checkpoint_tag": "cli"}}}}
 
 
@@ -167,11 +164,12 @@ def test_backfill_runs_each_shard_as_a_ray_job_and_a_stopped_job_resumes_on_retr
                 """A shard in process (to its own checkpoint tag: the backfill holds the default
                 one), started once Ray answers and `tickets` is done, while `dagster dev` starts:
                 it runs under the daemon's run monitoring, and holds the one run slot before the
-                backfill's runs."""
+                backfill's runs. Its calls take as long as the backfill's (~12 s of work), so
+                run monitoring (every 5 s, once `dagster dev` is up) checks it while it runs."""
                 head.wait()
                 tickets()
                 return _materialize(
-                    {**env, "DEMO_LATENCY_MS": str(CLI_LATENCY_MS)},
+                    env,
                     tmp_path / "cli.log",
                     *("--select", "ticket_routing", "--partition", SHARDS[0]),
                     *("--config-json", json.dumps(CLI_TAG)),
